@@ -1,0 +1,64 @@
+"""The one ``scaletrain`` entry point.
+
+Sub-commands live one per module in :mod:`scaletrain.commands`; each module defines
+``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``. They are discovered
+here, so adding a command never touches this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from typing import Sequence
+
+from scaletrain import __version__
+from scaletrain.errors import UserError
+
+
+def _command_modules() -> list:
+    import scaletrain.commands as pkg
+
+    mods = []
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        mods.append(importlib.import_module(f"scaletrain.commands.{info.name}"))
+    return mods
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scaletrain",
+        description="Train an unmodified PyTorch model as fast as possible without running out of memory.",
+    )
+    parser.add_argument("--version", action="version", version=f"scaletrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for mod in _command_modules():
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UserError as e:
+        print(f"scaletrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("scaletrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Reference models by name: ``scaletrain.models.get(name, **overrides)``.
+
+Each entry is a builder plus its default arguments; overrides replace defaults and are checked
+against them, so a typo gives a one-line error listing what may be overridden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from scaletrain.errors import UserError
+from scaletrain.models.gpt2 import GPT2, GPT2Config
+from scaletrain.models.mlp import MLP
+from scaletrain.models.resnet import ResNet
+from scaletrain.models.vgg import VGG
+
+
+def _gpt2(**kw: Any) -> GPT2:
+    return GPT2(GPT2Config(**kw))
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    builder: Callable[..., nn.Module]
+    defaults: dict[str, Any]
+    description: str
+    default_data: str
+    """Name of the shipped dataset this model trains on by default."""
+    published_params: int | None = None
+    """Published parameter count, when the model reproduces a published one."""
+    extra_keys: tuple[str, ...] = field(default=())
+
+
+_GPT2_KEYS = tuple(f.name for f in dataclasses.fields(GPT2Config))
+
+MODELS: dict[str, ModelEntry] = {
+    "gpt2-tiny": ModelEntry(_gpt2, dict(vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4),
+                            "GPT-2 shape, byte vocabulary, 4 layers x 128 hidden (CPU tests, default run)", "shakespeare"),
+    "gpt2-mini": ModelEntry(_gpt2, dict(vocab_size=256, n_positions=512, n_embd=256, n_layer=6, n_head=8),
+                            "GPT-2 shape, byte vocabulary, 6 layers x 256 hidden", "shakespeare"),
+    "gpt2-small": ModelEntry(_gpt2, dict(n_embd=768, n_layer=12, n_head=12), "GPT-2 124M", "shakespeare", 124_439_808),
+    "gpt2-medium": ModelEntry(_gpt2, dict(n_embd=1024, n_layer=24, n_head=16), "GPT-2 355M", "shakespeare", 354_823_168),
+    "gpt2-large": ModelEntry(_gpt2, dict(n_embd=1280, n_layer=36, n_head=20), "GPT-2 774M", "shakespeare", 774_030_080),
+    "gpt2-xl": ModelEntry(_gpt2, dict(n_embd=1600, n_layer=48, n_head=25), "GPT-2 1.5B", "shakespeare", 1_557_611_200),
+    "resnet50": ModelEntry(ResNet, dict(layers=(3, 4, 6, 3), base_width=64, num_classes=1000, image_size=224,
+                                        imagenet_stem=True), "ResNet-50 (torchvision layout)", "synthetic-images", 25_557_032),
+    "resnet-mini": ModelEntry(ResNet, dict(layers=(1, 1, 1, 1), base_width=8, num_classes=10, image_size=32,
+                                           imagenet_stem=False), "bottleneck ResNet, 4 blocks, width 8, 32x32 input", "digits"),
+    "vgg16": ModelEntry(VGG, dict(width_div=1, hidden=4096, num_classes=1000, image_size=224, pool_hw=7, dropout=0.5),
+                        "VGG-16 (torchvision layout)", "synthetic-images", 138_357_544),
+    "vgg-mini": ModelEntry(VGG, dict(width_div=8, hidden=256, num_classes=10, image_size=32, pool_hw=1, dropout=0.0),
+                           "VGG-16 layout at 1/8 width, 32x32 input", "digits"),
+    "mlp": ModelEntry(MLP, dict(widths=(192, 512, 512, 512, 10), dropout=0.0, image_size=8, channels=3),
+                      "fully connected chain of configurable widths (8x8x3 input)", "digits"),
+}
+
+
+def names() -> list[str]:
+    return list(MODELS)
+
+
+def entry(name: str) -> ModelEntry:
+    if name not in MODELS:
+        raise UserError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def resolve_args(name: str, **overrides: Any) -> dict[str, Any]:
+    """Defaults of ``name`` with ``overrides`` applied; unknown keys give a UserError."""
+    e = entry(name)
+    allowed = set(e.defaults) | (set(_GPT2_KEYS) if e.builder is _gpt2 else set())
+    bad = sorted(set(overrides) - allowed)
+    if bad:
+        raise UserError(f"model {name!r} has no option {bad[0]!r}; allowed: {', '.join(sorted(allowed))}")
+    args = dict(e.defaults)
+    for k, v in overrides.items():
+        args[k] = tuple(v) if isinstance(v, list) else v
+    return args
+
+
+def get(name: str, *, device: str | torch.device | None = None, **overrides: Any) -> nn.Module:
+    """Build reference model ``name`` with ``overrides`` (e.g. ``n_layer=2``).
+
+    ``device="meta"`` builds it without allocating memory (for estimates of any size).
+    """
+    args = resolve_args(name, **overrides)
+    try:
+        if device is not None:
+            with torch.device(device):
+                return entry(name).builder(**args)
+        return entry(name).builder(**args)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"model {name!r}: {e}") from None
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameter elements, shared (tied) parameters counted once."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,346 @@
+"""Discrete-event simulation of a pipeline :class:`~.schedules.Schedule`.
+
+Each rank executes its action list in order (see the execution model in
+:mod:`.schedules`). Compute passes take their stage's time; a send posts a transfer on the
+directed link (sender → receiver), which carries one message at a time (FIFO by post time)
+and delivers it ``latency + bytes / bandwidth`` seconds after it starts; a receive waits for
+that arrival. Events are processed in start-time order, so link FIFO order is real time order.
+
+Definitions used in every report (units: seconds, bytes):
+
+* **step time** — synchronous schedules: the makespan of one step (first action starts at 0,
+  step ends when the last rank finishes its optimizer step), divided by ``n_steps`` when
+  several steps were laid out. Asynchronous schedules (no flush): the steady-state period,
+  per rank the time between the end of its update closing window 1 and the one closing
+  window ``n_steps - 1``, divided by ``n_steps - 2``; the step time is the slowest rank's.
+* **busy** — time in compute passes (F, B, I, W, OPT). Waiting on a receive or a gradient
+  sync is idle: that is the pipeline bubble plus exposed communication.
+* **bubble fraction of rank r** = (step time − busy_r) / step time (for async, measured in the
+  steady-state window). **bubble fraction** (overall) = Σ_r idle_r / (P × step time), i.e. the
+  mean of the per-rank fractions — the quantity the GPipe/1F1B closed form (P−1)/(M+P−1) is about.
+* **in-flight micro-batches** on a rank — stage-activation sets alive at once: an activation
+  set (one micro-batch on one stage) is alive from the start of its F until the end of its
+  last backward piece (B, or W when the backward is split — W still reads part of it).
+  Because a rank executes sequentially, the peak depends only on the order, not on costs.
+* **peak memory** of a rank — max over time of Σ(stage weights × live weight versions) +
+  Σ(stage grad/optimizer state) + live activation bytes (+ W-stash bytes between I and W).
+  A weight version is live while it is the newest or some in-flight micro-batch was
+  forwarded with it (PipeDream weight stashing; 2BW's double buffer; 1 for flushed schedules).
+  Chimera ranks hold two stage replicas, each counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+from scaletrain.errors import UserError
+
+from .schedules import (B, BACKWARD_KINDS, COMPUTE_KINDS, F, GRAD_SYNC, I, OPT, RECV_B, RECV_F,
+                        SEND_B, SEND_F, W, Action, Schedule)
+
+
+class Event(NamedTuple):
+    """One timed interval on one rank. The first five fields are the measured-event format
+    ``(rank, kind, microbatch, start_s, end_s)`` a runtime records; ``stage``/``pipe`` are
+    optional extras."""
+
+    rank: int
+    kind: str
+    mb: int
+    start_s: float
+    end_s: float
+    stage: int = -1
+    pipe: int = 0
+
+
+@dataclass
+class StageCosts:
+    """Per-stage costs for one micro-batch (lists indexed by stage 0..S-1).
+
+    ``bwd_s`` is the whole backward (input + weight gradients). For split-backward schedules
+    ``igrad_s`` (input-gradient part) defaults to half of it and the weight-gradient part is
+    the rest. ``boundary_bytes[s]`` is the size of stage s's output activation (its gradient,
+    sent back, has the same size). ``act_bytes[s]`` is kept from F until B (or I);
+    ``wstash_bytes[s]`` from I until W (default: ``act_bytes``, conservative).
+    """
+
+    fwd_s: list[float]
+    bwd_s: list[float]
+    igrad_s: list[float] | None = None
+    boundary_bytes: list[float] | None = None
+    act_bytes: list[float] | None = None
+    wstash_bytes: list[float] | None = None
+    weight_bytes: list[float] | None = None
+    """Bytes of the parameters a weight version holds (stashed per version)."""
+    state_bytes: list[float] | None = None
+    """Bytes of gradients + optimizer state per stage replica (not versioned)."""
+    opt_s: list[float] | None = None
+
+    @classmethod
+    def unit(cls, schedule: Schedule) -> "StageCosts":
+        """The closed-form costs: one rank's share of the model forwards in 1 time unit
+        (a stage of an interleaved schedule in 1/v), B = 2F, and I = W = F when split."""
+        f = schedule.n_ranks / schedule.n_stages
+        S = schedule.n_stages
+        return cls(fwd_s=[f] * S, bwd_s=[2 * f] * S, igrad_s=[f] * S)
+
+    def _get(self, name: str, s: int, default: float = 0.0) -> float:
+        vals = getattr(self, name)
+        return default if vals is None else float(vals[s])
+
+    def check(self, n_stages: int) -> None:
+        for name in ("fwd_s", "bwd_s", "igrad_s", "boundary_bytes", "act_bytes", "wstash_bytes",
+                     "weight_bytes", "state_bytes", "opt_s"):
+            vals = getattr(self, name)
+            if vals is not None and len(vals) != n_stages:
+                raise UserError(f"StageCosts.{name} has {len(vals)} entries; the schedule has {n_stages} stages")
+            if vals is not None and any(v < 0 or not math.isfinite(v) for v in vals):
+                raise UserError(f"StageCosts.{name} must be finite and >= 0 (got {vals})")
+
+
+@dataclass
+class Link:
+    """Point-to-point link between neighbouring ranks: bytes/second and seconds per message."""
+
+    bandwidth_Bps: float = math.inf
+    latency_s: float = 0.0
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + (nbytes / self.bandwidth_Bps if nbytes else 0.0)
+
+
+@dataclass
+class SimResult:
+    schedule: str
+    n_ranks: int
+    n_microbatches: int
+    step_time_s: float
+    makespan_s: float
+    busy_s: list[float]
+    """Per rank compute time inside the measured window, seconds."""
+    bubble_per_rank: list[float]
+    bubble_fraction: float
+    peak_inflight: list[int]
+    peak_inflight_stage: dict[tuple[int, int], int]
+    """(pipe, stage) -> peak live activation sets of that stage replica."""
+    peak_weight_versions: list[int]
+    peak_memory_bytes: list[float]
+    events: list[Event] = field(repr=False, default_factory=list)
+
+    def to_dict(self, events: bool = False) -> dict:
+        d = {k: getattr(self, k) for k in ("schedule", "n_ranks", "n_microbatches", "step_time_s", "makespan_s",
+                                             "busy_s", "bubble_per_rank", "bubble_fraction", "peak_inflight",
+                                             "peak_weight_versions", "peak_memory_bytes")}
+        if events:
+            d["events"] = [list(e) for e in self.events]
+        return d
+
+
+class DeadlockError(RuntimeError):
+    """The action lists cannot all complete: every unfinished rank waits on a peer."""
+
+
+def _match(a: Action) -> tuple:
+    """Key shared by a send and the receive it feeds."""
+    if a.kind == SEND_F:
+        return (F, a.pipe, a.stage + 1, a.mb)
+    if a.kind == RECV_F:
+        return (F, a.pipe, a.stage, a.mb)
+    if a.kind == SEND_B:
+        return (B, a.pipe, a.stage - 1, a.mb)
+    return (B, a.pipe, a.stage, a.mb)  # RECV_B
+
+
+def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | None = None,
+             p2p: str = "eager") -> SimResult:
+    """Run ``schedule`` under ``costs`` (default :meth:`StageCosts.unit`) and ``link``.
+
+    ``p2p="eager"``: sends never block (the runtime's isend model); ``"rendezvous"``: a send
+    blocks until the receiver reaches the matching receive (blocking ``send``). Raises
+    :class:`DeadlockError` naming what each stuck rank waits for.
+    """
+    if p2p not in ("eager", "rendezvous"):
+        raise UserError(f"p2p must be 'eager' or 'rendezvous' (got {p2p!r})")
+    costs = costs or StageCosts.unit(schedule)
+    costs.check(schedule.n_stages)
+    link = link or Link()
+    P = schedule.n_ranks
+    acts = schedule.actions
+    ptr = [0] * P
+    clock = [0.0] * P
+    arrival: dict[tuple, float] = {}
+    link_free: dict[tuple[int, int], float] = {}
+    events: list[Event] = []
+
+    def dur(a: Action) -> float:
+        s = a.stage
+        if a.kind == F:
+            return costs._get("fwd_s", s)
+        if a.kind == OPT:
+            return costs._get("opt_s", s)
+        bwd = costs._get("bwd_s", s)
+        ig = costs._get("igrad_s", s) if costs.igrad_s is not None else bwd / 2
+        return {B: bwd, I: ig, W: max(bwd - ig, 0.0)}[a.kind]
+
+    def msg_bytes(a: Action) -> float:
+        # forward carries stage s's output; backward carries the gradient of stage s-1's output
+        s = a.stage if a.kind == SEND_F else a.stage - 1
+        return costs._get("boundary_bytes", s)
+
+    def transfer(src: int, dst: int, post: float, nbytes: float) -> float:
+        start = max(post, link_free.get((src, dst), 0.0))
+        busy = nbytes / link.bandwidth_Bps if nbytes else 0.0
+        link_free[(src, dst)] = start + busy
+        return start + busy + link.latency_s
+
+    remaining = sum(len(a) for a in acts)
+    while remaining:
+        best = None  # (start, rank)
+        for r in range(P):
+            if ptr[r] >= len(acts[r]):
+                continue
+            a = acts[r][ptr[r]]
+            if a.kind in (RECV_F, RECV_B):
+                if p2p == "rendezvous" or _match(a) not in arrival:
+                    continue
+            elif a.kind in (SEND_F, SEND_B) and p2p == "rendezvous":
+                q = a.peer
+                if ptr[q] >= len(acts[q]) or acts[q][ptr[q]].kind not in (RECV_F, RECV_B) \
+                        or _match(acts[q][ptr[q]]) != _match(a):
+                    continue
+            elif a.kind == GRAD_SYNC:
+                q = a.peer
+                if ptr[q] >= len(acts[q]) or acts[q][ptr[q]].kind != GRAD_SYNC or acts[q][ptr[q]].stage != a.stage:
+                    continue
+            paired = a.kind == GRAD_SYNC or (p2p == "rendezvous" and a.kind in (SEND_F, SEND_B))
+            start = max(clock[r], clock[a.peer]) if paired else clock[r]
+            if best is None or start < best[0]:
+                best = (start, r)
+        if best is None:
+            stuck = [f"rank {r} waits at {acts[r][ptr[r]]}" for r in range(P) if ptr[r] < len(acts[r])]
+            raise DeadlockError(f"{schedule.name} deadlocks ({p2p} p2p): " + "; ".join(stuck))
+        start, r = best
+        a = acts[r][ptr[r]]
+        if a.kind in COMPUTE_KINDS or a.kind == OPT:
+            end = start + dur(a)
+            events.append(Event(r, a.kind, a.mb, start, end, a.stage, a.pipe))
+            clock[r] = end
+        elif a.kind in (SEND_F, SEND_B) and p2p == "eager":
+            arrival[_match(a)] = transfer(r, a.peer, start, msg_bytes(a))
+        elif a.kind in (SEND_F, SEND_B):  # rendezvous: both sides finish with the transfer
+            q = a.peer
+            end = transfer(r, q, start, msg_bytes(a))
+            clock[r] = clock[q] = end
+            ptr[q] += 1
+            remaining -= 1
+        elif a.kind in (RECV_F, RECV_B):
+            clock[r] = max(start, arrival.pop(_match(a)))
+        elif a.kind == GRAD_SYNC:  # 2-rank all-reduce of one stage's gradients
+            q = a.peer
+            end = start + link.time(costs._get("weight_bytes", a.stage))
+            events.append(Event(r, GRAD_SYNC, a.mb, start, end, a.stage, a.pipe))
+            events.append(Event(q, GRAD_SYNC, a.mb, start, end, a.stage, 1 - a.pipe))
+            clock[r] = clock[q] = end
+            ptr[q] += 1
+            remaining -= 1
+        ptr[r] += 1
+        remaining -= 1
+    return _summarise(schedule, costs, events)
+
+
+def _summarise(schedule: Schedule, costs: StageCosts, events: list[Event]) -> SimResult:
+    P = schedule.n_ranks
+    makespan = max((e.end_s for e in events), default=0.0)
+    by_rank: list[list[Event]] = [[] for _ in range(P)]
+    for e in events:
+        by_rank[e.rank].append(e)
+    work = (F, B, I, W, OPT)
+    if schedule.asynchronous and schedule.n_steps >= 3:
+        M, K = schedule.n_microbatches, schedule.n_steps
+        windows = []
+        for r in range(P):
+            closes = {e.mb // M: e.end_s for e in by_rank[r] if e.kind == OPT and (e.mb + 1) % M == 0}
+            windows.append((closes[0], closes[K - 2]))
+        periods = [(b - a) / (K - 2) for a, b in windows]
+        step = max(periods)
+        busy = [sum(_overlap(e, lo, hi) for e in by_rank[r] if e.kind in work) / (K - 2)
+                for r, (lo, hi) in enumerate(windows)]
+    else:
+        step = makespan / schedule.n_steps
+        busy = [sum(e.end_s - e.start_s for e in by_rank[r] if e.kind in work) / schedule.n_steps for r in range(P)]
+    per_rank = [max(step - b, 0.0) / step if step > 0 else 0.0 for b in busy]
+    inflight, inflight_stage, versions, memory = _memory(schedule, costs, by_rank)
+    return SimResult(schedule.name, P, schedule.n_microbatches, step, makespan, busy, per_rank,
+                     sum(per_rank) / P, inflight, inflight_stage, versions, memory, events)
+
+
+def _overlap(e: Event, lo: float, hi: float) -> float:
+    return max(0.0, min(e.end_s, hi) - max(e.start_s, lo))
+
+
+def _memory(schedule: Schedule, costs: StageCosts, by_rank: Sequence[list[Event]]):
+    """Sweep each rank's events in time order: live activation sets, weight versions, bytes."""
+    g = costs._get
+    P = schedule.n_ranks
+    peak_n, peak_v, peak_b = [0] * P, [0] * P, [0.0] * P
+    peak_stage: dict[tuple[int, int], int] = {}
+    last_piece = W if schedule.split_backward else B
+    for r in range(P):
+        local = schedule.local_stages(r)
+        # deltas: (time, order, kind, payload); frees (order 0) before allocations (order 1)
+        sweep = []
+        for e in by_rank[r]:
+            if e.kind == F:
+                sweep.append((e.start_s, 1, "F", e))
+            elif e.kind == last_piece:
+                sweep.append((e.end_s, 0, "END", e))
+            elif e.kind == I:
+                sweep.append((e.end_s, 0, "I", e))
+            elif e.kind == OPT:
+                sweep.append((e.end_s, 0, "OPT", e))
+        sweep.sort(key=lambda x: (x[0], x[1]))
+        current = {ps: 0 for ps in local}           # newest weight version per stage replica
+        refs = {ps: {} for ps in local}             # version -> live micro-batches using it
+        tag: dict[tuple, int] = {}
+        live_n = 0
+        live_stage = {ps: 0 for ps in local}
+        act = 0.0
+        static = sum(g("state_bytes", s) for _, s in local)
+
+        def weights() -> tuple[int, float]:
+            nv, wb = 0, 0.0
+            for ps in local:
+                alive = {current[ps]} | {v for v, c in refs[ps].items() if c > 0}
+                nv = max(nv, len(alive))
+                wb += len(alive) * g("weight_bytes", ps[1])
+            return nv, wb
+
+        for _, _, what, e in sweep:
+            ps, key = (e.pipe, e.stage), (e.pipe, e.stage, e.mb)
+            if what == "F":
+                live_n += 1
+                live_stage[ps] += 1
+                peak_stage[ps] = max(peak_stage.get(ps, 0), live_stage[ps])
+                act += g("act_bytes", e.stage)
+                v = current[ps]
+                tag[key] = v
+                refs[ps][v] = refs[ps].get(v, 0) + 1
+            elif what == "I":
+                act += g("wstash_bytes", e.stage, g("act_bytes", e.stage)) - g("act_bytes", e.stage)
+            elif what == "END":
+                live_n -= 1
+                live_stage[ps] -= 1
+                held = "wstash_bytes" if schedule.split_backward else "act_bytes"
+                act -= g(held, e.stage, g("act_bytes", e.stage))
+                refs[ps][tag.pop(key)] -= 1
+            elif what == "OPT":
+                current[ps] += 1
+            nv, wb = weights()
+            peak_n[r] = max(peak_n[r], live_n)
+            peak_v[r] = max(peak_v[r], nv)
+            peak_b[r] = max(peak_b[r], static + wb + act)
+        if not sweep:
+            peak_b[r] = static + sum(g("weight_bytes", s) for _, s in local)
+    return peak_n, peak_stage, peak_v, peak_b

@@ -1,0 +1,67 @@
+"""Checkpoints that survive crashes and load without unpickling code.
+
+A checkpoint is one ``torch.save`` file holding only tensors, numbers, strings, lists and dicts
+(model, optimizer and scheduler state, RNG states, data position), loaded back with
+``weights_only=True`` — so a checkpoint from elsewhere cannot execute code. It is written to a
+temporary name and renamed into place (``os.replace`` is atomic on POSIX), so a crash mid-write
+leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scaletrain.errors import UserError
+
+_NAME = re.compile(r"^step_(\d+)\.pt$")
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step_{step:08d}.pt"
+
+
+def save(directory: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write ``state`` atomically as the checkpoint of ``step``; keep the newest ``keep`` files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, step)
+    tmp = final.with_suffix(".pt.tmp")
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints in ``directory``, oldest first (temporary files are ignored)."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest(directory: Path) -> Path | None:
+    c = list_checkpoints(directory)
+    return c[-1] if c else None
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Load a checkpoint; a missing, truncated or foreign file gives a one-line UserError."""
+    if not path.is_file():
+        raise UserError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, pickle with code, etc.
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {str(path)!r} cannot be loaded ({msg[:160]})") from None
+    for key in ("step", "model", "optimizer"):
+        if not isinstance(state, dict) or key not in state:
+            raise UserError(f"checkpoint {str(path)!r} is not a scaletrain checkpoint (missing {key!r})")
+    return state

@@ -1,0 +1,246 @@
+"""One configuration schema for the CLI, TOML files and the Python API.
+
+Every field is a dataclass field whose ``metadata`` carries its help text, unit and (where the
+set of values is closed) its allowed choices; ``scaletrain train --help`` is generated from it.
+TOML sections map to the sections below; command-line overrides are dotted paths
+(``train.steps=200``, ``memory.remat.method=optimal``) whose values are parsed as TOML values
+(so ``optim.lr=3e-4`` is a float and ``model.overrides.n_layer=2`` an int), falling back to a
+plain string.
+
+Validation rejects an unknown key or a bad value with a :class:`ConfigError` naming the key and
+what is allowed; the CLI turns it into one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import tomli_w
+
+from scaletrain.errors import ConfigError
+
+
+def opt(default: Any, help: str, unit: str = "", choices: tuple | None = None, min: float | None = None,
+        max: float | None = None) -> Any:
+    """A documented config field (``help`` says what it does, ``unit`` its unit)."""
+    meta = {"help": help, "unit": unit, "choices": choices, "min": min, "max": max}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type, help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help, "section": True})
+
+
+@dataclass
+class ModelConfig:
+    name: str = opt("gpt2-tiny", "reference model to train (see `scaletrain models`)")
+    overrides: dict = opt({}, "model shape overrides, e.g. model.overrides.n_layer=2")
+
+
+@dataclass
+class DataConfig:
+    name: str = opt("", "dataset: shakespeare, digits, synthetic-text, synthetic-images; empty = the model's default")
+    seq_len: int = opt(128, "tokens per sample for language models", "tokens", min=1)
+    image_size: int = opt(0, "image side for vision models; 0 = the model's own", "pixels", min=0)
+    num_samples: int = opt(0, "samples in a synthetic dataset; 0 = a default", "samples", min=0)
+
+
+@dataclass
+class OptimConfig:
+    name: str = opt("adamw", "optimizer",
+                    choices=("adamw", "adam", "sgd", "adamw8bit", "adam8bit", "adafactor", "came", "lamb", "lars"))
+    lr: float = opt(2e-3, "peak learning rate (after warm-up)", "1/step", min=0.0)
+    weight_decay: float = opt(0.1, "decoupled weight decay (not applied to biases and norms)", min=0.0)
+    beta1: float = opt(0.9, "first-moment decay (Adam family) ", min=0.0, max=1.0)
+    beta2: float = opt(0.95, "second-moment decay (Adam family)", min=0.0, max=1.0)
+    eps: float = opt(1e-8, "denominator epsilon (Adam family)", min=0.0)
+    momentum: float = opt(0.9, "momentum (SGD, LARS)", min=0.0, max=1.0)
+    warmup_steps: int = opt(50, "linear warm-up from 0 to lr", "optimizer steps", min=0)
+    schedule: str = opt("cosine", "learning-rate schedule after warm-up", choices=("cosine", "constant", "linear"))
+    min_lr_ratio: float = opt(0.1, "final lr as a fraction of lr (cosine/linear)", min=0.0, max=1.0)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off", min=0.0)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(800, "optimizer steps to run", "steps", min=1)
+    global_batch: int = opt(16, "samples per optimizer step, summed over all devices and accumulation", "samples", min=1)
+    micro_batch: int = opt(0, "samples per forward/backward on one device; 0 = global_batch / data-parallel size",
+                           "samples", min=0)
+    precision: str = opt("fp32", "compute precision: fp32, bf16 (autocast), fp16 (autocast + dynamic loss scaling)",
+                         choices=("fp32", "bf16", "fp16"))
+    eval_every: int = opt(200, "validate every N steps (and at the end); 0 = only at the end", "steps", min=0)
+    eval_batches: int = opt(8, "validation micro-batches per evaluation", "batches", min=1)
+    log_every: int = opt(10, "write a metrics row every N steps", "steps", min=1)
+    checkpoint_every: int = opt(0, "save a checkpoint every N steps; 0 = only at the end", "steps", min=0)
+    keep_checkpoints: int = opt(2, "checkpoints kept on disk (oldest deleted first)", "files", min=1)
+    seed: int = opt(0, "seed of model init, data order and dropout")
+    device: str = opt("auto", "device: auto (cuda if available else cpu), cpu, cuda", choices=("auto", "cpu", "cuda"))
+    progress: str = opt("auto", "progress bar: auto (only on a terminal), on, off", choices=("auto", "on", "off"))
+
+
+@dataclass
+class RematConfig:
+    method: str = opt("none", "rematerialization schedule",
+                      choices=("none", "periodic", "revolve", "optimal", "ilp", "dtr"))
+    budget: str = opt("", "memory budget for activations of a step: bytes or a string like '1.5GiB'; empty = none")
+
+
+@dataclass
+class MemoryConfig:
+    remat: RematConfig = section(RematConfig, "rematerialization (activation recomputation)")
+    activation_compression: bool = opt(False, "store tensors saved for backward as 8-bit per-channel (ActNN-style)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = section(ModelConfig, "the model")
+    data: DataConfig = section(DataConfig, "the data")
+    optim: OptimConfig = section(OptimConfig, "optimizer and learning-rate schedule")
+    train: TrainConfig = section(TrainConfig, "the training loop")
+    memory: MemoryConfig = section(MemoryConfig, "memory-saving techniques")
+
+
+# --------------------------------------------------------------------------- loading and validation
+
+
+def _is_section(f: dataclasses.Field) -> bool:
+    return bool(f.metadata.get("section"))
+
+
+def _coerce(path: str, value: Any, typ: Any, meta: dict) -> Any:
+    if typ is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}={value!r} is not allowed; expected true or false")
+    elif typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise ConfigError(f"{path}={value!r} is not allowed; expected an integer")
+    elif typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}={value!r} is not allowed; expected a number")
+        value = float(value)
+    elif typ is str:
+        if not isinstance(value, str):
+            value = str(value)
+    elif typ is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}={value!r} is not allowed; expected a table")
+    choices, lo, hi = meta.get("choices"), meta.get("min"), meta.get("max")
+    if choices and value not in choices:
+        raise ConfigError(f"{path}={value!r} is not allowed; allowed: {', '.join(map(str, choices))}")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{path}={value!r} is not allowed; must be >= {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{path}={value!r} is not allowed; must be <= {hi}")
+    return value
+
+
+def _fill(obj: Any, data: dict, prefix: str) -> None:
+    hints = get_type_hints(type(obj))
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown key {path!r}; allowed in [{prefix.rstrip('.') or 'top level'}]: "
+                              f"{', '.join(fields)}")
+        f = fields[key]
+        if _is_section(f):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path} must be a table of keys: {', '.join(x.name for x in dataclasses.fields(getattr(obj, key)))}")
+            _fill(getattr(obj, key), value, f"{path}.")
+        else:
+            setattr(obj, key, _coerce(path, value, hints[key], dict(f.metadata)))
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as TOML (numbers, booleans, arrays, quoted strings), else a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def overrides_to_dict(overrides: list[str]) -> dict:
+    """``["a.b=1", "a.c.d=x"]`` -> ``{"a": {"b": 1, "c": {"d": "x"}}}``."""
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(f"override {key!r} must name a section and a key, e.g. train.steps=100")
+        d = out
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+            if not isinstance(d, dict):
+                raise ConfigError(f"override {key!r} conflicts with another override")
+        d[parts[-1]] = parse_value(text.strip())
+    return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def from_dict(data: dict) -> Config:
+    cfg = Config()
+    _fill(cfg, data, "")
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file, then dotted overrides — validated."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    data = _merge(data, overrides_to_dict(overrides or []))
+    return from_dict(data)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, "help [unit] (choices; default)") for every field, for --help."""
+    rows = []
+    inst = cls()
+    for f in dataclasses.fields(cls):
+        if _is_section(f):
+            rows += describe(type(getattr(inst, f.name)), f"{prefix}{f.name}.")
+            continue
+        m = f.metadata
+        bits = [m.get("help", "")]
+        if m.get("unit"):
+            bits.append(f"[{m['unit']}]")
+        extra = []
+        if m.get("choices"):
+            extra.append("one of " + "|".join(m["choices"]))
+        extra.append(f"default {getattr(inst, f.name)!r}")
+        rows.append((f"{prefix}{f.name}", " ".join(bits) + f" ({'; '.join(extra)})"))
+    return rows

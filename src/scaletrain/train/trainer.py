@@ -1,0 +1,317 @@
+"""The training loop, indifferent to which plan it runs.
+
+Order of one optimizer step (``global_batch`` samples):
+  for each of ``accum`` micro-batches: forward (under autocast for bf16/fp16), loss / accum,
+  backward (scaled for fp16) — through the plain model, or through a rematerialization
+  schedule when one is configured;
+  then unscale (fp16), clip the global gradient norm, optimizer step (skipped by the loss
+  scaler on inf/NaN), scheduler step, zero grads.
+
+Everything that decides the *next* losses — model, optimizer, scheduler, scaler, RNG states and
+the data position — is checkpointed, so a resumed run continues bitwise identically on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain import models as model_registry
+from scaletrain.chain import to_chain
+from scaletrain.data import build_loader, get_dataset
+from scaletrain.errors import ConfigError
+from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.config import Config, to_toml
+from scaletrain.train.logging import MetricsWriter, ProgressBar
+from scaletrain.train.lr import lr_factor
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    val_loss: float | None
+    val_metrics: dict[str, float] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+    """Training loss of every optimizer step run in this call (mean over micro-batches)."""
+    out_dir: Path | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA device is available; allowed here: auto, cpu")
+    return torch.device(name)
+
+
+def batch_arithmetic(global_batch: int, micro_batch: int, world: int) -> tuple[int, int]:
+    """(micro_batch, accumulation steps) so that micro_batch x accum x world == global_batch.
+
+    micro_batch 0 means "as large as possible without accumulation". Conflicts are reported
+    with the numbers that would work, sparing users DeepSpeed's batch-size puzzles.
+    """
+    if micro_batch == 0:
+        if global_batch % world:
+            raise ConfigError(f"train.global_batch={global_batch} is not divisible by the {world} data-parallel "
+                              f"ranks; use a multiple of {world}")
+        return global_batch // world, 1
+    per_step = micro_batch * world
+    if global_batch % per_step:
+        ok = [m for m in range(1, global_batch // world + 1) if global_batch % (m * world) == 0]
+        raise ConfigError(f"train.global_batch={global_batch} is not a multiple of train.micro_batch={micro_batch} x "
+                          f"{world} data-parallel ranks; allowed micro_batch: {', '.join(map(str, ok))}")
+    return micro_batch, global_batch // per_step
+
+
+def _rss_peak_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class Trainer:
+    """Builds everything a run needs from a :class:`Config` and runs the loop (:meth:`fit`)."""
+
+    def __init__(self, cfg: Config, out_dir: Path | str | None = None, *, model: nn.Module | None = None,
+                 resume: bool = False, log: Callable[[str], None] | None = None):
+        self.cfg = cfg
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.resume = resume
+        self.log = log or (lambda s: print(s, flush=True))
+        self.rank, self.world = 0, 1
+        self.device = resolve_device(cfg.train.device)
+        self.micro_batch, self.accum = batch_arithmetic(cfg.train.global_batch, cfg.train.micro_batch, self.world)
+        torch.manual_seed(cfg.train.seed)
+        random.seed(cfg.train.seed)
+        self.model_name = cfg.model.name if model is None else type(model).__name__
+        self.model = (model if model is not None else model_registry.get(cfg.model.name, **cfg.model.overrides))
+        self.model.to(self.device)
+        self.task = getattr(self.model, "task", "lm")
+        self._build_data()
+        self.optimizer = self._build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
+        self.step = 0
+        self.forward_backward = self._build_forward_backward()
+
+    # ------------------------------------------------------------------ construction
+    def _build_data(self) -> None:
+        cfg = self.cfg
+        name = cfg.data.name or (model_registry.entry(cfg.model.name).default_data
+                                 if cfg.model.name in model_registry.MODELS else "synthetic-text")
+        kw: dict[str, Any] = dict(seed=cfg.train.seed)
+        if self.task == "lm":
+            vocab = self.model.config.vocab_size if hasattr(self.model, "config") else 256
+            kw.update(seq_len=cfg.data.seq_len, vocab_size=vocab)
+            if name == "shakespeare" and vocab < 256:
+                raise ConfigError(f"data.name='shakespeare' needs a byte vocabulary (256); model vocab_size={vocab}")
+        else:
+            kw.update(image_size=cfg.data.image_size or getattr(self.model, "image_size", 32),
+                      channels=getattr(self.model, "channels", 3))
+            if name.startswith("synthetic"):
+                kw["num_classes"] = getattr(self.model, "num_classes", 10)
+        if cfg.data.num_samples:
+            kw["num_samples"] = cfg.data.num_samples
+        self.data_name = name
+        self.train_set = get_dataset(name, "train", **kw)
+        self.val_set = get_dataset(name, "val", **kw)
+        self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 1)
+
+    def _make_train_loader(self, start_sample: int):
+        return build_loader(self.train_set, self.micro_batch, shuffle=True, seed=self.cfg.train.seed,
+                            rank=self.rank, world_size=self.world, start_sample=start_sample, infinite=True)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        from scaletrain.techniques.optim import build_optimizer
+
+        o = self.cfg.optim
+        return build_optimizer(o.name, self.model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2),
+                               eps=o.eps, momentum=o.momentum)
+
+    def _lr_lambda(self, step: int) -> float:
+        o = self.cfg.optim
+        return lr_factor(step, warmup=o.warmup_steps, total=self.cfg.train.steps, schedule=o.schedule,
+                         min_ratio=o.min_lr_ratio)
+
+    def autocast(self):
+        p = self.cfg.train.precision
+        if p == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if p == "bf16" else torch.float16)
+
+    def loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.task == "lm":  # out: [batch, seq, vocab], y: [batch, seq]
+            return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+        return F.cross_entropy(out.float(), y)  # out: [batch, classes]
+
+    def _build_forward_backward(self) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+        """The function running one micro-batch's forward and backward; returns the unscaled loss.
+
+        Memory techniques replace it (a rematerialization schedule runs its own forward/backward
+        order); its contract stays: gradients of ``loss * weight`` accumulate into ``.grad``.
+        """
+        from scaletrain.techniques.apply import build_forward_backward
+
+        return build_forward_backward(self)
+
+    def plain_forward_backward(self, x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
+        with self.autocast():
+            loss = self.loss_fn(self.model(x), y)
+        self.scaler.scale(loss * weight).backward()
+        return loss.detach()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+            "rng": rng,
+            "data": {"samples_seen": self.step * self.cfg.train.global_batch, "name": self.data_name},
+            "config": to_toml(self.cfg),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            first = str(e).strip().splitlines()[0][:200]
+            raise ConfigError(f"checkpoint does not match this model/optimizer configuration ({first})") from None
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.step = int(state["step"])
+
+    def save_checkpoint(self) -> Path | None:
+        if self.out_dir is None or self.rank != 0:
+            return None
+        return ckpt.save(self.out_dir / "checkpoints", self.step, self.state_dict(), keep=self.cfg.train.keep_checkpoints)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        was_training = self.model.training
+        self.model.eval()
+        loader = build_loader(self.val_set, self.micro_batch, shuffle=False, seed=0, rank=self.rank,
+                              world_size=self.world, drop_last=True)
+        total, correct, count = 0.0, 0, 0
+        for i, (x, y) in enumerate(loader):
+            if i >= self.cfg.train.eval_batches:
+                break
+            x, y = x.to(self.device), y.to(self.device)
+            with self.autocast():
+                out = self.model(x)
+            total += float(self.loss_fn(out, y)) * len(y)
+            count += len(y)
+            if self.task != "lm":
+                correct += int((out.argmax(-1) == y).sum())
+        self.model.train(was_training)
+        val_loss = total / max(count, 1)
+        metrics = {"val_loss": val_loss}
+        if self.task == "lm":
+            metrics["val_ppl"] = math.exp(min(val_loss, 50.0))
+        else:
+            metrics["val_acc"] = correct / max(count, 1)
+        return metrics
+
+    # ------------------------------------------------------------------ the loop
+    def _clip(self) -> float:
+        if self.cfg.optim.grad_clip <= 0:
+            return float("nan")
+        self.scaler.unscale_(self.optimizer)
+        return float(nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip, foreach=True))
+
+    def fit(self) -> TrainResult:
+        cfg = self.cfg
+        if self.resume:  # before anything is written, so a bad resume changes nothing on disk
+            path = ckpt.latest(self.out_dir / "checkpoints") if self.out_dir else None
+            if path is None:
+                raise ConfigError(f"--resume: no checkpoint in {str((self.out_dir or Path('.')) / 'checkpoints')!r}")
+            self.load_state_dict(ckpt.load(path))
+            self.log(f"resumed from {path} at step {self.step}")
+        if self.out_dir is not None and self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.toml").write_text(to_toml(cfg))
+        metrics = MetricsWriter(self.out_dir / "metrics.jsonl" if self.out_dir is not None and self.rank == 0 else None)
+        show = cfg.train.progress == "on" or (cfg.train.progress == "auto" and sys.stderr.isatty())
+        unit = "tok" if self.task == "lm" else "samples"
+        bar = ProgressBar(cfg.train.steps, self.step, unit, enabled=show and self.rank == 0)
+        loader = self._make_train_loader(self.step * cfg.train.global_batch)
+        it = iter(loader)
+        losses: list[float] = []
+        val: dict[str, float] = {}
+        self.model.train()
+        window_t, window_items = time.perf_counter(), 0
+        try:
+            while self.step < cfg.train.steps:
+                t0 = time.perf_counter()
+                step_loss = 0.0
+                for _ in range(self.accum):
+                    x, y = next(it)
+                    x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+                    step_loss += float(self.forward_backward(x, y, 1.0 / self.accum)) / self.accum
+                grad_norm = self._clip()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                losses.append(step_loss)
+                dt = time.perf_counter() - t0
+                items = cfg.train.global_batch * (self.tokens_per_sample if self.task == "lm" else 1)
+                window_items += items
+                rate = items / dt if dt > 0 else float("nan")
+                bar.update(self.step, step_loss, rate)
+                if not math.isfinite(step_loss) and cfg.train.precision != "fp16":
+                    raise ConfigError(f"training diverged at step {self.step} (loss {step_loss}); lower optim.lr="
+                                      f"{cfg.optim.lr} or use train.precision=fp32")
+                if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
+                    now = time.perf_counter()
+                    row = {"step": self.step, "loss": step_loss, "lr": self.scheduler.get_last_lr()[0],
+                           "grad_norm": grad_norm, "step_time_s": dt,
+                           f"{unit}_per_s": window_items / max(now - window_t, 1e-9),
+                           "rss_peak_bytes": _rss_peak_bytes()}
+                    if self.device.type == "cuda":
+                        row["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+                    if self.scaler.is_enabled():
+                        row["loss_scale"] = float(self.scaler.get_scale())
+                    metrics.write(row)
+                    window_t, window_items = now, 0
+                last = self.step == cfg.train.steps
+                if last or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0):
+                    val = self.evaluate()
+                    metrics.write({"step": self.step, **val})
+                    bar.close() if show else None
+                    self.log(self._val_line(val))
+                    bar = ProgressBar(cfg.train.steps, self.step, unit, enabled=show and self.rank == 0)
+                if last or (cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0):
+                    self.save_checkpoint()
+        finally:
+            metrics.close()
+        return TrainResult(self.step, losses[-1] if losses else float("nan"), val.get("val_loss"), val, losses,
+                           self.out_dir)
+
+    def _val_line(self, val: dict[str, float]) -> str:
+        if "val_ppl" in val:
+            return f"step {self.step}: val_loss {val['val_loss']:.4f} nats/token, perplexity {val['val_ppl']:.2f}"
+        return f"step {self.step}: val_loss {val['val_loss']:.4f}, accuracy {val.get('val_acc', 0):.3f}"
