@@ -185,4 +185,7 @@ def build_loader(
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=False,
+        # Its own generator: creating an iterator otherwise draws a worker seed from the global
+        # RNG, which would shift dropout masks after a resume and break bitwise continuation.
+        generator=torch.Generator().manual_seed(seed),
     )
