@@ -140,7 +140,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._emit(rec, -rec.nbytes)
                 rec.died = len(self._events) - 1
 
-    def _see(self, t: torch.Tensor, category: str, origin: str) -> StorageRecord | None:
+    def _see(self, t: torch.Tensor, category: str, origin: str, promote: bool = True) -> StorageRecord | None:
         """Record ``t``'s storage if new; promote its category if ``category`` ranks higher."""
         if not isinstance(t, torch.Tensor) or not self._wanted(t):
             return None
@@ -158,7 +158,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._live[key] = (rec, ref)
                 self._emit(rec, rec.nbytes)
                 return rec
-            if _RANK[category] > _RANK[rec.category]:
+            if promote and _RANK[category] > _RANK[rec.category]:
                 rec.category = category
             n = self._nbytes(st, t.device)
             if n != rec.nbytes:  # resized in place (e.g. an out= op)
@@ -181,7 +181,8 @@ class MemoryTracker(TorchDispatchMode):
     def _scan_optimizer(self, opt: torch.optim.Optimizer, states: bool) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
-                self._see(p, "parameters", "pre-existing")
+                # no promotion: fp32 master copies registered as optimizer states stay so
+                self._see(p, "parameters", "pre-existing", promote=False)
                 if p.grad is not None:
                     self._see(p.grad, "gradients", "pre-existing")
         if states:
@@ -202,6 +203,9 @@ class MemoryTracker(TorchDispatchMode):
             for b in self.model.buffers():
                 self._see(b, "other", "pre-existing")
         if self.optimizer is not None:
+            # optimizer-like wrappers (e.g. fp32 master weights) may list what they keep
+            for t in getattr(self.optimizer, "state_tensors", lambda: [])():
+                self._see(t, "optimizer_states", "pre-existing")
             self._scan_optimizer(self.optimizer, states=True)
         for t in self._extra:
             self._see(t, "other", "pre-existing")

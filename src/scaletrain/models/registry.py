@@ -24,6 +24,18 @@ def _gpt2(**kw: Any) -> GPT2:
     return GPT2(GPT2Config(**kw))
 
 
+def _gpt2_moe(**kw: Any) -> nn.Module:
+    from scaletrain.models.moe import GPT2MoE, GPT2MoEConfig
+
+    return GPT2MoE(GPT2MoEConfig(**kw))
+
+
+def _dlrm(**kw: Any) -> nn.Module:
+    from scaletrain.models.dlrm import DLRM, DLRMConfig
+
+    return DLRM(DLRMConfig(**kw))
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     builder: Callable[..., nn.Module]
@@ -55,6 +67,14 @@ MODELS: dict[str, ModelEntry] = {
                         "VGG-16 (torchvision layout)", "synthetic-images", 138_357_544),
     "vgg-mini": ModelEntry(VGG, dict(width_div=8, hidden=256, num_classes=10, image_size=32, pool_hw=1, dropout=0.0),
                            "VGG-16 layout at 1/8 width, 32x32 input", "digits"),
+    "gpt2-moe": ModelEntry(_gpt2_moe, dict(vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4, dropout=0.0,
+                                           n_experts=4, top_k=2, capacity_factor=1.25, moe_every=2, aux_loss_coef=0.01),
+                           "gpt2-tiny with a top-2 mixture of 4 experts in every 2nd block (expert parallelism)",
+                           "shakespeare"),
+    "dlrm-mini": ModelEntry(_dlrm, dict(n_dense=13, table_sizes=(20000, 10000, 5000, 1000), embed_dim=16, bag_size=4,
+                                        bottom=(64, 16), top=(64, 32, 1)),
+                            "DLRM: 4 embedding tables (36k rows x 16) with sparse bag lookups + dense MLPs",
+                            "synthetic-ctr"),
     "mlp": ModelEntry(MLP, dict(widths=(192, 512, 512, 512, 10), dropout=0.0, image_size=8, channels=3),
                       "fully connected chain of configurable widths (8x8x3 input)", "digits"),
 }

@@ -99,12 +99,34 @@ class MemoryConfig:
 
 
 @dataclass
+class ParallelConfig:
+    dp: int = opt(0, "data-parallel ranks; 0 = every process the launcher started (torchrun --nproc-per-node / "
+                     "scaletrain train --nproc-per-node)", "processes", min=0)
+    zero: int = opt(0, "ZeRO stage: 0 = DDP (replicated, bucketed all-reduce overlapped with backward), "
+                       "1 = + optimizer states sharded, 2 = + gradients sharded (reduce-scatter), "
+                       "3 = + parameters sharded (FSDP2, gathered per block with prefetch)", "stage", min=0, max=3)
+    hsdp: int = opt(0, "hybrid sharding for zero>=1: shard within groups of this many ranks, replicate across "
+                       "groups; 0 = shard over all dp ranks", "ranks", min=0)
+    compression: str = opt("none", "gradient compression for zero=0: powersgd (low rank), topk (sparsification), "
+                                   "onebit (scaled sign); all with error feedback",
+                           choices=("none", "powersgd", "topk", "onebit"))
+    compression_rank: int = opt(4, "PowerSGD rank r of the low-rank approximation", "rank", min=1)
+    topk_ratio: float = opt(0.01, "top-k: fraction of gradient entries sent per bucket", "fraction", min=0.0, max=1.0)
+    onebit_warmup_steps: int = opt(10, "onebit: uncompressed steps before compression starts", "optimizer steps",
+                                   min=0)
+    bucket_mb: float = opt(25.0, "gradient bucket size for all-reduce / reduce-scatter (zero 0-2)", "MiB", min=0.0)
+    timeout_s: float = opt(600.0, "collective timeout; a rank waiting longer fails with a message naming the "
+                                  "collective", "seconds", min=1.0)
+
+
+@dataclass
 class Config:
     model: ModelConfig = section(ModelConfig, "the model")
     data: DataConfig = section(DataConfig, "the data")
     optim: OptimConfig = section(OptimConfig, "optimizer and learning-rate schedule")
     train: TrainConfig = section(TrainConfig, "the training loop")
     memory: MemoryConfig = section(MemoryConfig, "memory-saving techniques")
+    parallel: ParallelConfig = section(ParallelConfig, "data parallelism: DDP, ZeRO 1-3, gradient compression")
 
 
 # --------------------------------------------------------------------------- loading and validation

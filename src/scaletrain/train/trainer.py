@@ -9,6 +9,14 @@ Order of one optimizer step (``global_batch`` samples):
 
 Everything that decides the *next* losses — model, optimizer, scheduler, scaler, RNG states and
 the data position — is checkpointed, so a resumed run continues bitwise identically on CPU.
+
+Data parallelism (``parallel.*``): started by torchrun (or ``scaletrain train --nproc-per-node``),
+every process runs this same loop on its share of each global batch. A strategy object from
+:mod:`scaletrain.techniques.data_parallel` / :mod:`~scaletrain.techniques.zero` wraps the steps
+above (no-sync for early micro-batches, gradient reduction, sharded clipping, the parameter
+all-gather after the step); logged losses are averaged over ranks, so they equal a single
+process's on the same global batch. Only rank 0 writes files and prints; checkpoints are always
+consolidated to the single-process layout, so they load at any world size and ZeRO stage.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -31,6 +40,7 @@ from scaletrain import models as model_registry
 from scaletrain.chain import to_chain
 from scaletrain.data import build_loader, get_dataset
 from scaletrain.errors import ConfigError
+from scaletrain.techniques import data_parallel as dp
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import MetricsWriter, ProgressBar
@@ -46,13 +56,23 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     """Training loss of every optimizer step run in this call (mean over micro-batches)."""
     out_dir: Path | None = None
+    comm_bytes_per_step: float = 0.0
+    """Bytes received per rank in the last step's collectives (0 with one process)."""
+    model_state_bytes: dict[str, float] = field(default_factory=dict)
+    """Per-rank bytes of parameters / gradients / optimizer states, measured after the backward
+    of the second step (when the optimizer states exist); empty for runs of one step."""
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device of this process; with CUDA, GPU ``local_rank`` (torchrun's LOCAL_RANK)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA device is available; allowed here: auto, cpu")
+    if name == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
+        return torch.device("cuda", local_rank)
     return torch.device(name)
 
 
@@ -88,22 +108,41 @@ class Trainer:
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.resume = resume
-        self.log = log or (lambda s: print(s, flush=True))
-        self.rank, self.world = 0, 1
-        self.device = resolve_device(cfg.train.device)
+        env = dp.launch_env()
+        self.device = resolve_device(cfg.train.device, env.local_rank)
+        self._created_group = dp.init_process_group(self.device, cfg.parallel.timeout_s)
+        try:
+            self._setup(cfg, model, log)
+        except BaseException:
+            dp.shutdown(self._created_group)  # a bad config must not leave the process group behind
+            raise
+
+    def _setup(self, cfg: Config, model: nn.Module | None, log: Callable[[str], None] | None) -> None:
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        say = log or (lambda s: print(s, flush=True))
+        self.log = say if self.rank == 0 else (lambda s: None)
+        self._check_parallel()
         self.micro_batch, self.accum = batch_arithmetic(cfg.train.global_batch, cfg.train.micro_batch, self.world)
-        torch.manual_seed(cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)  # the same on every rank: identical initial weights
         random.seed(cfg.train.seed)
         self.model_name = cfg.model.name if model is None else type(model).__name__
         self.model = (model if model is not None else model_registry.get(cfg.model.name, **cfg.model.overrides))
         self.model.to(self.device)
         self.task = getattr(self.model, "task", "lm")
         self._build_data()
-        self.optimizer = self._build_optimizer()
+        self.parallel = self._build_parallel()
+        self.forward_module: nn.Module = self.parallel.forward_module
+        if self.world > 1:  # per-rank streams for dropout etc. (the data order has its own generator)
+            torch.manual_seed(cfg.train.seed + 1_000_003 * self.rank)
+            random.seed(cfg.train.seed + 1_000_003 * self.rank)
+            dp.LEDGER.install()
+        self.optimizer = self.parallel.build_optimizer(self._build_optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
+        self.scaler = self.parallel.make_scaler(self.device, cfg.train.precision == "fp16")
         self.step = 0
         self.forward_backward = self._build_forward_backward()
+        self.comm_bytes = 0.0
+        self.model_state_bytes: dict[str, float] = {}
 
     # ------------------------------------------------------------------ construction
     def _build_data(self) -> None:
@@ -132,12 +171,57 @@ class Trainer:
         return build_loader(self.train_set, self.micro_batch, shuffle=True, seed=self.cfg.train.seed,
                             rank=self.rank, world_size=self.world, start_sample=start_sample, infinite=True)
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
+    def _check_parallel(self) -> None:
+        p, world = self.cfg.parallel, self.world
+        if p.dp and p.dp != world:
+            raise ConfigError(f"parallel.dp={p.dp} but {world} process(es) were started; launch with "
+                              f"`scaletrain train --nproc-per-node {p.dp} ...` or torchrun, or set parallel.dp=0")
+        if p.compression != "none" and p.zero != 0:
+            raise ConfigError(f"parallel.compression={p.compression} needs parallel.zero=0 (it is a DDP comm hook); "
+                              f"got parallel.zero={p.zero}")
+        if p.hsdp and (p.zero == 0 or world % p.hsdp):
+            raise ConfigError(f"parallel.hsdp={p.hsdp} needs parallel.zero>=1 and must divide the {world} ranks")
+        if world > 1 and p.zero in (0, 3) and self.cfg.memory.remat.method != "none":
+            raise ConfigError(f"memory.remat.method={self.cfg.memory.remat.method} with parallel.zero={p.zero} on "
+                              f"{world} ranks is not supported yet (the schedule bypasses the DDP/FSDP forward); "
+                              f"use parallel.zero=1 or 2")
+        if world == 1 and (p.zero or p.compression != "none"):
+            self.log(f"note: one process, so parallel.zero={p.zero} / parallel.compression={p.compression} "
+                     f"have no effect")
+
+    def _build_parallel(self) -> dp.Strategy:
+        """The data-parallel strategy for ``parallel.zero`` (the single-process no-op for one rank)."""
+        p, world = self.cfg.parallel, self.world
+        if world == 1:
+            return dp.Strategy(self.model)
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision)
+        if p.zero == 0:
+            return dp.DDPStrategy(self.model, self.rank, world, self.device, bucket_mb=p.bucket_mb,
+                                  compression=p.compression, compression_rank=p.compression_rank,
+                                  topk_ratio=p.topk_ratio, onebit_warmup_steps=p.onebit_warmup_steps,
+                                  seed=self.cfg.train.seed)
+        from scaletrain.techniques import zero
+
+        if p.zero in (1, 2):
+            s: dp.Strategy = zero.ZeroStrategy(self.model, p.zero, self.rank, world, self.device,
+                                               bucket_mb=p.bucket_mb, param_dtype=half, hsdp=p.hsdp)
+        else:
+            s = zero.FSDPStrategy(self.model, self.rank, world, self.device, param_dtype=half, hsdp=p.hsdp)
+        warn = s.sharded_optimizer_warning(self.cfg.optim.name)  # type: ignore[attr-defined]
+        if warn:
+            self.log(f"warning: {warn}")
+        return s
+
+    def _build_optimizer(self, module: nn.Module | None = None) -> torch.optim.Optimizer:
         from scaletrain.techniques.optim import build_optimizer
 
+        from scaletrain.techniques.optim import OPTIMIZERS
+
         o = self.cfg.optim
-        return build_optimizer(o.name, self.model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2),
-                               eps=o.eps, momentum=o.momentum)
+        given = dict(lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps, momentum=o.momentum)
+        # Each optimizer takes only its own hyperparameters; the config carries all of them.
+        kwargs = {k: v for k, v in given.items() if k in OPTIMIZERS[o.name].common}
+        return build_optimizer(o.name, module if module is not None else self.model, **kwargs)
 
     def _lr_lambda(self, step: int) -> float:
         o = self.cfg.optim
@@ -167,7 +251,7 @@ class Trainer:
 
     def plain_forward_backward(self, x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
         with self.autocast():
-            loss = self.loss_fn(self.model(x), y)
+            loss = self.loss_fn(self.forward_module(x), y)
         self.scaler.scale(loss * weight).backward()
         return loss.detach()
 
@@ -176,10 +260,17 @@ class Trainer:
         rng: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
+        extra: dict[str, Any] = {}
+        if self.world > 1:  # every rank's RNG (dropout streams differ per rank); rank 0's is "rng"
+            ranks: list[Any] = [None] * self.world
+            dist.all_gather_object(ranks, rng)
+            rng = ranks[0]
+            extra = {"rng_ranks": ranks, "parallel": {"dp": self.world, "zero": self.cfg.parallel.zero}}
         return {
+            **extra,
             "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": self.parallel.model_state_dict(),
+            "optimizer": self.parallel.optimizer_state_dict(self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
             "rng": rng,
@@ -189,23 +280,52 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.parallel.load_model_state_dict(state["model"])
+            self.parallel.load_optimizer_state_dict(self.optimizer, state["optimizer"])
+        except ConfigError:
+            raise
         except (RuntimeError, ValueError, KeyError) as e:
             first = str(e).strip().splitlines()[0][:200]
             raise ConfigError(f"checkpoint does not match this model/optimizer configuration ({first})") from None
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.step = int(state["step"])
+        rng = state["rng"]
+        ranks = state.get("rng_ranks")
+        if ranks and len(ranks) == self.world:
+            rng = ranks[self.rank]
+        elif self.rank != 0:  # another world size: fresh per-rank streams, deterministic in the step
+            torch.manual_seed(self.cfg.train.seed + 1_000_003 * self.rank + 7919 * self.step)
+            return
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
     def save_checkpoint(self) -> Path | None:
-        if self.out_dir is None or self.rank != 0:
+        if self.out_dir is None:
             return None
-        return ckpt.save(self.out_dir / "checkpoints", self.step, self.state_dict(), keep=self.cfg.train.keep_checkpoints)
+        state = self.state_dict()  # collective with several ranks: all take part, rank 0 writes
+        if self.rank != 0:
+            return None
+        return ckpt.save(self.out_dir / "checkpoints", self.step, state, keep=self.cfg.train.keep_checkpoints)
+
+    def close(self) -> None:
+        """Release DDP/FSDP objects, then leave the process group if this trainer joined it.
+
+        Deleting the wrappers and collecting garbage *before* ``destroy_process_group`` is what
+        avoids the abort DDP prints when its reducer outlives the group at interpreter exit.
+        """
+        if getattr(self, "parallel", None) is None:
+            return
+        self.parallel.close()
+        self.forward_module = self.model
+        self.forward_backward = None  # type: ignore[assignment]
+        del self.optimizer, self.scheduler
+        self.parallel = None  # type: ignore[assignment]
+        if self.world > 1:
+            dp.LEDGER.uninstall()
+        dp.shutdown(self._created_group)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -226,6 +346,7 @@ class Trainer:
             if self.task != "lm":
                 correct += int((out.argmax(-1) == y).sum())
         self.model.train(was_training)
+        total, correct, count = self.parallel.sum([total, correct, count])  # over ranks' shards
         val_loss = total / max(count, 1)
         metrics = {"val_loss": val_loss}
         if self.task == "lm":
@@ -239,7 +360,35 @@ class Trainer:
         if self.cfg.optim.grad_clip <= 0:
             return float("nan")
         self.scaler.unscale_(self.optimizer)
-        return float(nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip, foreach=True))
+        return self.parallel.clip_grad_norm(self.optimizer, self.cfg.optim.grad_clip)
+
+    def _train_step(self, it: Any) -> float:
+        """One optimizer step over ``accum`` micro-batches; returns the rank-averaged loss."""
+        par = self.parallel
+        dp.LEDGER.reset()
+        step_loss = 0.0
+        for j in range(self.accum):
+            last = j == self.accum - 1
+            x, y = next(it)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with par.micro_batch(last):
+                step_loss += float(self.forward_backward(x, y, 1.0 / self.accum)) / self.accum
+            par.after_backward(last)
+        if self.step == 1 and self.world > 1:  # optimizer states exist from the first step on
+            from scaletrain.techniques.zero import measure_model_state_bytes
+
+            m = measure_model_state_bytes(self.model, self.optimizer,
+                                          extra_grads=getattr(par, "state_tensors", lambda: [])())
+            self.model_state_bytes = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer}
+        par.prepare_step(self.optimizer)
+        self._grad_norm = self._clip()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        par.after_step()
+        self.scheduler.step()
+        par.zero_grad(self.optimizer)
+        self.comm_bytes = dp.LEDGER.total() if self.world > 1 else 0.0
+        return par.mean([step_loss])[0]
 
     def fit(self) -> TrainResult:
         cfg = self.cfg
@@ -265,16 +414,14 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 t0 = time.perf_counter()
-                step_loss = 0.0
-                for _ in range(self.accum):
-                    x, y = next(it)
-                    x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                    step_loss += float(self.forward_backward(x, y, 1.0 / self.accum)) / self.accum
-                grad_norm = self._clip()
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                try:
+                    step_loss = self._train_step(it)
+                except Exception as exc:
+                    failure = dp.explain_comm_failure(exc, self.rank, self.step, cfg.parallel.timeout_s)
+                    if failure is None or self.world == 1:
+                        raise
+                    raise failure from None
+                grad_norm = self._grad_norm
                 self.step += 1
                 losses.append(step_loss)
                 dt = time.perf_counter() - t0
@@ -295,6 +442,10 @@ class Trainer:
                         row["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
                     if self.scaler.is_enabled():
                         row["loss_scale"] = float(self.scaler.get_scale())
+                    if self.world > 1:
+                        row["comm_bytes"] = self.comm_bytes
+                        if self.model_state_bytes:
+                            row["model_state_bytes"] = sum(self.model_state_bytes.values())
                     metrics.write(row)
                     window_t, window_items = now, 0
                 last = self.step == cfg.train.steps
@@ -309,7 +460,7 @@ class Trainer:
         finally:
             metrics.close()
         return TrainResult(self.step, losses[-1] if losses else float("nan"), val.get("val_loss"), val, losses,
-                           self.out_dir)
+                           self.out_dir, self.comm_bytes, dict(self.model_state_bytes))
 
     def _val_line(self, val: dict[str, float]) -> str:
         if "val_ppl" in val:

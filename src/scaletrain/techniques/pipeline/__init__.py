@@ -1,14 +1,19 @@
 """Pipeline parallelism: schedules as data, a discrete-event simulator, timelines, a partitioner.
 
 * :mod:`.schedules` — per-rank action lists for gpipe, 1f1b, interleaved, zb1p, chimera,
-  pipedream and pipedream-2bw, and :func:`validate`.
+  pipedream and pipedream-2bw.
+* :mod:`.checks` — :func:`validate` (dependencies, matching, no deadlock) and
+  :func:`rendezvous_safe` (reorder transfers for blocking sends).
 * :mod:`.simulate` — step time, bubble fraction, in-flight micro-batches, peak memory.
 * :mod:`.timeline` — a PNG of ranks × time, simulated or measured.
 * :mod:`.partition` — memory-aware DP splitting a Profile's blocks into stages.
+* :mod:`.runtime` — executes the lists with ``torch.distributed`` (:class:`~.runtime.PipelineRuntime`;
+  stage replicas in :mod:`.stage`, transfers and timeouts in :mod:`.p2p`).
 """
 
-from .schedules import SCHEDULES, Action, Schedule, build, validate
-from .simulate import DeadlockError, Event, Link, SimResult, StageCosts, simulate
+from .schedules import SCHEDULES, Action, Schedule, build
+from .checks import ScheduleError, rendezvous_safe, validate
+from .simulate import DeadlockError, Event, Link, SimResult, StageCosts, simulate, summarise
 
-__all__ = ["SCHEDULES", "Action", "Schedule", "build", "validate", "simulate", "StageCosts", "Link",
-           "SimResult", "Event", "DeadlockError"]
+__all__ = ["SCHEDULES", "Action", "Schedule", "build", "validate", "rendezvous_safe", "ScheduleError",
+           "simulate", "summarise", "StageCosts", "Link", "SimResult", "Event", "DeadlockError"]

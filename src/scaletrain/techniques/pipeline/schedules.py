@@ -19,7 +19,8 @@ Execution model (what "no deadlock" means, checked by :func:`validate`):
 The simulator can also run the stricter *rendezvous* model (a send blocks until the peer
 posts the receive, like ``torch.distributed.send``); ``gpipe`` is safe under it, the 1F1B
 family is not (rank r sends F to r+1 while r+1 sends B to r), which is why the runtime
-posts sends with ``isend`` as Megatron does with ``batch_isend_irecv``.
+posts sends with ``isend`` as Megatron does with ``batch_isend_irecv`` — or runs the lists
+reordered by :func:`.checks.rendezvous_safe`, which finish under blocking sends too.
 
 Stage numbering: stages 0..S-1 of one model replica. For all schedules but Chimera there is
 one pipeline (``pipe`` 0) and stage s lives on rank ``s % P`` (S = P·v for ``interleaved``).
@@ -116,7 +117,7 @@ def _order_gpipe(P: int, M: int) -> list[list[tuple]]:
     return [[(F, 0, r, m) for m in range(M)] + [(B, 0, r, m) for m in range(M)] for r in range(P)]
 
 
-def _order_1f1b(P: int, M: int, split: bool = False) -> list[list[tuple]]:
+def _order_1f1b(P: int, M: int) -> list[list[tuple]]:
     """PipeDream-flush / DAPPLE: P-1-r warm-up forwards, then alternate F and B, then drain."""
     orders = []
     for r in range(P):
@@ -189,7 +190,7 @@ def _chimera_units(P: int, M: int) -> list[tuple[int, int]]:
     """Chimera basic units: (first micro-batch, micro-batches per direction) each.
 
     A basic unit has P micro-batches, the first P/2 on the down pipeline, the next P/2 on the
-    up pipeline (Li & Hoefler §3.2); a last partial unit takes the remaining M mod P evenly.
+    up pipeline (Li & Hoefler SC21); a last partial unit splits the remaining M mod P evenly.
     """
     units, base = [], 0
     while base < M:
@@ -208,7 +209,8 @@ def _order_chimera(P: int, M: int) -> tuple[list[list[tuple]], list[int]]:
     slot parity or index range, so they merge without conflict (the paper's claim, checked
     by construction here and by the validator). Units are concatenated directly, unit u
     shifted by 2P·u slots (its compute per rank), which fills the previous unit's tail with
-    the next unit's forwards when F = B (§3.5 "direct concatenation").
+    the next unit's forwards when F = B (the paper's "direct concatenation"; its forward
+    doubling / backward halving for B > F change micro-batch sizes and are not done here).
     """
     slots: list[list[tuple[int, tuple]]] = [[] for _ in range(P)]
     mb_pipe = [0] * M
@@ -243,13 +245,15 @@ def _check(name: str, P: int, M: int, v: int, steps: int) -> None:
         if not isinstance(val, int) or val < 1:
             raise UserError(f"--{label} must be a positive integer (got {val!r})")
     if v != 1 and name != "interleaved":
-        raise UserError(f"--virtual {v} only applies to the interleaved schedule (got schedule {name!r}); use --virtual 1")
+        raise UserError(f"--virtual {v} only applies to the interleaved schedule (got schedule {name!r}); "
+                        "use --virtual 1")
     if name == "interleaved" and M % P:
         raise UserError(f"interleaved needs --microbatches divisible by --ranks (got M={M}, P={P})")
     if name == "chimera" and (P % 2 or M % 2):
         raise UserError(f"chimera needs an even number of ranks and of micro-batches (got P={P}, M={M})")
     if name == "pipedream-2bw" and M < P:
-        raise UserError(f"pipedream-2bw needs --microbatches >= --ranks so two weight versions suffice (got M={M}, P={P})")
+        raise UserError(f"pipedream-2bw needs --microbatches >= --ranks so two weight versions suffice "
+                        f"(got M={M}, P={P})")
 
 
 def build(name: str, n_ranks: int, n_microbatches: int, virtual: int = 1, steps: int | None = None) -> Schedule:
@@ -265,7 +269,6 @@ def build(name: str, n_ranks: int, n_microbatches: int, virtual: int = 1, steps:
     P, M = n_ranks, n_microbatches
     n_stages = P * virtual
     n_pipes = 2 if name == "chimera" else 1
-    split = name == "zb1p"
     one_pipe = [0] * M
 
     if asynchronous:
@@ -280,7 +283,8 @@ def build(name: str, n_ranks: int, n_microbatches: int, virtual: int = 1, steps:
                 if a[0] == B and (a[3] + 1) % every == 0:
                     seq.append((OPT, 0, r, a[3]))
             actions.append(seq)
-        sched = Schedule(name, P, M, n_stages, [], virtual, steps, split, True, n_pipes, one_pipe * steps, every)
+        sched = Schedule(name, P, M, n_stages, [], virtual=virtual, n_steps=steps, asynchronous=True,
+                         mb_pipe=one_pipe * steps, update_every=every)
         sched.actions = _with_comm(sched, actions)
         return sched
 
@@ -294,7 +298,8 @@ def build(name: str, n_ranks: int, n_microbatches: int, virtual: int = 1, steps:
         one, mb_pipe = _order_zb1p(P, M), one_pipe
     else:  # chimera
         one, mb_pipe = _order_chimera(P, M)
-    sched = Schedule(name, P, M, n_stages, [], virtual, steps, split, False, n_pipes, mb_pipe * steps, M)
+    sched = Schedule(name, P, M, n_stages, [], virtual=virtual, n_steps=steps, split_backward=name == "zb1p",
+                     n_pipes=n_pipes, mb_pipe=mb_pipe * steps, update_every=M)
     actions: list[list[tuple]] = [[] for _ in range(P)]
     for k in range(steps):
         last = k * M + M - 1
@@ -339,109 +344,5 @@ def _with_comm(sched: Schedule, orders: list[list[tuple]]) -> list[list[Action]]
     return out
 
 
-# --------------------------------------------------------------------------- validation
-class ScheduleError(ValueError):
-    """A schedule breaks a dependency, placement or matching rule, or deadlocks."""
-
-
-def validate(schedule: Schedule, p2p: str = "eager") -> None:
-    """Check that ``schedule`` is executable and computes every pass exactly once.
-
-    Static rules: every action sits on the rank holding its stage replica; each
-    (pipe, stage, micro-batch) has exactly one F and one B (or one I and one W when split);
-    F of stage s+1 comes after F of stage s (backward reversed) — on one rank by list order,
-    across ranks through a RECV placed before the pass and a SEND after the producing pass,
-    each SEND matched by exactly one RECV on its peer; each OPT follows all backward pieces of
-    its accumulation window and precedes later ones. Dynamic rule: the lists, executed in order
-    with unit costs under ``p2p`` semantics (see module doc), finish — simulated to prove
-    there is no deadlock. Raises :class:`ScheduleError`.
-    """
-    from .simulate import DeadlockError, simulate  # local: simulate imports this module
-
-    S, P = schedule.n_stages, schedule.n_ranks
-    total = schedule.total_microbatches
-    every = schedule.update_every or schedule.n_microbatches
-    pieces = (I, W) if schedule.split_backward else (B,)
-    pos: dict[tuple, tuple[int, int]] = {}  # (kind, pipe, stage, mb[, peer]) -> (rank, index)
-
-    def err(msg: str) -> None:
-        raise ScheduleError(f"{schedule.name} (P={P}, M={schedule.n_microbatches}): {msg}")
-
-    for r, acts in enumerate(schedule.actions):
-        for i, a in enumerate(acts):
-            if schedule.rank_of(a.stage, a.pipe) != r:
-                err(f"{a} listed on rank {r} but stage {a.stage} (pipe {a.pipe}) lives on rank "
-                    f"{schedule.rank_of(a.stage, a.pipe)}")
-            if not 0 <= a.mb < total or schedule.mb_pipe[a.mb] != a.pipe:
-                err(f"{a} on rank {r}: micro-batch out of range or on the wrong pipe")
-            key = (a.kind, a.pipe, a.stage, a.mb)
-            if key in pos:
-                err(f"{a} appears twice")
-            pos[key] = (r, i)
-    expected = (F,) + pieces
-    for m in range(total):
-        p = schedule.mb_pipe[m]
-        for s in range(S):
-            for kind in (F, B, I, W):
-                there = (kind, p, s, m) in pos
-                if there != (kind in expected):
-                    err(f"{kind} of micro-batch {m} at stage {s} is {'unexpected' if there else 'missing'}")
-
-    def before(a: tuple, b: tuple, why: str) -> None:
-        (ra, ia), (rb, ib) = pos[a], pos[b]
-        if ra != rb or ia >= ib:
-            err(f"{a[0]}{a[3]}@s{a[2]} must precede {b[0]}{b[3]}@s{b[2]} on rank {rb} ({why})")
-
-    def need(kind: str, p: int, s: int, m: int, src_stage: int, src_kind: str, recv: str, send: str) -> None:
-        me, src = schedule.rank_of(s, p), schedule.rank_of(src_stage, p)
-        if me == src:
-            before((src_kind, p, src_stage, m), (kind, p, s, m), "same-rank dependency")
-            return
-        if (recv, p, s, m) not in pos or (send, p, src_stage, m) not in pos:
-            err(f"{kind}{m}@s{s} needs {recv} from rank {src} matched by {send} there")
-        before((recv, p, s, m), (kind, p, s, m), "receive before use")
-        before((src_kind, p, src_stage, m), (send, p, src_stage, m), "send after produce")
-        ra, ia = pos[(recv, p, s, m)]
-        rs, is_ = pos[(send, p, src_stage, m)]
-        if schedule.actions[ra][ia].peer != rs or schedule.actions[rs][is_].peer != ra:
-            err(f"{send}/{recv} of micro-batch {m} between stages {src_stage}/{s} name the wrong peers")
-
-    first_bwd = pieces[0]
-    for m in range(total):
-        p = schedule.mb_pipe[m]
-        for s in range(S):
-            before((F, p, s, m), (first_bwd, p, s, m), "forward before backward")
-            if schedule.split_backward:
-                before((I, p, s, m), (W, p, s, m), "input-grad before weight-grad")
-            if s > 0:
-                need(F, p, s, m, s - 1, F, RECV_F, SEND_F)
-            if s < S - 1:
-                need(first_bwd, p, s, m, s + 1, first_bwd, RECV_B, SEND_B)
-    n_comm = sum(a.kind in COMM_KINDS for acts in schedule.actions for a in acts)
-    n_needed = sum(1 for m in range(total) for s in range(S - 1)
-                   if schedule.rank_of(s, schedule.mb_pipe[m]) != schedule.rank_of(s + 1, schedule.mb_pipe[m])) * 4
-    if n_comm != n_needed:
-        err(f"{n_comm} send/receive actions where {n_needed} are needed (unmatched or spurious transfers)")
-
-    for r, acts in enumerate(schedule.actions):
-        for p, s in schedule.local_stages(r):
-            opts = [i for i, a in enumerate(acts) if a.kind == OPT and a.stage == s and a.pipe == p]
-            mine = [m for m in range(total) if schedule.mb_pipe[m] == p]
-            ends = [m for m in range(every - 1, total, every)]
-            if [acts[i].mb for i in opts] != ends:
-                err(f"rank {r} stage {s}: optimizer steps after micro-batches {[acts[i].mb for i in opts]}, "
-                    f"expected {ends}")
-            for i in opts:
-                hi = acts[i].mb
-                for m in mine:
-                    _, j = pos[(pieces[-1], p, s, m)]
-                    if (hi - every < m <= hi) != (j < i) and m <= hi:
-                        err(f"rank {r} stage {s}: update after micro-batch {hi} misses backward of {m}")
-                    if m > hi and j < i:
-                        err(f"rank {r} stage {s}: backward of {m} precedes the update closing {hi}")
-                    if not schedule.asynchronous and m > hi and pos[(F, p, s, m)][1] < i:
-                        err(f"rank {r} stage {s}: forward of {m} precedes the flush at {hi}")
-    try:
-        simulate(schedule, p2p=p2p)
-    except DeadlockError as e:
-        err(str(e))
+# validation lives in .checks; re-exported here for callers of schedules.validate
+from .checks import ScheduleError, rendezvous_safe, validate  # noqa: E402,F401

@@ -12,7 +12,8 @@ Definitions used in every report (units: seconds, bytes):
   step ends when the last rank finishes its optimizer step), divided by ``n_steps`` when
   several steps were laid out. Asynchronous schedules (no flush): the steady-state period,
   per rank the time between the end of its update closing window 1 and the one closing
-  window ``n_steps - 1``, divided by ``n_steps - 2``; the step time is the slowest rank's.
+  window ``n_steps - 1``, divided by ``n_steps - 2``; the step time is the slowest rank's
+  (with fewer than 3 steps laid out, the makespan / ``n_steps``, warm-up and drain included).
 * **busy** — time in compute passes (F, B, I, W, OPT). Waiting on a receive or a gradient
   sync is idle: that is the pipeline bubble plus exposed communication.
 * **bubble fraction of rank r** = (step time − busy_r) / step time (for async, measured in the
@@ -37,7 +38,7 @@ from typing import NamedTuple, Sequence
 
 from scaletrain.errors import UserError
 
-from .schedules import (B, BACKWARD_KINDS, COMPUTE_KINDS, F, GRAD_SYNC, I, OPT, RECV_B, RECV_F,
+from .schedules import (B, COMPUTE_KINDS, F, GRAD_SYNC, I, OPT, RECV_B, RECV_F,
                         SEND_B, SEND_F, W, Action, Schedule)
 
 
@@ -123,6 +124,9 @@ class SimResult:
     bubble_per_rank: list[float]
     bubble_fraction: float
     peak_inflight: list[int]
+    peak_inflight_equiv: list[float]
+    """Peak live activations in micro-batch equivalents: each set weighs P/S (1/v for
+    interleaved, whose stages are 1/v of a rank's share; 1 otherwise)."""
     peak_inflight_stage: dict[tuple[int, int], int]
     """(pipe, stage) -> peak live activation sets of that stage replica."""
     peak_weight_versions: list[int]
@@ -130,9 +134,9 @@ class SimResult:
     events: list[Event] = field(repr=False, default_factory=list)
 
     def to_dict(self, events: bool = False) -> dict:
-        d = {k: getattr(self, k) for k in ("schedule", "n_ranks", "n_microbatches", "step_time_s", "makespan_s",
-                                             "busy_s", "bubble_per_rank", "bubble_fraction", "peak_inflight",
-                                             "peak_weight_versions", "peak_memory_bytes")}
+        keys = ("schedule", "n_ranks", "n_microbatches", "step_time_s", "makespan_s", "busy_s", "bubble_per_rank",
+                "bubble_fraction", "peak_inflight", "peak_inflight_equiv", "peak_weight_versions", "peak_memory_bytes")
+        d = {k: getattr(self, k) for k in keys}
         if events:
             d["events"] = [list(e) for e in self.events]
         return d
@@ -250,6 +254,17 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
     return _summarise(schedule, costs, events)
 
 
+def summarise(schedule: Schedule, events: Sequence[Event], costs: StageCosts | None = None) -> SimResult:
+    """Step time, per-rank bubble, in-flight counts (and, given ``costs``, the memory model) of
+    *measured* events — e.g. :attr:`~.runtime.PipelineRuntime.events` of one step, times from the
+    step's common origin — with exactly the definitions :func:`simulate` reports, so measurement
+    and prediction compare like for like. Events must cover every rank's compute passes."""
+    costs = costs or StageCosts.unit(schedule)
+    costs.check(schedule.n_stages)
+    evs = sorted((Event(*e) for e in events), key=lambda e: (e.start_s, e.end_s))
+    return _summarise(schedule, costs, evs)
+
+
 def _summarise(schedule: Schedule, costs: StageCosts, events: list[Event]) -> SimResult:
     P = schedule.n_ranks
     makespan = max((e.end_s for e in events), default=0.0)
@@ -272,8 +287,9 @@ def _summarise(schedule: Schedule, costs: StageCosts, events: list[Event]) -> Si
         busy = [sum(e.end_s - e.start_s for e in by_rank[r] if e.kind in work) / schedule.n_steps for r in range(P)]
     per_rank = [max(step - b, 0.0) / step if step > 0 else 0.0 for b in busy]
     inflight, inflight_stage, versions, memory = _memory(schedule, costs, by_rank)
+    equiv = [n * P / schedule.n_stages for n in inflight]  # sets on a rank are all 1/v-size
     return SimResult(schedule.name, P, schedule.n_microbatches, step, makespan, busy, per_rank,
-                     sum(per_rank) / P, inflight, inflight_stage, versions, memory, events)
+                     sum(per_rank) / P, inflight, equiv, inflight_stage, versions, memory, events)
 
 
 def _overlap(e: Event, lo: float, hi: float) -> float:
@@ -281,7 +297,8 @@ def _overlap(e: Event, lo: float, hi: float) -> float:
 
 
 def _memory(schedule: Schedule, costs: StageCosts, by_rank: Sequence[list[Event]]):
-    """Sweep each rank's events in time order: live activation sets, weight versions, bytes."""
+    """Replay each rank's events in execution order (= time order: a rank runs one pass at a
+    time) and track live activation sets, live weight versions and bytes."""
     g = costs._get
     P = schedule.n_ranks
     peak_n, peak_v, peak_b = [0] * P, [0] * P, [0.0] * P
@@ -289,22 +306,9 @@ def _memory(schedule: Schedule, costs: StageCosts, by_rank: Sequence[list[Event]
     last_piece = W if schedule.split_backward else B
     for r in range(P):
         local = schedule.local_stages(r)
-        # deltas: (time, order, kind, payload); frees (order 0) before allocations (order 1)
-        sweep = []
-        for e in by_rank[r]:
-            if e.kind == F:
-                sweep.append((e.start_s, 1, "F", e))
-            elif e.kind == last_piece:
-                sweep.append((e.end_s, 0, "END", e))
-            elif e.kind == I:
-                sweep.append((e.end_s, 0, "I", e))
-            elif e.kind == OPT:
-                sweep.append((e.end_s, 0, "OPT", e))
-        sweep.sort(key=lambda x: (x[0], x[1]))
-        current = {ps: 0 for ps in local}           # newest weight version per stage replica
-        refs = {ps: {} for ps in local}             # version -> live micro-batches using it
-        tag: dict[tuple, int] = {}
-        live_n = 0
+        current = {ps: 0 for ps in local}               # newest weight version per stage replica
+        refs: dict[tuple, dict[int, int]] = {ps: {} for ps in local}  # version -> live micro-batches
+        tag: dict[tuple, int] = {}                      # (pipe, stage, mb) -> version it was forwarded with
         live_stage = {ps: 0 for ps in local}
         act = 0.0
         static = sum(g("state_bytes", s) for _, s in local)
@@ -317,30 +321,29 @@ def _memory(schedule: Schedule, costs: StageCosts, by_rank: Sequence[list[Event]
                 wb += len(alive) * g("weight_bytes", ps[1])
             return nv, wb
 
-        for _, _, what, e in sweep:
+        peak_b[r] = static + weights()[1]
+        for e in by_rank[r]:
             ps, key = (e.pipe, e.stage), (e.pipe, e.stage, e.mb)
-            if what == "F":
-                live_n += 1
+            a_bytes = g("act_bytes", e.stage)
+            w_bytes = g("wstash_bytes", e.stage, a_bytes)  # kept from I to W; default: all of it
+            if e.kind == F:
                 live_stage[ps] += 1
                 peak_stage[ps] = max(peak_stage.get(ps, 0), live_stage[ps])
-                act += g("act_bytes", e.stage)
-                v = current[ps]
-                tag[key] = v
-                refs[ps][v] = refs[ps].get(v, 0) + 1
-            elif what == "I":
-                act += g("wstash_bytes", e.stage, g("act_bytes", e.stage)) - g("act_bytes", e.stage)
-            elif what == "END":
-                live_n -= 1
-                live_stage[ps] -= 1
-                held = "wstash_bytes" if schedule.split_backward else "act_bytes"
-                act -= g(held, e.stage, g("act_bytes", e.stage))
-                refs[ps][tag.pop(key)] -= 1
-            elif what == "OPT":
+                act += a_bytes
+                tag[key] = current[ps]
+                refs[ps][current[ps]] = refs[ps].get(current[ps], 0) + 1
+            elif e.kind == I:
+                act += w_bytes - a_bytes
+            elif e.kind == OPT:
                 current[ps] += 1
+            if e.kind == last_piece:  # the bytes were live during the pass; freed at its end
+                nv, wb = weights()
+                peak_b[r] = max(peak_b[r], static + wb + act)
+                live_stage[ps] -= 1
+                act -= w_bytes if schedule.split_backward else a_bytes
+                refs[ps][tag.pop(key)] -= 1
             nv, wb = weights()
-            peak_n[r] = max(peak_n[r], live_n)
+            peak_n[r] = max(peak_n[r], sum(live_stage.values()))
             peak_v[r] = max(peak_v[r], nv)
             peak_b[r] = max(peak_b[r], static + wb + act)
-        if not sweep:
-            peak_b[r] = static + sum(g("weight_bytes", s) for _, s in local)
     return peak_n, peak_stage, peak_v, peak_b

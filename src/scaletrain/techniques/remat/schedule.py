@@ -40,9 +40,40 @@ FORWARD_KINDS = ("Fn", "Fc", "Fe")
 GiB = 1024**3
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_bytes(value: "int | float | str | None") -> int | None:
+    """A budget as bytes: an int, or a string like '1500000000', '1.5GiB', '512MiB', '2GB'.
+
+    Binary units (KiB, MiB, GiB, TiB; K/M/G alone are binary too) and decimal ones (KB, MB,
+    GB, TB). None or '' give None (no budget).
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise UserError(f"budget must be ≥ 0 bytes, got {value}")
+        return int(value)
+    text = str(value).strip().replace(" ", "").replace("_", "")
+    i = len(text)
+    while i > 0 and text[i - 1].isalpha():
+        i -= 1
+    num, unit = text[:i], text[i:].lower()
+    try:
+        n = float(num)
+    except ValueError:
+        n = None
+    if n is None or unit not in _UNITS or n < 0:
+        raise UserError(f"cannot read budget {value!r}: give bytes (e.g. 1500000000) or a size like "
+                        f"'1.5GiB', '512MiB', '2GB'")
+    return int(n * _UNITS[unit])
+
+
 def fmt_bytes(n: float) -> str:
-    """``n`` bytes as '123456789 B (0.115 GiB)' for messages."""
-    return f"{int(n)} B ({n / GiB:.3f} GiB)"
+    """``n`` bytes as '123456789 B (0.115 GiB)', 3 significant digits for messages."""
+    return f"{int(n)} B ({n / GiB:.3g} GiB)"
 
 
 @dataclass(frozen=True)
@@ -110,6 +141,9 @@ class Graph:
 
     nodes: tuple[Node, ...]
     input_bytes: int = 0
+    loss_bytes: int = 0
+    """Peak bytes of the loss's forward + backward above what is stored, the gradient of the
+    sink's output it produces included: the sink's backward runs the loss first."""
 
     def __post_init__(self) -> None:
         n = len(self.nodes)
@@ -143,14 +177,20 @@ class Graph:
         return all(nd.preds == ((i - 1,) if i else ()) for i, nd in enumerate(self.nodes))
 
     @classmethod
-    def chain(cls, nodes: Iterable[Node], input_bytes: int = 0) -> "Graph":
+    def chain(cls, nodes: Iterable[Node], input_bytes: int = 0, loss_bytes: int = 0) -> "Graph":
         """A chain: node i reads node i-1 (node 0 reads the input); ``preds`` are overwritten."""
         nodes = [Node(**{**asdict(nd), "preds": (i - 1,) if i else ()}) for i, nd in enumerate(nodes)]
-        return cls(tuple(nodes), input_bytes)
+        return cls(tuple(nodes), input_bytes, loss_bytes)
 
     @classmethod
     def from_profile(cls, profile: Profile) -> "Graph":
-        """The chain of a :class:`Profile` (one node per block)."""
+        """The chain of a :class:`Profile` (one node per block).
+
+        The loss (``profile.meta["loss"]``, a BlockProfile dict, when present) runs inside the
+        last block's backward: its bytes go to ``loss_bytes`` and its times to that backward.
+        ``saved_bytes`` is taken as given: where a profile counts an output that autograd saves
+        in ``saved_bytes`` too, a tape is over-counted by that output (never under-counted).
+        """
         if not len(profile):
             raise UserError("the profile has no blocks")
         nodes = [
@@ -158,7 +198,16 @@ class Graph:
                  int(b.fwd_temp_bytes), int(b.bwd_temp_bytes))
             for b in profile.blocks
         ]
-        return cls.chain(nodes, int(profile.blocks[0].input_bytes))
+        loss = (profile.meta or {}).get("loss") or {}
+        # saved + the larger of the forward's temporaries and the backward's (δ of the logits
+        # = the loss input's size, plus its temporaries): an upper bound of the loss's peak.
+        loss_bytes = int(loss.get("saved_bytes", 0)) + max(
+            int(loss.get("fwd_temp_bytes", 0)), int(loss.get("input_bytes", 0)) + int(loss.get("bwd_temp_bytes", 0)))
+        loss_time = float(loss.get("fwd_time_s", 0.0)) + float(loss.get("bwd_time_s", 0.0))
+        if loss_time:
+            last = nodes[-1]
+            nodes[-1] = Node(**{**asdict(last), "bwd_time_s": last.bwd_time_s + loss_time})
+        return cls.chain(nodes, int(profile.blocks[0].input_bytes), loss_bytes)
 
 
 def as_graph(obj: "Graph | Profile") -> Graph:

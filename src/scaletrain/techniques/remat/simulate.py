@@ -19,15 +19,24 @@ What is **live during** an operation = stored before it, plus:
   that of the recording forward; we charge both the same (an upper bound, never an
   underestimate). Inputs forgotten by ``Fn`` are freed only *after* the forward.
 - ``B_i``: ``bwd_temp_bytes`` of block i, plus the new gradient buffers it creates
-  (``out_bytes`` of each predecessor that has no gradient yet), plus, for the sink, ``δ`` of
-  its output (``out_bytes``), which the loss produces.
+  (``out_bytes`` of each predecessor that has no gradient yet); for the sink, whose
+  backward first runs the loss, the larger of the loss's peak (``Graph.loss_bytes``) and
+  ``δ`` of its output (``out_bytes``, made by the loss) plus the above.
 - ``Dp``/``Dt``: nothing (they only free).
+
+A tape holds its block's input (autograd saves it, and the executor keeps it to read its
+gradient), so the plain copy of ``a_i`` cannot be dropped while the tape of a successor of i
+exists: ``Dp_i`` is then invalid and ``Fn`` keeps that input.
 
 After ``B_i`` the tape of i, ``δ_i`` and the plain copy of every predecessor whose successors
 have all done their backward are freed. The peak of a schedule is the maximum over its
 operations of the live bytes during the operation (stored bytes after any operation never
 exceed that operation's live bytes). Time = Σ ``fwd_time_s`` over forwards + Σ
 ``bwd_time_s`` over backwards (recording or not, a forward is charged the same time).
+
+Where the executor frees earlier than this model says, the model is an upper bound: it lets
+go of the sink's output (the logits) once the loss is computed, as plain autograd does, while
+the model counts the sink's tape until its backward ends.
 
 A valid schedule ends with every backward done and nothing stored but the input; the
 simulator raises ``ValueError`` naming the first invalid operation otherwise.
@@ -69,6 +78,10 @@ class SimState:
     def available(self, i: int) -> bool:
         return i in self.plain or i in self.tape
 
+    def pinned(self, i: int) -> bool:
+        """True while the tape of a successor of ``i`` exists: that tape holds ``a_i`` (its input)."""
+        return any(s in self.tape for s in self.g.succs[i])
+
     def copy(self) -> "SimState":
         s = SimState.__new__(SimState)
         s.g, s.stored, s.time_s = self.g, self.stored, self.time_s
@@ -98,6 +111,8 @@ class SimState:
                 return f"{op}: backward of a successor of {i} not done"
         if op.kind == "Dp" and i not in self.plain:
             return f"{op}: no plain copy of {i}"
+        if op.kind == "Dp" and self.pinned(i):
+            return f"{op}: a tape of a successor of {i} holds it (drop that tape first)"
         if op.kind == "Dt" and i not in self.tape:
             return f"{op}: no tape of {i}"
         if op.kind not in ("Fn", "Fc", "Fe", "B", "Dp", "Dt"):
@@ -111,8 +126,8 @@ class SimState:
             return self.stored + nd.out_bytes + nd.saved_bytes + nd.fwd_temp_bytes
         if op.kind == "B":
             extra = nd.bwd_temp_bytes + sum(self.g.nodes[p].out_bytes for p in nd.preds if p not in self.grad)
-            if not self.g.succs[op.index]:
-                extra += nd.out_bytes  # δ of the sink's output, made by the loss
+            if not self.g.succs[op.index]:  # the loss runs first and makes δ of the output
+                extra = max(self.g.loss_bytes, nd.out_bytes + extra)
             return self.stored + extra
         return self.stored
 
@@ -130,7 +145,8 @@ class SimState:
             self.time_s += nd.fwd_time_s
             if op.kind == "Fn":
                 for p in nd.preds:
-                    self._drop_plain(p)
+                    if not self.pinned(p):
+                        self._drop_plain(p)
         elif op.kind == "Fe":
             self._drop_plain(i)
             self.tape.add(i)

@@ -1,0 +1,222 @@
+"""scaletrain's ZeRO-2 and ZeRO-3 side by side with DeepSpeed ZeRO-2/3, plain FSDP2 and DDP.
+
+Same GPT-2 shape, same weights (seed), same batches, same AdamW, fp32, gradient clipping 1.0, on
+``--world`` CPU processes with gloo (one thread each), in one invocation, rounds interleaved so
+that machine load hits every variant alike. Variants:
+
+- ``scaletrain-zero2``: :class:`scaletrain.techniques.zero.ZeroStrategy` (stage 2);
+- ``deepspeed-zero2`` / ``deepspeed-zero3``: ``deepspeed.initialize`` with ``zero_optimization.stage``
+  2 / 3, ``overlap_comm``, bucket sizes set to the same 25 MiB as ours (``DS_ACCELERATOR=cpu``);
+- ``scaletrain-zero3``: :class:`scaletrain.techniques.zero.FSDPStrategy` (fully_shard per block,
+  root resharded too, explicit prefetch, optimizer on local shards);
+- ``fully_shard``: plain FSDP2 as its docs show it (per block + root, default resharding, the
+  optimizer on the DTensor parameters) — the native path stage 3 builds on;
+- ``ddp``: torch DDP, the native replicated baseline for stage 2.
+
+Reported per variant: median step time (the slowest rank's, over the timed steps, over rounds),
+ratio to the scaletrain variant of the same stage, per-rank peak RSS growth over the process's
+RSS before the model was built (what model states + activations + buffers cost on this rank), and
+the losses (they must agree across variants). Output: ``benchmarks/results/dataparallel_zero.json``.
+
+    DS_ACCELERATOR=cpu .venv/bin/python benchmarks/dataparallel/zero_vs_deepspeed.py
+    (needs `.venv/bin/pip install -c constraints.txt deepspeed==0.19.8`, benchmark-only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+VARIANTS = ("ddp", "scaletrain-zero2", "deepspeed-zero2", "fully_shard", "scaletrain-zero3", "deepspeed-zero3")
+BUCKET_MB = 25.0
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _model(args):
+    from scaletrain import models
+
+    torch.manual_seed(0)
+    return models.get("gpt2-tiny", n_layer=args.layers, n_embd=args.hidden, n_head=args.heads,
+                      n_positions=args.seq)
+
+
+def _batches(args, rank: int, world: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(args.warmup + args.steps):
+        x = torch.randint(0, 256, (args.micro * world, args.seq + 1), generator=g)
+        out.append(x[rank * args.micro:(rank + 1) * args.micro])
+    return out
+
+
+def _loss(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+
+
+def _run(rank: int, world: int, variant: str, args) -> dict:
+    warnings.filterwarnings("ignore")
+    base = _rss()
+    model = _model(args)
+    batches = _batches(args, rank, world)
+    device = torch.device("cpu")
+    opt_kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    step_fn = None
+    if variant.startswith("deepspeed"):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        stage = int(variant[-1])
+        elems = int(BUCKET_MB * 2**20 / 4)
+        cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+               "train_batch_size": args.micro * world, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+               "zero_allow_untested_optimizer": True,
+               "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                                     "reduce_bucket_size": elems, "allgather_bucket_size": elems,
+                                     "stage3_prefetch_bucket_size": elems}}
+        opt = torch.optim.AdamW(model.parameters(), **opt_kw)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, dist_init_required=False)
+
+        def step_fn(x):
+            loss = _loss(engine(x[:, :-1]), x)
+            engine.backward(loss)
+            engine.step()
+            return loss
+    elif variant == "fully_shard":
+        from torch.distributed.fsdp import fully_shard
+
+        for b in model.h:
+            fully_shard(b)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), **opt_kw)
+
+        def step_fn(x):
+            loss = _loss(model(x[:, :-1]), x)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    else:
+        from scaletrain.techniques import data_parallel as dpm
+        from scaletrain.techniques import zero
+
+        if variant == "ddp":
+            strat = dpm.DDPStrategy(model, rank, world, device, bucket_mb=BUCKET_MB)
+        elif variant == "scaletrain-zero2":
+            strat = zero.ZeroStrategy(model, 2, rank, world, device, bucket_mb=BUCKET_MB)
+        else:
+            strat = zero.FSDPStrategy(model, rank, world, device)
+        opt = strat.build_optimizer(lambda m: torch.optim.AdamW(m.parameters(), **opt_kw))
+        fwd = strat.forward_module
+
+        def step_fn(x):
+            with strat.micro_batch(True):
+                loss = _loss(fwd(x[:, :-1]), x)
+                loss.backward()
+            strat.after_backward(True)
+            strat.prepare_step(opt)
+            strat.clip_grad_norm(opt, 1.0)
+            opt.step()
+            strat.after_step()
+            strat.zero_grad(opt)
+            return loss
+    times, losses = [], []
+    for i, x in enumerate(batches):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step_fn(x)
+        dist.barrier()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return {"times": times, "losses": losses, "peak_growth_bytes": peak - base}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro", type=int, default=4, help="samples per rank per step")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default=str(RESULTS / "dataparallel_zero.json"))
+    args = p.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from scaletrain.testing import run_distributed
+
+    variants = args.variants.split(",")
+    raw: dict[str, list] = {v: [] for v in variants}
+    for rnd in range(args.rounds):
+        for v in variants:
+            t0 = time.time()
+            res = run_distributed(_run, args.world, v, args, timeout_s=1800)
+            raw[v].append(res)
+            print(f"round {rnd} {v}: {time.time() - t0:.0f} s wall, step "
+                  f"{statistics.median(max(r['times'][i] for r in res) for i in range(args.steps)) * 1e3:.0f} ms",
+                  flush=True)
+    n_params = sum(p.numel() for p in _model(args).parameters())
+    table = {}
+    for v in variants:
+        steps = [max(r["times"][i] for r in res) for res in raw[v] for i in range(args.steps)]
+        table[v] = {"step_time_s": statistics.median(steps),
+                    "step_time_s_all": steps,
+                    "peak_rss_growth_bytes_per_rank": max(r["peak_growth_bytes"] for res in raw[v] for r in res),
+                    "losses": raw[v][0][0]["losses"]}
+    for v, ref in (("deepspeed-zero2", "scaletrain-zero2"), ("ddp", "scaletrain-zero2"),
+                   ("deepspeed-zero3", "scaletrain-zero3"), ("fully_shard", "scaletrain-zero3")):
+        if v in table and ref in table:
+            table[ref].setdefault("step_time_ratio_to", {})[v] = table[ref]["step_time_s"] / table[v]["step_time_s"]
+    out = {"benchmark": "dataparallel_zero", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                       "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
+           "torch": torch.__version__, "deepspeed": _version("deepspeed"), "python": sys.version.split()[0],
+           "setup": {**vars(args), "params": n_params, "dtype": "fp32", "optimizer": "torch AdamW foreach",
+                     "bucket_mb": BUCKET_MB, "threads_per_rank": 1, "backend": "gloo"},
+           "results": table}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"{'variant':18s} {'step ms':>8s} {'ratio':>6s} {'peak MiB/rank':>13s}  losses")
+    for v in variants:
+        r = table[v]
+        ratio = r.get("step_time_ratio_to", {})
+        ratio_s = ", ".join(f"{k}:{x:.2f}" for k, x in ratio.items())
+        print(f"{v:18s} {r['step_time_s'] * 1e3:8.0f} {'':6s} {r['peak_rss_growth_bytes_per_rank'] / 2**20:13.0f}  "
+              f"{r['losses'][0]:.4f} .. {r['losses'][-1]:.4f} {ratio_s}")
+    print(f"wrote {args.out}")
+
+
+def _version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+if __name__ == "__main__":
+    main()

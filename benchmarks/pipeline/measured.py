@@ -1,0 +1,246 @@
+"""Measured pipeline steps versus the simulator: step time, per-rank bubble, peak memory.
+
+For P = 2 and 4 ranks (gloo, CPU, one thread each) and every schedule, the runtime trains
+GPT-2 tiny (6 layers) with AdamW on M = 8 micro-batches and records its compute events. Then:
+
+* measured step time and per-rank bubble come from those events through
+  :func:`scaletrain.techniques.pipeline.summarise` — the simulator's own definitions;
+* the prediction is :func:`~scaletrain.techniques.pipeline.simulate` of the same schedule with
+  the per-stage costs of the same measured step (median F, B, I, W, optimizer time) and a link
+  fitted to a ping-pong between ranks (latency + bytes / bandwidth): it tests the simulator's
+  *composition* of costs into a step, not the cost estimates. The shortest measured step is
+  reported (the least disturbed by other processes on a shared machine), with medians over steps;
+* memory: the peak of every rank (:class:`scaletrain.measure.tracker.MemoryTracker`: weights,
+  gradients, AdamW states, activations, temporaries) versus the simulator's
+  ``peak_memory_bytes`` with per-stage bytes from the cost face — parameters counted from the
+  stage modules, gradients + AdamW states = 3 × parameter bytes, and activation bytes per
+  in-flight micro-batch from the fake-tensor estimate (:func:`scaletrain.measure.estimate.
+  estimate_chain`): Σ over the stage's blocks of (input + saved-for-backward bytes), plus the
+  stage's output (kept for its backward and the send) or, on the last stage, the loss's bytes.
+
+Run: ``python benchmarks/pipeline/measured.py [--ranks 2 4] [--steps 5]``; writes
+``benchmarks/results/pipeline_measured.json`` and measured timelines
+``benchmarks/results/pipeline_timeline_<schedule>_P<P>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from itertools import cycle
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MB, RESULTS, SEQ, example_input, lm_loss, make_model, random_microbatches, write_json  # noqa: E402
+
+from scaletrain.techniques.pipeline import SCHEDULES, Link, StageCosts, build, simulate, summarise  # noqa: E402
+from scaletrain.testing import run_distributed  # noqa: E402
+
+M = 8
+ASYNC_WINDOWS = 5
+
+
+def _pingpong(rank: int, world: int, nbytes: int, reps: int = 15) -> float:
+    """One-way time (s) of an ``nbytes`` message between rank pairs (0,1), (2,3)...: median RTT / 2."""
+    peer = rank ^ 1
+    buf = torch.zeros(max(nbytes // 4, 1))
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank % 2 == 0:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+        times.append((time.perf_counter() - t) / 2)
+    return statistics.median(times)
+
+
+def _worker(rank: int, world: int, schedules: list[str], steps: int) -> dict:
+    from scaletrain.measure.tracker import MemoryTracker
+    from scaletrain.techniques.pipeline.runtime import PipelineRuntime
+
+    out: dict = {"link": {n: _pingpong(rank, world, n) for n in (1024, MB * SEQ * 128 * 4, 4 << 20)}}
+    mbs = random_microbatches(M)
+    for name in schedules:
+        v = 2 if name == "interleaved" else 1
+        model = make_model()
+        rt = PipelineRuntime(model, name, M, pp=world, virtual=v, loss_fn=lm_loss, example_input=example_input(),
+                             timeout_s=300)
+        opt = torch.optim.AdamW(rt.parameters(), lr=1e-3)
+
+        def update() -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        runs = []
+        if rt.asynchronous:
+            rt.train(3, cycle(mbs), update)  # warm-up stream
+            rt.train(ASYNC_WINDOWS, cycle(mbs), update)
+            runs.append([tuple(e) for e in rt.events])
+        else:
+            for _ in range(2):
+                rt.train_step(iter(mbs), update)
+            for _ in range(steps):
+                rt.train_step(iter(mbs), update)
+                runs.append([tuple(e) for e in rt.events])
+        with MemoryTracker(model=rt.module, optimizer=opt) as tr:
+            if rt.asynchronous:
+                rt.train(ASYNC_WINDOWS, cycle(mbs), update)
+            else:
+                rt.train_step(iter(mbs), update)
+        stage_params = {f"{p}:{s}": sum(t.numel() * t.element_size() for t in dict.fromkeys(r.module.parameters()))
+                        for (p, s), r in rt.replicas.items()}
+        out[name] = {"runs": runs, "peak_bytes": tr.peak_bytes, "peak_breakdown": tr.peak_breakdown,
+                     "stage_param_bytes": stage_params, "bounds": rt.bounds,
+                     "boundary_bytes": [sp.nbytes for sp in rt.specs]}
+        rt.close()
+    return out
+
+
+def _fit_link(samples: dict[int, float]) -> Link:
+    """Least-squares latency + bytes/bandwidth through the ping-pong points."""
+    xs, ys = list(samples), list(samples.values())
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = max(slope, 1e-15)
+    return Link(bandwidth_Bps=1.0 / slope, latency_s=max(my - slope * mx, 0.0))
+
+
+def _act_bytes(bounds: list[int], n_stages: int) -> list[float]:
+    """Activation bytes one in-flight micro-batch keeps on each stage (see the module doc)."""
+    from scaletrain.chain import to_chain
+    from scaletrain.measure.estimate import estimate_chain
+
+    chain = to_chain(make_model())
+    prof = estimate_chain(chain, example_input(), target=torch.zeros(MB, SEQ, dtype=torch.long), loss_fn=lm_loss)
+    blocks, loss = prof.blocks, prof.meta["loss"]
+    acts = []
+    for s in range(n_stages):
+        seg = blocks[bounds[s]:bounds[s + 1]]
+        a = sum(b.input_bytes + b.saved_bytes for b in seg)
+        a += (loss["input_bytes"] + loss["saved_bytes"]) if s == n_stages - 1 else seg[-1].output_bytes
+        acts.append(float(a))
+    return acts
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def _costs(sched, run: list, wbytes: list[float], acts: list[float], boundary: list[float]) -> StageCosts:
+    """Per-stage costs of one measured step: median F, B (or I and W) and optimizer time."""
+    S, P = sched.n_stages, sched.n_ranks
+    dur: dict[tuple[str, int], list[float]] = {}
+    for e in run:
+        dur.setdefault((e[1], e[5]), []).append(e[4] - e[3])
+    f = [_median(dur.get(("F", s), [])) for s in range(S)]
+    i = [_median(dur.get(("I", s), [])) for s in range(S)]
+    w = [_median(dur.get(("W", s), [])) for s in range(S)]
+    b = [_median(dur.get(("B", s), [])) or i[s] + w[s] for s in range(S)]
+    # a rank's update is recorded once per window; the simulator charges each OPT action (one per
+    # local stage replica), so spread it; a stage held by two ranks (Chimera) takes the mean
+    opt_cost: dict[int, list[float]] = {}
+    for r in range(P):
+        d = [e[4] - e[3] for e in run if e[0] == r and e[1] == "OPT"]
+        local = sched.local_stages(r)
+        c = _median(d) / (1 if sched.asynchronous else len(local))
+        for _, s in local:
+            opt_cost.setdefault(s, []).append(c)
+    return StageCosts(fwd_s=f, bwd_s=b, igrad_s=i if sched.split_backward else None,
+                      opt_s=[statistics.fmean(opt_cost[s]) for s in range(S)], boundary_bytes=boundary,
+                      act_bytes=acts, weight_bytes=wbytes, state_bytes=[3.0 * x for x in wbytes])
+
+
+def analyse(P: int, name: str, rec: dict, link: Link) -> dict:
+    """Measured versus simulated, step by step: each measured step is simulated with its own
+    per-stage costs; the least-disturbed step (shortest) is reported, with the median over steps."""
+    v = 2 if name == "interleaved" else 1
+    sched = build(name, P, M, v, steps=ASYNC_WINDOWS if name in ("pipedream", "pipedream-2bw") else None)
+    S = sched.n_stages
+    wbytes = [0.0] * S
+    for key, nb in rec["stage_param_bytes"].items():
+        wbytes[int(key.split(":")[1])] = float(nb)
+    acts = _act_bytes(rec["bounds"], S)
+    boundary = [float(x) for x in rec["boundary_bytes"][1:]]
+    steps = []
+    for run in rec["runs"]:
+        costs = _costs(sched, run, wbytes, acts, boundary)
+        steps.append((summarise(sched, run, costs), simulate(sched, costs, link), costs))
+    meas, sim, costs = min(steps, key=lambda t: t[0].step_time_s)
+    peaks = rec["peak_bytes"]
+    diff = [abs(a - c) for a, c in zip(meas.bubble_per_rank, sim.bubble_per_rank)]
+    return {
+        "measured": {"step_time_s": meas.step_time_s, "bubble_per_rank": meas.bubble_per_rank,
+                     "bubble_fraction": meas.bubble_fraction, "peak_memory_bytes": peaks,
+                     "peak_breakdown": rec["peak_breakdown"], "peak_inflight": meas.peak_inflight},
+        "simulated": {"step_time_s": sim.step_time_s, "bubble_per_rank": sim.bubble_per_rank,
+                      "bubble_fraction": sim.bubble_fraction, "peak_memory_bytes": sim.peak_memory_bytes,
+                      "peak_inflight": sim.peak_inflight},
+        "ratio_step_time": meas.step_time_s / sim.step_time_s,
+        "bubble_abs_diff_per_rank": diff,
+        "ratio_peak_memory": [m / s for m, s in zip(peaks, sim.peak_memory_bytes)],
+        "median_over_steps": {
+            "ratio_step_time": _median([m.step_time_s / s.step_time_s for m, s, _ in steps]),
+            "bubble_fraction_measured": _median([m.bubble_fraction for m, _, _ in steps]),
+            "bubble_fraction_simulated": _median([s.bubble_fraction for _, s, _ in steps]),
+        },
+        "within_10pct": {"step_time": abs(meas.step_time_s / sim.step_time_s - 1) <= 0.1,
+                         "bubble_per_rank": [d <= 0.1 for d in diff],
+                         "peak_memory_per_rank": [abs(m / s - 1) <= 0.1 for m, s in zip(peaks, sim.peak_memory_bytes)]},
+        "stage_costs": {"fwd_s": costs.fwd_s, "bwd_s": costs.bwd_s, "igrad_s": costs.igrad_s, "opt_s": costs.opt_s,
+                        "act_bytes": acts, "weight_bytes": wbytes},
+        "n_steps_measured": len(steps),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per synchronous schedule")
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
+    args = ap.parse_args()
+    from scaletrain.techniques.pipeline.timeline import draw
+
+    out: dict = {"model": "gpt2-tiny n_layer=6", "micro_batch": MB, "seq": SEQ, "microbatches": M,
+                 "command": "python benchmarks/pipeline/measured.py " + " ".join(sys.argv[1:]), "results": {}}
+    for P in args.ranks:
+        t = time.time()
+        per_rank = run_distributed(_worker, P, args.schedules, args.steps, timeout_s=1800)
+        link_pts = {int(n): statistics.median(r["link"][n] for r in per_rank) for n in per_rank[0]["link"]}
+        link = _fit_link(link_pts)
+        res = {"link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps, "points": link_pts},
+               "wall_s": None}
+        for name in args.schedules:
+            rec = {k: per_rank[0][name][k] for k in ("stage_param_bytes", "bounds", "boundary_bytes")}
+            rec["runs"] = [sorted(e for r in per_rank for e in r[name]["runs"][k])
+                           for k in range(len(per_rank[0][name]["runs"]))]
+            rec["peak_bytes"] = [r[name]["peak_bytes"] for r in per_rank]
+            rec["peak_breakdown"] = [r[name]["peak_breakdown"] for r in per_rank]
+            rec["stage_param_bytes"] = {k: v for r in per_rank for k, v in r[name]["stage_param_bytes"].items()}
+            res[name] = analyse(P, name, rec, link)
+            runs = rec["runs"]
+            pick = min(range(len(runs)), key=lambda k: max(e[4] for e in runs[k]))  # the reported step
+            png = RESULTS / f"pipeline_timeline_{name}_P{P}.png"
+            draw(runs[pick], png, n_ranks=P, title=f"{name} P={P} M={M} measured (gloo, CPU): bubble "
+                 f"{res[name]['measured']['bubble_fraction']:.3f}, simulated {res[name]['simulated']['bubble_fraction']:.3f}")
+            m, s = res[name]["measured"], res[name]["simulated"]
+            print(f"P={P} {name:14s} step {m['step_time_s'] * 1e3:7.1f} ms (sim {s['step_time_s'] * 1e3:7.1f}, "
+                  f"x{res[name]['ratio_step_time']:.3f})  bubble {m['bubble_fraction']:.3f} (sim "
+                  f"{s['bubble_fraction']:.3f})  peak MiB " + " ".join(
+                      f"{a / 2**20:.1f}/{b / 2**20:.1f}" for a, b in zip(m["peak_memory_bytes"], s["peak_memory_bytes"])),
+                  flush=True)
+        res["wall_s"] = time.time() - t
+        out["results"][str(P)] = res
+    print("wrote", write_json("pipeline_measured.json", out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""``scaletrain remat``: rematerialization schedules of a model for a memory budget.
+
+Plans each method on the model's estimated Profile (fake tensors, nothing allocated) and prints
+its predicted activation peak and time; ``--measure`` also runs one real step per method on
+this machine (CPU) and reports the measured peak (memory tracker), median step time and
+whether the gradients equal plain autograd's bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+NAME = "remat"
+HELP = "rematerialization schedules for a memory budget: predicted (and measured) peak and time"
+DESCRIPTION = __doc__ + """
+The budget covers activations: the batch, stored activations, tensors saved for backward,
+activation gradients and temporaries — not parameters, their gradients or optimizer state.
+
+examples:
+  scaletrain remat --model gpt2-tiny --batch 4 --seq 64 --budget 8MiB
+  scaletrain remat --model resnet-mini --batch 8 --budget 20MiB --methods optimal periodic --measure --json
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from scaletrain.techniques.remat import METHODS
+
+    p.add_argument("--model", required=True, help="reference model name (see `scaletrain models`)")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length for language models")
+    p.add_argument("--budget", required=True, help="activation memory budget: bytes or a size like 1.5GiB, 512MiB")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD",
+                   help=f"methods to plan (default: all of {', '.join(METHODS)})")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="autocast precision")
+    p.add_argument("--time-limit", type=float, default=20.0, help="ilp solver time limit, seconds (default 20)")
+    p.add_argument("--measure", action="store_true", help="run each schedule once for real and measure it")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats with --measure (median kept)")
+    p.add_argument("--show-ops", action="store_true", help="print each schedule's operations")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per method")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from scaletrain import models
+    from scaletrain.chain import to_chain
+    from scaletrain.errors import UserError
+    from scaletrain.measure.step import autocast, loss_for, make_batch
+    from scaletrain.techniques import remat
+    from scaletrain.techniques.remat.fromtrace import estimate_graph
+    from scaletrain.techniques.remat.measure_run import measure_autograd, measure_schedule, same_grads
+
+    if args.model not in models.names():
+        raise UserError(f"unknown model {args.model!r}; allowed: {', '.join(models.names())}")
+    if args.batch < 1:
+        raise UserError(f"--batch must be ≥ 1, got {args.batch}")
+    budget = remat.parse_bytes(args.budget)
+    if budget is None:
+        raise UserError("--budget is empty: give bytes or a size like 1.5GiB")
+    meta_model = models.get(args.model, device="meta")
+    meta_chain = to_chain(meta_model)
+    with FakeTensorMode():
+        x_fake, y_fake = make_batch(meta_chain, args.batch, args.seq)
+    graph, profile = estimate_graph(meta_chain, x_fake, target=y_fake, precision=args.precision, name=args.model)
+    lowest = remat.min_budget(graph, "optimal")
+    if budget < lowest:
+        raise UserError(f"budget {remat.fmt_bytes(budget)} is below the minimum feasible {remat.fmt_bytes(lowest)} "
+                        f"for {args.model} (batch {args.batch}{f', seq {args.seq}' if args.seq else ''})")
+    rows = []
+    for method in args.methods:
+        row = {"method": method, "budget_bytes": budget, "predicted_peak_bytes": None, "predicted_time_s": None,
+               "measured_peak_bytes": None, "step_time_s": None, "grads_match": None}
+        try:
+            opts = {"time_limit": args.time_limit} if method == "ilp" else {}
+            s = remat.solve(graph, budget, method, **opts)
+        except UserError as e:
+            row["error"] = str(e)
+            rows.append(row)
+            continue
+        row.update(predicted_peak_bytes=s.predicted_peak_bytes, predicted_time_s=s.predicted_time_s,
+                   forwards=s.n_forwards, blocks=len(graph), ops=str(s))
+        row["_schedule"] = s
+        rows.append(row)
+    if args.measure:
+        torch.manual_seed(0)
+        model = models.get(args.model)
+        chain = to_chain(model)
+        x, y = make_batch(chain, args.batch, args.seq)
+        loss_fn = loss_for(model)
+        with autocast(args.precision, "cpu"):
+            ref = measure_autograd(model, chain, x, y, loss_fn, repeats=args.repeats)
+        for row in rows:
+            if "_schedule" not in row:
+                continue
+            with autocast(args.precision, "cpu"):
+                m = measure_schedule(model, chain, row["_schedule"], x, y, loss_fn, repeats=args.repeats)
+            row.update(measured_peak_bytes=m["measured_peak_bytes"], step_time_s=m["step_time_s"],
+                       grads_match=same_grads(m["grads"], ref["grads"]))
+        rows.append({"method": "autograd", "budget_bytes": budget, "predicted_peak_bytes": None,
+                     "predicted_time_s": None, "measured_peak_bytes": ref["measured_peak_bytes"],
+                     "step_time_s": ref["step_time_s"], "grads_match": True,
+                     "note": "plain loss.backward(), the reference"})
+    for row in rows:
+        row.pop("_schedule", None)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    _print_table(args, profile, graph, budget, lowest, rows)
+    return 0
+
+
+def _print_table(args, profile, graph, budget, lowest, rows) -> None:
+    from scaletrain.techniques.remat import baseline_time, min_budget
+
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.2f}"
+    ms = lambda s: "-" if s is None else f"{s * 1e3:.2f}"
+    none_peak = min_budget(graph, "none")
+    base = baseline_time(graph)
+    print(f"{args.model}: {len(graph)} blocks, batch {args.batch}"
+          f"{f', seq {args.seq}' if args.seq else ''}, {args.precision}; budget {mib(budget)} MiB "
+          f"(minimum feasible {mib(lowest)} MiB, no remat {mib(none_peak)} MiB; estimated profile)")
+    head = f"{'method':<10} {'pred peak MiB':>13} {'pred time':>10} {'fwds':>5}"
+    if args.measure:
+        head += f" {'meas peak MiB':>13} {'step ms':>9} {'grads':>6}"
+    print(head)
+    for r in rows:
+        if r.get("error"):
+            print(f"{r['method']:<10} infeasible: {r['error']}")
+            continue
+        pt = "-" if r["predicted_time_s"] is None else f"{r['predicted_time_s'] / base:.3f}x"
+        line = f"{r['method']:<10} {mib(r['predicted_peak_bytes']):>13} {pt:>10} {r.get('forwards', '-'):>5}"
+        if args.measure:
+            gm = "-" if r["grads_match"] is None else ("equal" if r["grads_match"] else "DIFF")
+            line += f" {mib(r['measured_peak_bytes']):>13} {ms(r['step_time_s']):>9} {gm:>6}"
+        print(line)
+        if args.show_ops and r.get("ops"):
+            print(f"    {r['ops']}")
+    print("pred time: predicted step time relative to no rematerialization (times estimated from FLOPs)")

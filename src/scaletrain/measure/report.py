@@ -1,0 +1,109 @@
+"""Shared arguments and printing for ``scaletrain estimate`` and ``scaletrain profile``.
+
+Bytes inside, GiB / MiB / ms only here, when printing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from scaletrain.errors import UserError
+from scaletrain.measure.compose import StepEstimate
+from scaletrain.measure.step import PRECISIONS
+
+GIB = 2.0**30
+MIB = 2.0**20
+ROWS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer_states"),
+        ("activations", "activations"), ("peak", "peak"))
+
+
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+    """--model --batch --seq --precision --optimizer --accum --params-dtype --set --json."""
+    p.add_argument("--model", required=True, help="reference model name (see `scaletrain models`)")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length for language models (default: context)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="fp32, or bf16/fp16 autocast with fp32 parameters (default fp32)")
+    p.add_argument("--optimizer", default="adamw", help="sgd (momentum 0.9), adam, adamw, ... (default adamw)")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--params-dtype", choices=PRECISIONS, default="fp32",
+                   help="storage dtype of parameters and gradients; bf16/fp16 adds fp32 master weights "
+                        "to the optimizer state (ZeRO's 2+2+12 bytes/parameter with Adam)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a model option, e.g. --set n_layer=96 (repeatable)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write the memory timeline by category to PNG")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for it in items:
+        if "=" not in it:
+            raise UserError(f"--set expects KEY=VALUE, got {it!r}")
+        k, v = it.split("=", 1)
+        val: Any = v
+        for conv in (int, float):
+            try:
+                val = conv(v)
+                break
+            except ValueError:
+                continue
+        out[k.strip()] = val
+    return out
+
+
+def check_step_args(args: argparse.Namespace) -> None:
+    from scaletrain import models
+    from scaletrain.measure import optimizers
+
+    models.entry(args.model)  # UserError listing the names
+    optimizers.check(args.optimizer)
+    if args.batch < 1 or args.accum < 1:
+        raise UserError(f"--batch and --accum must be >= 1 (got {args.batch}, {args.accum})")
+    if args.seq is not None and args.seq < 1:
+        raise UserError(f"--seq must be >= 1 (got {args.seq})")
+
+
+def to_json(est: StepEstimate) -> str:
+    d = est.to_dict()
+    d["meta"] = {k: v for k, v in d.get("meta", {}).items() if _jsonable(v)}
+    return json.dumps(d)
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except TypeError:
+        return False
+
+
+def print_step(est: StepEstimate, how: str) -> None:
+    prec = est.precision if est.precision == "fp32" else f"{est.precision} autocast"
+    seq = f" x seq {est.seq}" if est.seq else ""
+    print(f"{est.model}: batch {est.batch}{seq}, {prec}, {est.params_dtype} parameters, {est.optimizer}, "
+          f"accum {est.accum} on {est.device} — {how}")
+    print(f"parameters: {est.parameters:,}")
+    print(f"{'':<18}{'GiB':>10}")
+    for label, key in ROWS:
+        print(f"{label:<18}{est.bytes.get(key, 0) / GIB:>10.3f}")
+    print(f"peak at: {est.peak_phase}; by category (GiB): "
+          + ", ".join(f"{k} {v / GIB:.3f}" for k, v in est.peak_breakdown.items() if v))
+
+
+def print_blocks(rows: list[dict], measured: bool) -> None:
+    head = (f"{'block':<16}{'params':>10}{'input':>10}{'output':>10}{'saved':>10}{'fwd tmp':>10}{'bwd tmp':>10}"
+            f"{'GFLOP f':>10}{'GFLOP b':>10}{'fwd ms':>10}{'bwd ms':>10}")
+    print()
+    print("per block (MiB; times " + ("measured median" if measured else "from FLOPs / flops_per_s") + ")")
+    print(head)
+    for r in rows:
+        spread = ""
+        if measured and r.get("fwd_time_spread_s"):
+            spread = f"  ±{r['fwd_time_spread_s'] * 1e3 / 2:.2f}/{r['bwd_time_spread_s'] * 1e3 / 2:.2f}"
+        print(f"{r['name']:<16}{r['param_bytes'] / MIB:>10.2f}{r['input_bytes'] / MIB:>10.2f}"
+              f"{r['output_bytes'] / MIB:>10.2f}{r['saved_bytes'] / MIB:>10.2f}{r['fwd_temp_bytes'] / MIB:>10.2f}"
+              f"{r['bwd_temp_bytes'] / MIB:>10.2f}{r['flops_fwd'] / 1e9:>10.2f}{r['flops_bwd'] / 1e9:>10.2f}"
+              f"{r['fwd_time_s'] * 1e3:>10.2f}{r['bwd_time_s'] * 1e3:>10.2f}{spread}")

@@ -1,0 +1,316 @@
+"""The hardware a plan runs on: memories, FLOP/s and the bandwidths that offloading pays for.
+
+A :class:`Platform` is what every cost face multiplies bytes and FLOPs by. Units: bytes,
+bytes per second, FLOP/s (floating-point operations per second), parameters per second.
+
+Presets (``get("h100")`` ...) take the accelerator figures from NVIDIA's data sheets (dense,
+i.e. without 2:4 sparsity); host-link and disk figures are the spec figures times an
+*achieved fraction* stated next to them, because a plan is predicted with what a copy really
+reaches, not with the line rate. Host memory, disk and CPU-Adam rates describe the usual
+server these cards sit in (the DGX of the same generation) and are assumptions: run
+:func:`calibrate` on the real machine to replace them.
+
+:func:`calibrate` measures *this* machine: memcpy bandwidth, disk read/write bandwidth
+(with the page cache dropped for the file read back), CPU Adam parameters/s and matmul
+FLOP/s; on CUDA also pinned host<->device bandwidth and the device's memory. On a CPU-only
+machine the "device" is the logical device pool of :mod:`scaletrain.techniques.offload.pools`,
+so host<->device copies are memcpys (``copy_overlaps_compute=False``: they run on the same
+cores as the compute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from scaletrain.errors import UserError
+
+GB = 10**9
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Platform:
+    """One device and its host. All rates are *achieved* rates used for prediction."""
+
+    name: str
+    device_type: str = "cpu"
+    """"cuda" for a GPU, "cpu" for the logical device pool on a CPU-only machine."""
+    device_memory_bytes: int = 16 * GiB
+    """Memory of one device, bytes."""
+    host_memory_bytes: int = 64 * GiB
+    """Host (CPU) memory available to the process, bytes."""
+    flops_fp32: float = 1e11
+    """Dense fp32 FLOP/s of the device (non-tensor-core on GPUs)."""
+    flops_bf16: float = 1e11
+    """Dense bf16/fp16 FLOP/s of the device (tensor cores on GPUs)."""
+    device_mem_bytes_per_s: float = 1e11
+    """Device memory (HBM) bandwidth, bytes/s."""
+    h2d_bytes_per_s: float = 1e10
+    """Host -> device copy bandwidth, bytes/s (pinned memory on GPUs; memcpy on the logical pool)."""
+    d2h_bytes_per_s: float = 1e10
+    """Device -> host copy bandwidth, bytes/s."""
+    disk_read_bytes_per_s: float = 1e9
+    """Sequential read bandwidth of the offload disk, bytes/s."""
+    disk_write_bytes_per_s: float = 1e9
+    """Sequential write bandwidth of the offload disk, bytes/s."""
+    host_memcpy_bytes_per_s: float = 1e10
+    """Host memory copy bandwidth (bytes copied per second)."""
+    cpu_adam_params_per_s: float = 5e8
+    """fp32 Adam updates per second on the host CPU (all cores)."""
+    copy_overlaps_compute: bool = False
+    """True when copies run on their own engine concurrently with compute (GPU copy engines)."""
+    intra_node_bytes_per_s: float = 0.0
+    """Device<->device bandwidth inside a node, per direction (NVLink), bytes/s; 0 if none."""
+    inter_node_bytes_per_s: float = 0.0
+    """Network bandwidth per device between nodes, per direction, bytes/s; 0 if none."""
+    devices_per_node: int = 1
+    source: str = ""
+    """Where the figures come from (data sheet, calibration date)."""
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def flops(self, precision: str = "fp32") -> float:
+        """Peak dense FLOP/s for a compute precision ("fp32", "bf16", "fp16")."""
+        return self.flops_fp32 if precision == "fp32" else self.flops_bf16
+
+    def h2d_time(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` host -> device."""
+        return nbytes / self.h2d_bytes_per_s
+
+    def d2h_time(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` device -> host."""
+        return nbytes / self.d2h_bytes_per_s
+
+    def with_(self, **changes) -> "Platform":
+        """A copy with fields replaced (e.g. a smaller ``device_memory_bytes`` for a budget)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Platform":
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - names)
+        if bad:
+            raise UserError(f"unknown platform field {bad[0]!r}; allowed: {', '.join(sorted(names))}")
+        return cls(**d)
+
+
+# Achieved fraction of the PCIe line rate for large pinned copies. 0.8 is what
+# cudaMemcpy bandwidthTest typically reports against the x16 line rate on Gen3/Gen4/Gen5
+# (e.g. ~12.5 of 15.75 GB/s on Gen3, ~25 of 31.5 GB/s on Gen4); calibrate() measures the real one.
+PCIE_ACHIEVED = 0.8
+
+PRESETS: dict[str, Platform] = {
+    "h100": Platform(
+        name="h100", device_type="cuda",
+        device_memory_bytes=80 * GiB,        # H100 SXM5 80GB (5 HBM3 stacks x 16 GiB)
+        host_memory_bytes=2048 * GiB,        # DGX H100: 2 TB system memory
+        flops_fp32=67e12,                    # data sheet: FP32 67 TFLOPS (SXM)
+        flops_bf16=989.4e12,                 # data sheet: BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.4 dense
+        device_mem_bytes_per_s=3.35e12,      # data sheet: 3.35 TB/s
+        h2d_bytes_per_s=64 * GB * PCIE_ACHIEVED,  # PCIe Gen5 x16: 64 GB/s per direction
+        d2h_bytes_per_s=64 * GB * PCIE_ACHIEVED,
+        disk_read_bytes_per_s=8 * 6.5 * GB * 0.5,   # DGX H100: 8x 3.84 TB NVMe U.2; assumed 6.5 GB/s each, 50% in aggregate
+        disk_write_bytes_per_s=8 * 3.5 * GB * 0.5,  # assumed 3.5 GB/s write each, 50% in aggregate
+        host_memcpy_bytes_per_s=100 * GB,    # assumption (2-socket DDR5 server); calibrate()
+        cpu_adam_params_per_s=2e9,           # assumption (112 cores, AVX-512); calibrate()
+        copy_overlaps_compute=True,
+        intra_node_bytes_per_s=450 * GB,     # NVLink 4: 900 GB/s total = 450 per direction
+        inter_node_bytes_per_s=50 * GB,      # DGX H100: 8x ConnectX-7 400 Gb/s, one per GPU
+        devices_per_node=8,
+        source="NVIDIA H100 Tensor Core GPU data sheet (SXM5); DGX H100 data sheet; host/disk/CPU rates assumed",
+    ),
+    "a100": Platform(
+        name="a100", device_type="cuda",
+        device_memory_bytes=80 * GiB,        # A100 SXM4 80GB
+        host_memory_bytes=2048 * GiB,        # DGX A100 640GB: 2 TB system memory
+        flops_fp32=19.5e12,                  # data sheet: FP32 19.5 TFLOPS
+        flops_bf16=312e12,                   # data sheet: BF16 Tensor Core 312 TFLOPS (dense)
+        device_mem_bytes_per_s=2.039e12,     # data sheet: 2,039 GB/s (80GB SXM)
+        h2d_bytes_per_s=31.5 * GB * PCIE_ACHIEVED,  # PCIe Gen4 x16: 31.5 GB/s per direction
+        d2h_bytes_per_s=31.5 * GB * PCIE_ACHIEVED,
+        disk_read_bytes_per_s=8 * 6.5 * GB * 0.5,   # DGX A100 640GB: 8x 3.84 TB NVMe; assumed as above
+        disk_write_bytes_per_s=8 * 3.5 * GB * 0.5,
+        host_memcpy_bytes_per_s=80 * GB,     # assumption (2x AMD Rome, DDR4); calibrate()
+        cpu_adam_params_per_s=1.5e9,         # assumption (128 cores, AVX2); calibrate()
+        copy_overlaps_compute=True,
+        intra_node_bytes_per_s=300 * GB,     # NVLink 3: 600 GB/s total = 300 per direction
+        inter_node_bytes_per_s=25 * GB,      # DGX A100: 8x ConnectX-6 200 Gb/s HDR, one per GPU
+        devices_per_node=8,
+        source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB); DGX A100 data sheet; host/disk/CPU rates assumed",
+    ),
+    "v100": Platform(
+        name="v100", device_type="cuda",
+        device_memory_bytes=32 * GiB,        # V100 SXM2 32GB
+        host_memory_bytes=1536 * GiB,        # DGX-2: 1.5 TB system memory
+        flops_fp32=15.7e12,                  # data sheet: FP32 15.7 TFLOPS (SXM2)
+        flops_bf16=125e12,                   # data sheet: Tensor (fp16) 125 TFLOPS; V100 has no bf16 -> fp16 figure
+        device_mem_bytes_per_s=900 * GB,     # data sheet: 900 GB/s
+        h2d_bytes_per_s=15.75 * GB * PCIE_ACHIEVED,  # PCIe Gen3 x16: 15.75 GB/s per direction
+        d2h_bytes_per_s=15.75 * GB * PCIE_ACHIEVED,
+        disk_read_bytes_per_s=8 * 3.0 * GB * 0.5,   # DGX-2: 8x 3.84 TB NVMe (Gen3); assumed 3 GB/s read each
+        disk_write_bytes_per_s=8 * 2.0 * GB * 0.5,
+        host_memcpy_bytes_per_s=60 * GB,     # assumption (2x Xeon Platinum 8168, DDR4); calibrate()
+        cpu_adam_params_per_s=1e9,           # assumption (48 cores, AVX-512); calibrate()
+        copy_overlaps_compute=True,
+        intra_node_bytes_per_s=150 * GB,     # NVLink 2: 300 GB/s total = 150 per direction
+        inter_node_bytes_per_s=6.25 * GB,    # DGX-2: 8x 100 Gb/s EDR for 16 GPUs
+        devices_per_node=16,
+        source="NVIDIA Tesla V100 data sheet (SXM2 32GB); DGX-2 data sheet; host/disk/CPU rates assumed",
+    ),
+}
+
+
+def names() -> list[str]:
+    return list(PRESETS)
+
+
+def get(name: str) -> Platform:
+    """A preset by name (h100, a100, v100); ``"local"`` calibrates this machine."""
+    key = name.lower()
+    if key == "local":
+        return calibrate()
+    if key not in PRESETS:
+        raise UserError(f"unknown platform {name!r}; allowed: {', '.join(PRESETS)}, local")
+    return PRESETS[key]
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def _best_time(fn, repeats: int) -> float:
+    """Least wall time of ``repeats`` calls (the least-disturbed run on a shared machine)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def measure_memcpy(nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+    """Host memcpy bandwidth, bytes copied per second (one buffer to another, both warm)."""
+    n = max(nbytes // 4, 1)
+    src = torch.ones(n)
+    dst = torch.empty(n)
+    dst.copy_(src)
+    return n * 4 / _best_time(lambda: dst.copy_(src), repeats)
+
+
+def measure_disk(directory: str | None = None, nbytes: int = 64 * 2**20) -> tuple[float, float]:
+    """(read, write) bytes/s of the disk holding ``directory`` (default: the temp dir).
+
+    Write = write + fsync of ``nbytes``; read = reading it back after dropping its pages
+    from the page cache with ``posix_fadvise(DONTNEED)`` (works without root for clean pages),
+    so the read comes from the disk, not from memory.
+    """
+    buf = os.urandom(1 << 20) * max(nbytes >> 20, 1)
+    fd, path = tempfile.mkstemp(prefix="scaletrain-calib-", dir=directory)
+    try:
+        t0 = time.perf_counter()
+        os.write(fd, buf)
+        os.fsync(fd)
+        write = len(buf) / max(time.perf_counter() - t0, 1e-9)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.lseek(fd, 0, os.SEEK_SET)
+        t0 = time.perf_counter()
+        got = 0
+        while True:
+            chunk = os.read(fd, 8 << 20)
+            if not chunk:
+                break
+            got += len(chunk)
+        read = got / max(time.perf_counter() - t0, 1e-9)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return read, write
+
+
+def measure_cpu_adam(numel: int = 1 << 22, repeats: int = 3) -> float:
+    """fp32 AdamW updates per second of the fused CPU kernel on one flat buffer (all threads)."""
+    from scaletrain.techniques.offload.optimizer import CPUAdam
+
+    p = torch.zeros(numel)
+    p.grad = torch.full((numel,), 1e-3)
+    opt = CPUAdam([p], lr=1e-3)
+    opt.step()
+    return numel / _best_time(opt.step, repeats)
+
+
+def measure_matmul_flops(n: int = 512, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                         repeats: int = 3) -> float:
+    """FLOP/s of an n x n x n matmul (2n^3 FLOPs)."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+
+    def run():
+        a @ b
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    run()
+    return 2 * n**3 / _best_time(run, repeats)
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB
+
+
+def _cuda_copy_rates(nbytes: int) -> tuple[float, float]:
+    n = nbytes // 4
+    host = torch.empty(n, pin_memory=True)
+    dev = torch.empty(n, device="cuda")
+    dev.copy_(host)
+    torch.cuda.synchronize()
+
+    def h2d():
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def d2h():
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return n * 4 / _best_time(h2d, 3), n * 4 / _best_time(d2h, 3)
+
+
+def calibrate(disk_dir: str | None = None, quick: bool = False) -> Platform:
+    """Measure this machine (a few seconds; ``quick`` uses small sizes, for tests).
+
+    On CUDA the device is the current GPU; otherwise it is the logical device pool, whose
+    memory defaults to the host's (a budget is set per run with ``memory.device_budget``).
+    """
+    size = (8 if quick else 64) * 2**20
+    memcpy = measure_memcpy(size)
+    read, write = measure_disk(disk_dir, size)
+    adam = measure_cpu_adam(1 << (18 if quick else 22))
+    host_mem = _host_memory_bytes()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    common = dict(host_memory_bytes=host_mem, disk_read_bytes_per_s=read, disk_write_bytes_per_s=write,
+                  host_memcpy_bytes_per_s=memcpy, cpu_adam_params_per_s=adam)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        h2d, d2h = _cuda_copy_rates(size * 4)
+        return Platform(
+            name=f"local-{props.name}", device_type="cuda", device_memory_bytes=int(props.total_memory),
+            flops_fp32=measure_matmul_flops(4096, torch.float32, "cuda"),
+            flops_bf16=measure_matmul_flops(4096, torch.bfloat16, "cuda"),
+            device_mem_bytes_per_s=memcpy, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
+            copy_overlaps_compute=True, source=f"calibrate() {stamp}", **common)
+    flops = measure_matmul_flops(256 if quick else 512)
+    return Platform(
+        name="local-cpu", device_type="cpu", device_memory_bytes=host_mem, flops_fp32=flops,
+        flops_bf16=flops, device_mem_bytes_per_s=memcpy, h2d_bytes_per_s=memcpy, d2h_bytes_per_s=memcpy,
+        copy_overlaps_compute=False, source=f"calibrate() {stamp}, {torch.get_num_threads()} threads", **common)

@@ -1,0 +1,182 @@
+"""Measure what a region of code communicates and keeps in memory, DTensor included.
+
+:class:`CommCounter` is a ``TorchDispatchMode`` that records every collective and point-to-point
+op (functional collectives issued by DTensor, and ``torch.distributed`` calls) with its payload
+and the bytes each rank puts on the wire under the α-β ring model of ``shared/REFERENCES.md``:
+
+- all-reduce of S bytes: 2 (N-1)/N · S;
+- all-gather producing S bytes, reduce-scatter consuming S bytes: (N-1)/N · S;
+- all-to-all of S bytes (equal splits): (N-1)/N · S (the own chunk stays); uneven splits: the
+  bytes actually sent to other ranks;
+- send of S bytes: S; broadcast of S bytes from a root (tree/pipeline): S.
+
+Ops under a DTensor are seen *after* DTensor has lowered them to local ops (the mode returns
+``NotImplemented`` when a DTensor is among the arguments, which lets DTensor run first), so the
+counts are what really went over the process group.
+
+:class:`DTensorMemoryTracker` is :class:`scaletrain.measure.tracker.MemoryTracker` taught the
+same trick and to look through a DTensor at its local shard, so per-rank memory of a
+tensor-parallel model can be measured storage by storage.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_iter
+
+from scaletrain.measure.tracker import MemoryTracker
+
+
+@dataclass
+class CommRecord:
+    kind: str
+    """all_reduce, all_gather, reduce_scatter, all_to_all, send, recv, broadcast."""
+    payload_bytes: int
+    """Bytes of the full collective tensor (all-reduce: the tensor; all-gather: the output;
+    reduce-scatter: the input; all-to-all: this rank's input; send/recv: the message)."""
+    wire_bytes: float
+    """Bytes this rank sends under the ring model (see module docstring)."""
+    group_size: int
+    backward: bool
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group(name_or_group):
+    if isinstance(name_or_group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(name_or_group)
+    return name_or_group
+
+
+def _group_size(name_or_group) -> int:
+    g = _group(name_or_group)
+    return g.size() if hasattr(g, "size") else dist.get_world_size()
+
+
+def _group_rank(name_or_group) -> int:
+    g = _group(name_or_group)
+    return g.rank() if hasattr(g, "rank") else dist.get_rank()
+
+
+def _classify(func, args) -> CommRecord | None:  # noqa: C901 - one table of op signatures
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    ns = getattr(func, "namespace", "")
+    bw = torch._C._current_graph_task_id() != -1
+    if ns == "_c10d_functional":
+        if name in ("all_reduce", "all_reduce_"):
+            n, s = _group_size(args[2]), _nbytes(args[0])
+            return CommRecord("all_reduce", s, 2 * (n - 1) / n * s, n, bw)
+        if name == "all_gather_into_tensor":
+            n = int(args[1])
+            s = _nbytes(args[0]) * n
+            return CommRecord("all_gather", s, (n - 1) / n * s, n, bw)
+        if name == "reduce_scatter_tensor":
+            n, s = int(args[2]), _nbytes(args[0])
+            return CommRecord("reduce_scatter", s, (n - 1) / n * s, n, bw)
+        if name == "all_to_all_single":
+            n = _group_size(args[3])
+            return CommRecord("all_to_all", _nbytes(args[0]), _a2a_sent(args[0], args[2], n, _group_rank(args[3])),
+                              n, bw)
+        if name == "broadcast":
+            n, s = _group_size(args[2]), _nbytes(args[0])
+            return CommRecord("broadcast", s, s, n, bw)
+        return None
+    if ns == "c10d":
+        if name == "allreduce_":
+            s = sum(_nbytes(t) for t in args[0])
+            n = _group_size(args[1])
+            return CommRecord("all_reduce", s, 2 * (n - 1) / n * s, n, bw)
+        if name == "_allgather_base_":
+            n, s = _group_size(args[2]), _nbytes(args[0])
+            return CommRecord("all_gather", s, (n - 1) / n * s, n, bw)
+        if name == "_reduce_scatter_base_":
+            n, s = _group_size(args[2]), _nbytes(args[1])
+            return CommRecord("reduce_scatter", s, (n - 1) / n * s, n, bw)
+        if name == "alltoall_base_":
+            n = _group_size(args[2])
+            return CommRecord("all_to_all", _nbytes(args[1]), _a2a_sent(args[1], args[4], n, _group_rank(args[2])),
+                              n, bw)
+        if name == "allgather_":
+            n = _group_size(args[2])
+            s = sum(_nbytes(t) for t in args[1]) * n
+            return CommRecord("all_gather", s, (n - 1) / n * s, n, bw)
+        if name == "send":
+            s = sum(_nbytes(t) for t in args[0])
+            return CommRecord("send", s, s, _group_size(args[1]), bw)
+        if name == "recv_":
+            s = sum(_nbytes(t) for t in args[0])
+            return CommRecord("recv", s, 0.0, _group_size(args[1]), bw)
+        if name == "broadcast_":
+            s = sum(_nbytes(t) for t in args[0])
+            return CommRecord("broadcast", s, s, _group_size(args[1]), bw)
+    return None
+
+
+def _a2a_sent(inp: torch.Tensor, in_splits, n: int, group_rank: int) -> float:
+    """Bytes of an all-to-all input that leave this rank (its own chunk stays)."""
+    s = _nbytes(inp)
+    if not in_splits:
+        return (n - 1) / n * s
+    row = s / max(inp.shape[0], 1)
+    return s - in_splits[group_rank] * row
+
+
+class CommCounter(TorchDispatchMode):
+    """``with CommCounter() as c: step()`` then ``c.records``, ``c.wire_bytes()``, ``c.summary()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[CommRecord] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor lower the op; its collectives come back here
+        out = func(*args, **(kwargs or {}))
+        if not isinstance(func, torch._ops.HigherOrderOperator):
+            rec = _classify(func, args)
+            if rec is not None:
+                self.records.append(rec)
+        return out
+
+    def wire_bytes(self, backward: bool | None = None) -> float:
+        """Bytes this rank sent (ring model); ``backward`` None = both passes."""
+        return sum(r.wire_bytes for r in self.records if backward is None or r.backward == backward)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """``{kind: {"count", "payload_bytes", "wire_bytes"}}`` over all records."""
+        out: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "payload_bytes": 0, "wire_bytes": 0.0})
+        for r in self.records:
+            d = out[r.kind]
+            d["count"] += 1
+            d["payload_bytes"] += r.payload_bytes
+            d["wire_bytes"] += r.wire_bytes
+        return dict(out)
+
+
+class DTensorMemoryTracker(MemoryTracker):
+    """:class:`MemoryTracker` that sees through DTensors to their local shards (per-rank bytes)."""
+
+    def _see(self, t, category, origin, promote=True):  # type: ignore[override]
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        return super()._see(t, category, origin, promote)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def local_tensors(tensors) -> list[torch.Tensor]:
+    """Local shards of DTensors (plain tensors unchanged), e.g. to register with a tracker."""
+    return [t._local_tensor if isinstance(t, DTensor) else t for t in tree_iter(tensors)]

@@ -1,0 +1,178 @@
+"""Compose the intra-layer techniques with data parallelism on one DeviceMesh — the trainer's entry.
+
+Mesh dims, outermost first: ``("dp_rep", "ep", "cp", "tp")`` with ``dp = dp_rep · ep``. TP is
+innermost so that its ranks are neighbours (the fastest links: Megatron's placement); EP splits the
+data-parallel ranks (each EP rank has its own tokens); CP ranks share a batch and split its
+sequence. World = dp · cp · tp.
+
+Who averages what (each rank's loss is the mean over its own tokens, all ranks hold equally many):
+
+- replicated parameters (everything but experts; TP shards included — a TP shard is replicated
+  over dp × cp): mean over the ``dp × cp`` group;
+- expert parameters: each already sums its EP group's tokens' contributions, so sum over the ranks
+  holding the same experts (``dp_rep × cp``) and divide by ``dp · cp``.
+
+:meth:`IntraLayer.reduce_gradients` does both with one flat all-reduce per group (the ZeRO-0 path);
+a ZeRO / DDP strategy can instead use :attr:`IntraLayer.grad_group` and
+:func:`scaletrain.techniques.experts.expert_params`, working on ``p.to_local()`` of DTensor
+parameters. Not composed here: TP with CP or EP (both replace the attention / MLP forward that TP
+also replaces) — a UserError says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from scaletrain.errors import UserError
+
+MESH_DIMS = ("dp_rep", "ep", "cp", "tp")
+
+
+@dataclass
+class IntraLayer:
+    """What :func:`setup_intralayer` built: the mesh, the groups and the per-step helpers."""
+
+    mesh: DeviceMesh
+    dp: int
+    tp: int
+    cp: int
+    ep: int
+    sequence_parallel: bool
+    dp_rank: int
+    """This rank's index among the data-parallel ranks: the data loader's ``rank``."""
+    dp_group: dist.ProcessGroup
+    grad_group: dist.ProcessGroup
+    """dp × cp: the group replicated parameters' gradients are averaged over."""
+    expert_grad_group: dist.ProcessGroup
+    """dp_rep × cp: the ranks holding the same experts."""
+
+    # -------------------------------------------------------------- per micro-batch
+    def shard_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a data-parallel batch: under CP its tokens in the balanced layout."""
+        if self.cp == 1:
+            return x, y
+        from scaletrain.techniques.sequence_parallel import shard_sequence
+
+        r = self.mesh["cp"].get_local_rank()
+        return shard_sequence(x, r, self.cp), shard_sequence(y, r, self.cp)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Wrap the loss's forward and backward (``loss_parallel`` under TP)."""
+        if self.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def loss(self, model: nn.Module, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean token cross-entropy (vocabulary-parallel under TP) plus the model's MoE auxiliary
+        loss when it has one. Call inside :meth:`loss_context`."""
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        aux = getattr(model, "aux_loss", None)
+        if callable(aux):
+            loss = loss + aux()
+        return loss
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """Data-parallel reduction of all gradients (see the module docstring)."""
+        from scaletrain.techniques.experts import expert_params
+
+        D = dist.get_world_size(self.grad_group)
+        experts = {id(p) for p in expert_params(model)}
+        dense, sparse = [], []
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            (sparse if id(p) in experts else dense).append(g)
+        for grads, group in ((dense, self.grad_group), (sparse, self.expert_grad_group)):
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
+            flat /= D
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+
+    def mean(self, value: float | torch.Tensor) -> float:
+        """Average a logged scalar (e.g. the loss) over dp × cp."""
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        t = torch.as_tensor(float(value), dtype=torch.float64)
+        dist.all_reduce(t, group=self.grad_group)
+        return float(t) / dist.get_world_size(self.grad_group)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Single-device state dict (collective over the whole mesh)."""
+        if self.tp > 1:
+            from scaletrain.techniques.tensor_parallel import full_state_dict
+
+            return full_state_dict(model)
+        if self.ep > 1 or self.cp > 1:
+            from scaletrain.techniques.experts import gather_expert_state
+
+            return gather_expert_state(model, self.mesh["ep"])
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def setup_intralayer(model: nn.Module, *, tp: int = 1, cp: int = 1, ep: int = 1, sequence_parallel: bool = False,
+                     world: int | None = None, device_type: str = "cpu") -> IntraLayer:
+    """Build the (dp_rep, ep, cp, tp) mesh over the initialised process group and apply TP (+SP),
+    CP and EP to ``model`` in place. Every rank must pass the same initial weights."""
+    world = world or dist.get_world_size()
+    for name, v in (("tp", tp), ("cp", cp), ("ep", ep)):
+        if v < 1:
+            raise UserError(f"parallel.{name}={v} is not allowed; must be >= 1")
+    if world % (tp * cp):
+        raise UserError(f"parallel.tp={tp} x parallel.cp={cp} must divide the {world} processes")
+    dp = world // (tp * cp)
+    if dp % ep:
+        raise UserError(f"parallel.ep={ep} must divide the data-parallel size {dp} (= {world} processes / (tp x cp))")
+    if tp > 1 and (cp > 1 or ep > 1):
+        raise UserError("parallel.tp > 1 cannot be combined with parallel.cp or parallel.ep yet; allowed: tp with dp, "
+                        "or cp and/or ep with dp")
+    if sequence_parallel and tp == 1:
+        raise UserError("parallel.sequence_parallel needs parallel.tp > 1")
+    mesh = init_device_mesh(device_type, (dp // ep, ep, cp, tp), mesh_dim_names=MESH_DIMS)
+    dp_mesh = mesh["dp_rep", "ep"]._flatten("dp")
+    grad_mesh = mesh["dp_rep", "ep", "cp"]._flatten("dp_cp")
+    expert_mesh = mesh["dp_rep", "cp"]._flatten("edp_cp")
+    if tp > 1:
+        from scaletrain.techniques.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    if cp > 1:
+        from scaletrain.techniques.sequence_parallel import apply_context_parallel
+
+        apply_context_parallel(model, mesh["cp"])
+    if ep > 1 or (cp > 1 and _has_moe(model)):
+        from scaletrain.techniques.experts import apply_expert_parallel
+
+        # load-balancing statistics over all dp x cp ranks: the global batch's auxiliary loss
+        apply_expert_parallel(model, mesh["ep"], aux_group=grad_mesh.get_group())
+    return IntraLayer(mesh, dp, tp, cp, ep, sequence_parallel, dp_mesh.get_local_rank(), dp_mesh.get_group(),
+                      grad_mesh.get_group(), expert_mesh.get_group())
+
+
+def _has_moe(model: nn.Module) -> bool:
+    from scaletrain.models.moe import MoEFeedForward
+
+    return any(isinstance(m, MoEFeedForward) for m in model.modules())
+
+
+def describe(il: IntraLayer) -> str:
+    parts = [f"dp={il.dp}"]
+    parts += [f"{k}={v}" for k, v in (("tp", il.tp), ("cp", il.cp), ("ep", il.ep)) if v > 1]
+    if il.sequence_parallel:
+        parts.append("sequence parallel")
+    return "mesh " + " x ".join(parts)

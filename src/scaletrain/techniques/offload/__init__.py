@@ -1,0 +1,19 @@
+"""Offloading to host memory and disk, planned jointly with recomputation (issue 8).
+
+- :mod:`.pools` — the device/host memory model (a real GPU with pinned host memory and side
+  streams, or a byte-budgeted *logical* device pool on a CPU-only machine) and transfer counters;
+- :mod:`.activations` — saved tensors of chosen blocks to the host, prefetched ahead of backward;
+- :mod:`.weights` — parameters streamed block by block (L2L / ZeRO-Infinity);
+- :mod:`.optimizer` — ZeRO-Offload: fp32 masters + Adam on the CPU, optional delayed update;
+- :mod:`.disk` — ZeRO-Infinity's disk tier for optimizer states (and masters);
+- :mod:`.probe` — what the chain saves and uses, found on the meta device;
+- :mod:`.planner` — predictions and the joint keep/recompute/offload + placement planner;
+- :mod:`.runtime` — :func:`build_offload_runtime`, the trainer's entry point.
+
+Each module keeps its cost face next to its apply face.
+"""
+
+from scaletrain.techniques.offload.runtime import (CONFIG_FIELDS, OffloadOptions, OffloadRuntime,
+                                                   build_offload_runtime, options_from_cfg)
+
+__all__ = ["CONFIG_FIELDS", "OffloadOptions", "OffloadRuntime", "build_offload_runtime", "options_from_cfg"]

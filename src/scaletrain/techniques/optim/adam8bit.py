@@ -1,0 +1,286 @@
+"""8-bit Adam / AdamW: both moments stored block-wise quantized (Dettmers et al. 2021).
+
+State per parameter tensor with >= ``min_8bit_size`` (4096) elements:
+  ``m_codes``, ``v_codes``: uint8 [numel]        (1 byte each per value)
+  ``m_absmax``, ``v_absmax``: float32 [blocks]   (one scale per 2048 values per moment)
+i.e. 2 + 8/2048 = 2.004 bytes/parameter, against 8 for fp32 Adam. Smaller tensors (biases,
+norms) keep fp32 ``exp_avg``/``exp_avg_sq`` as in bitsandbytes: quantizing them saves
+nothing and hurts most. ``step`` is a Python int (no tensor bytes).
+
+Each step, per block (the paper's order, §2.1): dequantize m and v to fp32, apply the ordinary
+Adam update with the *fresh* fp32 moments (so the current gradient is never quantized before
+use), update the parameter, then re-quantize the moments with new per-block absmax. m uses the
+signed dynamic map, v the unsigned one (see ``quantize.py``).
+
+Speed: the per-block update is one pure function of block views. ``fused=True`` runs it through
+``torch.compile`` (one loop per chunk, no fp32 moment tensors in memory; on CPU it needs a C++
+compiler), ``fused=False`` runs the same function eagerly on chunks of ``CHUNK_BLOCKS`` blocks
+(bounded temporaries). ``fused=None`` (default) compiles when the tensor is large enough to
+repay the one-off compile and falls back to eager if compilation fails. The two paths agree to
+float rounding (compiled code may contract multiply-adds), not bitwise; each is deterministic,
+so a resumed run continues bitwise-identically on the same path and device.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from scaletrain.techniques.optim import quantize as Q
+from scaletrain.techniques.optim._common import DtypePreservingOptimizer, check_beta, check_nonneg
+
+MIN_8BIT_SIZE = 4096
+"""Tensors with fewer elements keep fp32 moments (bitsandbytes' rule)."""
+
+CHUNK_BLOCKS = 256
+"""Blocks per call of the block update (512 Ki values): bounds temporaries to a few MiB."""
+
+FUSE_MIN_NUMEL = 1 << 20
+"""With ``fused=None``, tensors of at least this many values use the compiled path."""
+
+
+def _block_update(
+    p: Tensor, g: Tensor, mc: Tensor, vc: Tensor, am: Tensor, av: Tensor,
+    qs: Tensor, qu: Tensor, hp: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Adam step on [nb, w] block views; returns (p, m_codes, v_codes, m_absmax, v_absmax) new.
+
+    ``hp`` (float32 [8]) = [lr/bc1, 1-beta1, beta2, 1-beta2, 1/sqrt(bc2), eps, decay, l2] with
+    bc_i = 1 - beta_i^t (Kingma & Ba bias corrections), decay = 1 - lr*wd for decoupled weight
+    decay (Loshchilov & Hutter) else 1, l2 = wd for coupled (Adam) decay else 0.
+    """
+    pf = p.float()
+    g = g.float() + hp[7] * pf  # coupled L2 term (0 for AdamW)
+    m = Q.decode(mc, qs) * am
+    v = Q.decode(vc, qu) * av
+    m = m + hp[1] * (g - m)  # m <- beta1 m + (1-beta1) g
+    v = hp[2] * v + hp[3] * g * g  # v <- beta2 v + (1-beta2) g^2
+    p_new = pf * hp[6] - hp[0] * m / (v.sqrt() * hp[4] + hp[5])
+    am_new = m.abs().amax(dim=1, keepdim=True)
+    av_new = v.amax(dim=1, keepdim=True)  # v >= 0
+    m_codes = Q.encode(m / am_new.clamp_min(1e-30), signed=True)
+    v_codes = Q.encode(v / av_new.clamp_min(1e-30), signed=False)
+    return p_new.to(p.dtype), m_codes, v_codes, am_new, av_new
+
+
+_compiled: Callable[..., Any] | None = None
+_compile_failed = False
+
+
+def _kernel(fused: bool) -> Callable[..., Any]:
+    """The block update, compiled once per process when ``fused`` (else eager)."""
+    global _compiled, _compile_failed
+    if not fused or _compile_failed:
+        return _block_update
+    if _compiled is None:
+        # Indirect loads index a 256-entry map with uint8 codes, always in bounds, so inductor's
+        # per-element bounds assertion is dropped (it costs ~2x on CPU).
+        _compiled = torch.compile(
+            _block_update, dynamic=True, options={"assert_indirect_indexing": False}
+        )
+    return _compiled
+
+
+class Adam8bit(DtypePreservingOptimizer):
+    """Adam with 8-bit block-wise quantized moments (Dettmers et al. 2021).
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (default 1e-3).
+        betas: (beta1, beta2) moment decay rates (default (0.9, 0.999)).
+        eps: denominator term, added to sqrt(v_hat) (default 1e-8).
+        weight_decay: L2 coefficient (coupled, added to the gradient) for ``Adam8bit``;
+            decoupled (p <- p (1 - lr wd)) for ``AdamW8bit`` (default 0 / 1e-2).
+        min_8bit_size: tensors with fewer values keep fp32 moments (default 4096).
+        block_size: values per absmax scale (default 2048, as in the paper).
+        fused: True = torch.compile the block update, False = eager, None = compile for tensors
+            of >= 2^20 values if compilation works here.
+        maximize: maximize the objective instead.
+    """
+
+    _decoupled = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        min_8bit_size: int = MIN_8BIT_SIZE,
+        block_size: int = Q.BLOCK_SIZE,
+        fused: bool | None = None,
+        maximize: bool = False,
+    ) -> None:
+        check_nonneg("lr", float(lr))
+        check_beta("beta1", betas[0])
+        check_beta("beta2", betas[1])
+        check_nonneg("eps", eps)
+        check_nonneg("weight_decay", weight_decay)
+        if block_size <= 0:
+            raise ValueError(f"invalid block_size: {block_size} (must be > 0)")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        min_8bit_size=min_8bit_size, block_size=block_size, fused=fused,
+                        maximize=maximize)
+        super().__init__(params, defaults)
+
+    # ---- cost face ---------------------------------------------------------------------
+    @staticmethod
+    def state_nbytes(numel: int, min_8bit_size: int = MIN_8BIT_SIZE,
+                     block_size: int = Q.BLOCK_SIZE) -> int:
+        """Exact optimizer-state bytes for one parameter tensor of ``numel`` values (any dtype)."""
+        if numel >= min_8bit_size:
+            return 2 * numel + 2 * 4 * Q.num_blocks(numel, block_size)
+        return 2 * 4 * numel  # fp32 exp_avg + exp_avg_sq
+
+    # ---- apply face --------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step over all parameters that have a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            small, large = [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Adam8bit does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state, group)
+                state["step"] += 1
+                (large if "m_codes" in state else small).append(p)
+            if small:
+                self._step_fp32(group, small)
+            for p in large:
+                self._step_8bit(group, p)
+        return loss
+
+    def _init_state(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["step"] = 0
+        n = p.numel()
+        if n >= group["min_8bit_size"]:
+            nb = Q.num_blocks(n, group["block_size"])
+            state["m_codes"] = torch.full((n,), 127, dtype=torch.uint8, device=p.device)  # 0.0
+            state["v_codes"] = torch.zeros(n, dtype=torch.uint8, device=p.device)
+            state["m_absmax"] = torch.zeros(nb, dtype=torch.float32, device=p.device)
+            state["v_absmax"] = torch.zeros(nb, dtype=torch.float32, device=p.device)
+        else:
+            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+    def _hyper(self, group: dict[str, Any], step: int) -> tuple[float, ...]:
+        """[lr/bc1, 1-b1, b2, 1-b2, 1/sqrt(bc2), eps, decay, l2] in float64."""
+        lr = float(group["lr"])
+        b1, b2 = group["betas"]
+        wd = group["weight_decay"]
+        bc1 = 1.0 - b1**step
+        bc2 = 1.0 - b2**step
+        decay = 1.0 - lr * wd if self._decoupled else 1.0
+        l2 = 0.0 if self._decoupled else wd
+        return (lr / bc1, 1.0 - b1, b2, 1.0 - b2, 1.0 / math.sqrt(bc2), group["eps"], decay, l2)
+
+    def _step_fp32(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """Plain Adam for small tensors, vectorised with torch._foreach_* ops (same formulas)."""
+        states = [self.state[p] for p in params]
+        p32 = [p if p.dtype == torch.float32 else p.float() for p in params]
+        grads = [p.grad.float() for p in params]
+        if group["maximize"]:
+            grads = torch._foreach_neg(grads)
+        hyp = [self._hyper(group, s["step"]) for s in states]
+        m = [s["exp_avg"] for s in states]
+        v = [s["exp_avg_sq"] for s in states]
+        if not self._decoupled and group["weight_decay"] != 0:
+            grads = torch._foreach_add(grads, p32, alpha=group["weight_decay"])
+        torch._foreach_lerp_(m, grads, hyp[0][1])
+        torch._foreach_mul_(v, hyp[0][2])
+        torch._foreach_addcmul_(v, grads, grads, value=hyp[0][3])
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_mul_(denom, [h[4] for h in hyp])
+        torch._foreach_add_(denom, group["eps"])
+        if self._decoupled and group["weight_decay"] != 0:
+            torch._foreach_mul_(p32, hyp[0][6])
+        torch._foreach_addcdiv_(p32, m, denom, [-h[0] for h in hyp])
+        for p, q in zip(params, p32):
+            if q is not p:
+                p.copy_(q)
+
+    def _step_8bit(self, group: dict[str, Any], p: Tensor) -> None:
+        """The quantized update of one large tensor, chunk by chunk of whole blocks."""
+        state = self.state[p]
+        fused = group["fused"]
+        if fused is None:
+            fused = p.numel() >= FUSE_MIN_NUMEL
+        kernel = _kernel(fused)
+        hp = torch.tensor(self._hyper(group, state["step"]), dtype=torch.float32, device=p.device)
+        qs = Q.dynamic_map(True, p.device)
+        qu = Q.dynamic_map(False, p.device)
+        bs = group["block_size"]
+        pflat = p.view(-1) if p.is_contiguous() else p.reshape(-1).clone()
+        g = p.grad.reshape(-1)
+        if group["maximize"]:
+            g = -g
+        mc, vc = state["m_codes"], state["v_codes"]
+        am, av = state["m_absmax"], state["v_absmax"]
+        n = p.numel()
+        full = n // bs
+        spans = [(b, min(b + CHUNK_BLOCKS, full)) for b in range(0, full, CHUNK_BLOCKS)]
+        for b0, b1 in spans + ([(full, full + 1)] if n % bs else []):
+            lo, hi = b0 * bs, min(b1 * bs, n)
+            shape = (b1 - b0, -1)
+            try:
+                out = kernel(pflat[lo:hi].view(shape), g[lo:hi].view(shape), mc[lo:hi].view(shape),
+                             vc[lo:hi].view(shape), am[b0:b1].view(-1, 1), av[b0:b1].view(-1, 1),
+                             qs, qu, hp)
+            except Exception as exc:  # noqa: BLE001 - compiler missing or broken: go eager
+                if kernel is _block_update:
+                    raise
+                _disable_compile(exc)
+                kernel = _block_update
+                out = kernel(pflat[lo:hi].view(shape), g[lo:hi].view(shape), mc[lo:hi].view(shape),
+                             vc[lo:hi].view(shape), am[b0:b1].view(-1, 1), av[b0:b1].view(-1, 1),
+                             qs, qu, hp)
+            pflat[lo:hi] = out[0].view(-1)
+            mc[lo:hi] = out[1].view(-1)
+            vc[lo:hi] = out[2].view(-1)
+            am[b0:b1] = out[3].view(-1)
+            av[b0:b1] = out[4].view(-1)
+        if not p.is_contiguous():
+            p.copy_(pflat.view(p.shape))
+
+
+def _disable_compile(exc: BaseException) -> None:
+    global _compile_failed
+    _compile_failed = True
+    warnings.warn(f"Adam8bit: torch.compile failed ({type(exc).__name__}: {exc}); "
+                  "using the eager block update", RuntimeWarning, stacklevel=3)
+
+
+class AdamW8bit(Adam8bit):
+    """:class:`Adam8bit` with decoupled weight decay (Loshchilov & Hutter 2019), default 1e-2."""
+
+    _decoupled = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        min_8bit_size: int = MIN_8BIT_SIZE,
+        block_size: int = Q.BLOCK_SIZE,
+        fused: bool | None = None,
+        maximize: bool = False,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, min_8bit_size=min_8bit_size,
+                         block_size=block_size, fused=fused, maximize=maximize)

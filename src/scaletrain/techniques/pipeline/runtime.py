@@ -1,0 +1,546 @@
+"""Pipeline runtime: executes a schedule's per-rank action lists with ``torch.distributed``.
+
+The apply face of :mod:`.schedules` / :mod:`.simulate`: the same lists the simulator times are
+executed here, in order, on each rank (gloo on CPU, NCCL on GPU):
+
+* ``F`` / ``B`` run a stage replica's forward / backward (:mod:`.stage`); ``I`` / ``W`` split the
+  backward for ``zb1p`` (input gradient now, weight-gradient GEMMs deferred);
+* ``SEND_*`` post ``isend``, ``RECV_*`` post ``irecv`` and wait (:mod:`.p2p`, every wait bounded
+  by ``timeout_s`` and reported in one line naming the rank, the op and the peer);
+* ``GRAD_SYNC`` (Chimera) all-reduces one stage's gradients between its two replicas;
+* ``OPT`` — at the first of a window on a rank: finish the gradients (sum over ranks holding a
+  shared parameter — GPT-2's tied ``wte`` on the first and last stage, as Megatron all-reduces
+  its embedding group — then average over data-parallel replicas), then call ``update``.
+
+Gradient accumulation: each micro-batch's loss is weighted 1/M (1/update_every for the
+asynchronous schedules), so after a synchronous step ``.grad`` holds the gradient of the mean
+loss over the global batch, as in one-process training.
+
+Layout (pp × dp = the world): the processes form a 2-D mesh with pp outermost, as in Megatron
+and torchtitan: pipeline rank r of data-parallel replica d is ``ranks[r * dp + d]`` (``ranks``
+defaults to 0..world-1; another order of the world may be given).
+Every replica runs the same schedule on its own micro-batches; gradients of a stage are
+all-reduced across its dp replicas at ``OPT``.
+
+Asynchronous schedules (``pipedream``, ``pipedream-2bw``) run as one stream without flushes
+over :meth:`PipelineRuntime.train`'s ``n_steps`` windows, with weight stashing (each
+micro-batch's backward uses the weights its forward used) — a documented approximation of
+one-process training, not an equivalent.
+
+Dropout and other randomness draw from each rank's generator in pipeline order, so with
+dropout > 0 the runtime is not bitwise equal to one process (fp32 parity holds with dropout 0).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletrain.chain import Chain, to_chain
+from scaletrain.errors import UserError
+
+from . import p2p
+from .checks import rendezvous_safe, validate
+from .partition import equal_bounds
+from .schedules import (ASYNC_SCHEDULES, GRAD_SYNC, OPT, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, build)
+from .simulate import Event
+from .stage import Replica, TensorSpec, boundary_specs, check_bounds
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class _Feed:
+    """Micro-batches pulled in order from the caller's iterator, each kept until this rank's
+    last use (the first stage reads x, the last stage y; Chimera's ranks hold both ends)."""
+
+    def __init__(self, it: Iterator[Batch] | None, uses: dict[int, int], device: torch.device):
+        self.it, self.uses, self.device = it, dict(uses), device
+        self.cache: dict[int, Batch] = {}
+        self.fetched = 0
+
+    def get(self, m: int) -> Batch:
+        while self.fetched <= m:
+            if self.it is None:
+                raise UserError("this pipeline rank holds the first or last stage and needs micro-batches; "
+                                "pass an iterator of (input, target) micro-batches")
+            try:
+                x, y = next(self.it)
+            except StopIteration:
+                raise UserError(f"the micro-batch iterator ran out after {self.fetched} micro-batches") from None
+            self.cache[self.fetched] = (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+            self.fetched += 1
+        return self.cache[m]
+
+    def used(self, m: int) -> None:
+        self.uses[m] -= 1
+        if self.uses[m] == 0:
+            self.cache.pop(m, None)
+
+    def finish(self, total: int) -> None:
+        """Pull up to ``total`` micro-batches, so every data-reading rank's iterator advances alike."""
+        while self.it is not None and self.fetched < total:
+            next(self.it, None)
+            self.fetched += 1
+        self.cache.clear()
+
+
+class PipelineRuntime:
+    """Runs pipeline schedule ``schedule`` over ``chain`` on a pp × dp mesh of processes.
+
+    Every process passes the *whole* model's chain (built identically; replicated parameters are
+    broadcast at construction so copies start equal) and the same arguments. ``example_input``
+    is one micro-batch's input (meta allowed: only shape and dtype are read); ``loss_fn(out,
+    target)`` runs on the last stage. ``bounds`` are the S + 1 block boundaries of the S = pp ×
+    virtual stages (default: an equal split; :func:`.partition.partition` gives a balanced one).
+    ``p2p``: "eager" (isend lists, gloo tags), "rendezvous" (lists reordered by
+    :func:`.checks.rendezvous_safe`, needed by NCCL), or "auto" (by backend).
+    """
+
+    def __init__(self, chain: Chain | nn.Module, schedule: str, microbatches: int, *, pp: int, dp: int = 1,
+                 virtual: int = 1, bounds: Sequence[int] | None = None, loss_fn: LossFn,
+                 example_input: torch.Tensor, device: torch.device | str | None = None,
+                 ranks: Sequence[int] | None = None, timeout_s: float = 300.0, p2p_mode: str = "auto",
+                 record_events: bool = True):
+        if not dist.is_initialized():
+            raise UserError("the pipeline runtime needs torch.distributed initialised (run under torchrun)")
+        self.chain = to_chain(chain)
+        self.name, self.M, self.pp, self.dp, self.virtual = schedule, int(microbatches), int(pp), int(dp), int(virtual)
+        self.loss_fn = loss_fn
+        self.timeout_s = float(timeout_s)
+        self.record_events = record_events
+        self.asynchronous = schedule in ASYNC_SCHEDULES
+        world = dist.get_world_size()
+        world_ranks = list(ranks) if ranks is not None else list(range(world))
+        if world != self.pp * self.dp:
+            raise UserError(f"pipeline layout parallel.pp={pp} × parallel.dp={dp} needs {pp * dp} processes; "
+                            f"this job has {world}")
+        if sorted(world_ranks) != list(range(world)):
+            raise UserError(f"pipeline ranks must order all {world} processes; got {world_ranks}")
+        self.global_rank = dist.get_rank()
+        self.ranks = world_ranks
+        idx = world_ranks.index(self.global_rank)
+        self.pp_rank, self.dp_rank = divmod(idx, self.dp)
+        param0 = next(self.chain.parameters(), None)
+        self.device = torch.device(device) if device is not None else (param0.device if param0 is not None
+                                                                        else torch.device("cpu"))
+        backend = dist.get_backend()
+        if p2p_mode == "auto":
+            p2p_mode = "rendezvous" if backend == "nccl" else "eager"
+        if p2p_mode not in ("eager", "rendezvous"):
+            raise UserError(f"p2p_mode must be auto, eager or rendezvous (got {p2p_mode!r})")
+        self.p2p_mode = p2p_mode
+        self._schedules: dict[int, Schedule] = {}
+        sched = self.schedule_for(1 if not self.asynchronous else 3)  # validates P, M, v
+        self.n_stages = sched.n_stages
+        self.bounds = check_bounds(list(bounds) if bounds is not None else equal_bounds(len(self.chain), self.n_stages),
+                                   len(self.chain), self.n_stages)
+        self.specs: list[TensorSpec] = boundary_specs(self.chain.blocks, self.bounds, example_input, self.device)
+        self.transport = p2p.Transport(self.global_rank, self.timeout_s, self.device, use_tags=p2p_mode == "eager",
+                                       label=f"pipeline {schedule} (pipeline rank {self.pp_rank}, dp {self.dp_rank})")
+        self.replicas: dict[tuple[int, int], Replica] = {}
+        for pipe, s in sched.local_stages(self.pp_rank):
+            mod = nn.Sequential(*self.chain.blocks[self.bounds[s]:self.bounds[s + 1]])
+            self.replicas[(pipe, s)] = Replica(pipe, s, mod, s == 0, s == self.n_stages - 1,
+                                               defer_weight_grads=sched.split_backward, stash_weights=self.asynchronous)
+        self._plan_parameters(sched)
+        self._make_groups(sched)
+        self._broadcast_replicated()
+        self.events: list[Event] = []
+        """Measured compute events of the last :meth:`train` call: (pipeline rank, kind, micro-batch,
+        start_s, end_s, stage, pipe), seconds from the call's start (after a barrier)."""
+        self.comm_events: list[Event] = []
+        """Measured waits in receives and collectives (kinds RECV_F, RECV_B, SYNC)."""
+
+    # ------------------------------------------------------------------ set-up
+    def schedule_for(self, n_steps: int) -> Schedule:
+        """The (validated) action lists for ``n_steps`` windows (synchronous schedules: one)."""
+        key = n_steps if self.asynchronous else 1
+        if key not in self._schedules:
+            s = build(self.name, self.pp, self.M, self.virtual, steps=key)
+            if self.p2p_mode == "rendezvous":
+                s = rendezvous_safe(s)
+            validate(s, p2p="rendezvous" if self.p2p_mode == "rendezvous" else "eager")
+            self._schedules[key] = s
+        return self._schedules[key]
+
+    def _plan_parameters(self, sched: Schedule) -> None:
+        """Who holds which parameter, and where its gradient is summed.
+
+        holders(p) = pipeline ranks holding a stage replica that uses p. A parameter held by
+        several ranks (tied weights; Chimera's two replicas of each stage) has its gradient
+        summed over them: at Chimera's GRAD_SYNC of its first stage when the holders are
+        exactly that stage's replica pair, otherwise at OPT (grouped by holder set, canonical order).
+        """
+        uniq: list[nn.Parameter | torch.Tensor] = []
+        seen: dict[int, int] = {}
+        stage_of_block = [s for s in range(self.n_stages) for _ in range(self.bounds[s], self.bounds[s + 1])]
+        users: dict[int, set[int]] = {}
+        kinds: dict[int, str] = {}
+        for b, blk in enumerate(self.chain.blocks):
+            for kind, tensors in (("param", blk.parameters()), ("buffer", blk.buffers())):
+                for t in tensors:
+                    if id(t) not in seen:
+                        seen[id(t)] = len(uniq)
+                        uniq.append(t)
+                        kinds[id(t)] = kind
+                    users.setdefault(seen[id(t)], set()).add(stage_of_block[b])
+        self._tensors = uniq
+        self._is_param = [kinds[id(t)] == "param" for t in uniq]
+        self._owner_stage = [min(users[i]) for i in range(len(uniq))]
+        self._holders = [tuple(sorted({sched.rank_of(s, p) for s in users[i] for p in range(sched.n_pipes)}))
+                         for i in range(len(uniq))]
+        local = [i for i in range(len(uniq)) if self.pp_rank in self._holders[i]]
+        self._local = local
+        params = [i for i in local if self._is_param[i]]
+        self._params = [uniq[i] for i in params]
+        self._owned = [uniq[i] for i in params if self._holders[i][0] == self.pp_rank]
+        # where each multi-holder parameter's gradient is summed
+        pair = {s: tuple(sorted({sched.rank_of(s, p) for p in range(sched.n_pipes)})) for s in range(self.n_stages)}
+        self._gradsync: dict[int, list[torch.Tensor]] = {}
+        tied: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for i in params:
+            h = self._holders[i]
+            if len(h) == 1:
+                continue
+            if sched.n_pipes == 2 and h == pair[self._owner_stage[i]]:
+                self._gradsync.setdefault(self._owner_stage[i], []).append(uniq[i])
+            else:
+                tied.setdefault(h, []).append(uniq[i])
+        self._tied = sorted(tied.items())
+        blocks = []
+        seen_blocks: set[int] = set()
+        for rep in self.replicas.values():
+            for blk in rep.module:
+                if id(blk) not in seen_blocks:
+                    seen_blocks.add(id(blk))
+                    blocks.append(blk)
+        self.module = nn.ModuleList(blocks)
+        """The local blocks (shared with the chain): build the optimizer over this module."""
+
+    def _global(self, pp_rank: int, dp_rank: int | None = None) -> int:
+        return self.ranks[pp_rank * self.dp + (self.dp_rank if dp_rank is None else dp_rank)]
+
+    def _make_groups(self, sched: Schedule) -> None:
+        """Create every group of the layout, in one canonical order on every process."""
+        wanted: list[tuple[int, ...]] = [tuple(sorted(self.ranks))]
+        for d in range(self.dp):
+            wanted.append(tuple(sorted(self._global(r, d) for r in range(self.pp))))
+        for r in range(self.pp):
+            wanted.append(tuple(sorted(self._global(r, d) for d in range(self.dp))))
+        holder_sets = sorted({h for h in self._holders if len(h) > 1})
+        for d in range(self.dp):
+            for h in holder_sets:
+                wanted.append(tuple(sorted(self._global(r, d) for r in h)))
+        for g in wanted:  # every process creates every group, in this order (see p2p.group)
+            if len(g) > 1:
+                p2p.group(g, self.timeout_s)
+        self._mesh_ranks = tuple(sorted(self.ranks))
+        self._replica_ranks = tuple(sorted(self._global(r) for r in range(self.pp)))
+        self._dp_ranks = tuple(sorted(self._global(self.pp_rank, d) for d in range(self.dp)))
+
+    def _grp(self, ranks: Sequence[int]) -> Any:
+        return p2p.group(ranks, self.timeout_s)
+
+    def _flat_collective(self, tensors: list[torch.Tensor], fn: Callable[[torch.Tensor], None]) -> None:
+        """Apply an in-place collective to ``tensors`` through one flat buffer per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for ts in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            fn(flat)
+            off = 0
+            for t in ts:
+                n = t.numel()
+                t.detach().copy_(flat[off:off + n].view_as(t))
+                off += n
+
+    def _broadcast_replicated(self) -> None:
+        """Make replicated tensors equal: shared parameters from their first holder, then every
+        local tensor from data-parallel replica 0 (as DDP does at construction)."""
+        with torch.no_grad():
+            for h in sorted({self._holders[i] for i in self._local if len(self._holders[i]) > 1}):
+                ts = [self._tensors[i] for i in self._local if self._holders[i] == h]
+                if self.pp_rank in h and ts:
+                    g = tuple(sorted(self._global(r) for r in h))
+                    self._flat_collective(ts, lambda f: self.transport.broadcast(
+                        f, self._global(h[0]), self._grp(g), "initial broadcast of shared parameters"))
+            if self.dp > 1:
+                ts = [self._tensors[i] for i in self._local]
+                self._flat_collective(ts, lambda f: self.transport.broadcast(
+                    f, self._global(self.pp_rank, 0), self._grp(self._dp_ranks), "initial data-parallel broadcast"))
+
+    # ------------------------------------------------------------------ public API
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (each once), for the optimizer."""
+        return list(self._params)
+
+    @property
+    def needs_data(self) -> bool:
+        """True on ranks holding a first or last stage (they read micro-batches)."""
+        return any(rep.first or rep.last for rep in self.replicas.values())
+
+    def train_step(self, microbatches: Iterable[Batch] | None, update: Callable[[], None] | None = None) -> float:
+        """One synchronous step over M micro-batches; returns the mean loss (on every rank).
+
+        ``microbatches`` yields (input, target) micro-batches (used on ranks with a first or last
+        stage; others may pass None). At the step's end the gradients of the global batch's mean
+        loss are in ``.grad`` (shared parameters summed, data-parallel replicas averaged);
+        ``update`` (optimizer step + zero_grad, e.g. with :meth:`clip_grad_norm_` first) is called
+        then, or the caller steps after this returns when ``update`` is None.
+        """
+        if self.asynchronous:
+            return self.train(1, microbatches, update)[0]
+        return self._run(self.schedule_for(1), microbatches, update)[0]
+
+    def train(self, n_steps: int, microbatches: Iterable[Batch] | None,
+              update: Callable[[], None] | None) -> list[float]:
+        """``n_steps`` optimizer windows; returns the mean loss of each. Synchronous schedules
+        flush after every window; asynchronous ones run one stream (warm-up and drain only at
+        the ends), calling ``update`` after every micro-batch (pipedream) or M (2BW)."""
+        if n_steps < 1:
+            raise UserError(f"n_steps must be >= 1 (got {n_steps})")
+        if not self.asynchronous:
+            it = iter(microbatches) if microbatches is not None else None
+        if sched.asynchronous:  # stash weights only for micro-batches that an update overtakes
+            for rep in self.replicas.values():
+                rep.stash_mbs = _overtaken(acts, rep.pipe, rep.stage)
+            return [self._run(self.schedule_for(1), it, update)[0] for _ in range(n_steps)]
+        if update is None:
+            raise UserError(f"asynchronous schedule {self.name} updates weights inside the stream; pass update")
+        return self._run(self.schedule_for(n_steps), microbatches, update)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the global gradient norm (all stages, shared parameters counted once) to
+        ``max_norm``; returns the norm before clipping. Collective over the pipeline replica."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self._owned:
+            if p.grad is not None:
+                sq += p.grad.detach().double().pow(2).sum()
+        sq = sq.reshape(1)
+        if self.pp > 1:
+            self.transport.all_reduce(sq, self._grp(self._replica_ranks), "gradient-norm all-reduce")
+        norm = float(sq.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+        return norm
+
+    def sync_full_model(self) -> None:
+        """Broadcast every parameter and buffer from its first holder to all ranks of this
+        pipeline replica, so each process's model is the whole, current model (evaluation or a
+        checkpoint in the single-process layout). Collective over the replica."""
+        if self.pp == 1:
+            return
+        with torch.no_grad():
+            for r in range(self.pp):
+                ts = [t for i, t in enumerate(self._tensors) if self._holders[i][0] == r]
+                if ts:
+                    self._flat_collective(ts, lambda f: self.transport.broadcast(
+                        f, self._global(r), self._grp(self._replica_ranks), "full-model broadcast"))
+
+    def close(self) -> None:
+        """Wait for outstanding sends and drop in-flight tensors."""
+        self.transport.drain()
+        for rep in self.replicas.values():
+            for d in (rep.inputs, rep.outputs, rep.grad_out, rep.grad_in, rep.wqueue):
+                d.clear()
+
+    # ------------------------------------------------------------------ execution
+    def _now(self) -> float:
+        if self.record_events and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self._t0
+
+    def _record(self, kind: str, a: Action, start: float, comm: bool = False) -> None:
+        if self.record_events:
+            (self.comm_events if comm else self.events).append(
+                Event(self.pp_rank, kind, a.mb, start, self._now(), a.stage, a.pipe))
+
+    def _run(self, sched: Schedule, microbatches: Iterable[Batch] | Iterator[Batch] | None,
+             update: Callable[[], None] | None) -> list[float]:
+        acts = sched.actions[self.pp_rank]
+        S, total = self.n_stages, sched.total_microbatches
+        every = sched.update_every or self.M
+        self._weight = 1.0 / every
+        uses: dict[int, int] = {}
+        for a in acts:
+            if a.kind == "F" and (a.stage == 0 or a.stage == S - 1):
+                uses[a.mb] = uses.get(a.mb, 0) + 1
+        it = iter(microbatches) if microbatches is not None else None
+        if sched.asynchronous:  # stash weights only for micro-batches that an update overtakes
+            for rep in self.replicas.values():
+                rep.stash_mbs = _overtaken(acts, rep.pipe, rep.stage)
+        feed = _Feed(it if uses else None, uses, self.device)
+        self._losses = torch.zeros(sched.n_steps, dtype=torch.float64)
+        self._opt_mb = -1
+        self._local_fwd: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._local_bwd: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.events, self.comm_events = [], []
+        if self.record_events and len(self._mesh_ranks) > 1:  # a common time origin for the timeline
+            self.transport.barrier(self._grp(self._mesh_ranks), "barrier at the start of a pipeline step")
+        self._t0 = time.perf_counter()
+        for a in acts:
+            self._do(a, sched, feed, update)
+        self.transport.drain()
+        feed.finish(total)
+        losses = self._losses
+        if len(self._mesh_ranks) > 1:
+            self.transport.all_reduce(losses, self._grp(self._mesh_ranks), "loss all-reduce")
+        return (losses / (self.M * self.dp)).tolist()
+
+    def _do(self, a: Action, sched: Schedule, feed: _Feed, update: Callable[[], None] | None) -> None:
+        k = a.kind
+        S = self.n_stages
+        if k == RECV_F or k == RECV_B:
+            rep = self.replicas[(a.pipe, a.stage)]
+            t0 = self._now()
+            if k == RECV_F:
+                spec = self.specs[a.stage]
+                x = self.transport.recv(spec.shape, spec.dtype, self._global(a.peer),
+                                        p2p.tag(0, a.pipe, a.stage, a.mb, S), f"RECV_F of micro-batch {a.mb} "
+                                        f"(activation into stage {a.stage})")
+                rep.inputs[a.mb] = x.requires_grad_()
+            else:
+                spec = self.specs[a.stage + 1]
+                rep.grad_out[a.mb] = self.transport.recv(spec.shape, spec.dtype, self._global(a.peer),
+                                                         p2p.tag(1, a.pipe, a.stage, a.mb, S),
+                                                         f"RECV_B of micro-batch {a.mb} (gradient into stage {a.stage})")
+            self._record(k, a, t0, comm=True)
+        elif k == SEND_F:
+            rep = self.replicas[(a.pipe, a.stage)]
+            self.transport.send(rep.outputs[a.mb], self._global(a.peer), p2p.tag(0, a.pipe, a.stage + 1, a.mb, S),
+                                f"SEND_F of micro-batch {a.mb} (activation of stage {a.stage})")
+        elif k == SEND_B:
+            rep = self.replicas[(a.pipe, a.stage)]
+            self.transport.send(rep.grad_in.pop(a.mb), self._global(a.peer), p2p.tag(1, a.pipe, a.stage - 1, a.mb, S),
+                                f"SEND_B of micro-batch {a.mb} (gradient of stage {a.stage}'s input)")
+        elif k == "F":
+            self._forward(a, feed)
+        elif k in ("B", "I"):
+            self._backward(a)
+        elif k == "W":
+            t0 = self._now()
+            self.replicas[(a.pipe, a.stage)].weight_grads(a.mb)
+            self._record(k, a, t0)
+        elif k == GRAD_SYNC:
+            t0 = self._now()
+            ts = self._gradsync.get(a.stage, [])
+            if ts:
+                self._grads_materialise(ts)
+                g = tuple(sorted((self.global_rank, self._global(a.peer))))
+                self._flat_collective([t.grad for t in ts], lambda f: self.transport.all_reduce(
+                    f, self._grp(g), f"GRAD_SYNC of stage {a.stage} with pipeline rank {a.peer}"))
+            self._record(k, a, t0)
+        elif k == OPT:
+            if a.mb == self._opt_mb:
+                return  # one update per rank and window, at its first OPT
+            self._opt_mb = a.mb
+            t0 = self._now()
+            self._reduce_grads()
+            if update is not None:
+                update()
+            for rep in self.replicas.values():
+                rep.bump_version()
+            self._record(k, a, t0)
+        else:  # pragma: no cover - schedules only emit the kinds above
+            raise UserError(f"unknown pipeline action {a}")
+
+    def _forward(self, a: Action, feed: _Feed) -> None:
+        rep = self.replicas[(a.pipe, a.stage)]
+        t0 = self._now()
+        if rep.first:
+            x = feed.get(a.mb)[0]
+        elif (a.pipe, a.stage, a.mb) in self._local_fwd:  # previous stage on this rank (P = 1)
+            x = self._local_fwd.pop((a.pipe, a.stage, a.mb)).requires_grad_()
+        else:
+            x = rep.inputs[a.mb]
+        rep.inputs[a.mb] = x
+        out = rep.forward(x, a.mb)
+        if rep.last:
+            y = feed.get(a.mb)[1]
+            loss = self.loss_fn(out, y)
+            self._losses[a.mb // self.M] += float(loss.detach())
+            out = loss * self._weight
+            feed.used(a.mb)
+        if rep.first and not rep.last:
+            feed.used(a.mb)
+        rep.outputs[a.mb] = out
+        if not rep.last and self.replicas.get((a.pipe, a.stage + 1)) is not None:
+            self._local_fwd[(a.pipe, a.stage + 1, a.mb)] = out.detach()
+        self._record("F", a, t0)
+
+    def _backward(self, a: Action) -> None:
+        rep = self.replicas[(a.pipe, a.stage)]
+        t0 = self._now()
+        out = rep.outputs.pop(a.mb)
+        if rep.last:
+            grad = None
+        elif (a.pipe, a.stage, a.mb) in self._local_bwd:
+            grad = self._local_bwd.pop((a.pipe, a.stage, a.mb))
+        else:
+            grad = rep.grad_out.pop(a.mb)
+        rep.backward(a.mb, out, grad)
+        x = rep.inputs.pop(a.mb)
+        if not rep.first:
+            gx = x.grad if x.grad is not None else torch.zeros_like(x)
+            if (a.pipe, a.stage - 1) in self.replicas:
+                self._local_bwd[(a.pipe, a.stage - 1, a.mb)] = gx
+            else:
+                rep.grad_in[a.mb] = gx
+        self._record(a.kind, a, t0)
+
+    # ------------------------------------------------------------------ gradients
+    @staticmethod
+    def _grads_materialise(params: Iterable[torch.Tensor]) -> None:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def _reduce_grads(self) -> None:
+        """Sum shared parameters' gradients over their holders, then average over dp replicas."""
+        for h, ts in self._tied:
+            if self.pp_rank in h:
+                self._grads_materialise(ts)
+                g = tuple(sorted(self._global(r) for r in h))
+                self._flat_collective([t.grad for t in ts], lambda f: self.transport.all_reduce(
+                    f, self._grp(g), f"shared-parameter gradient all-reduce over pipeline ranks {list(h)}"))
+        if self.dp > 1 and self._params:
+            self._grads_materialise(self._params)
+
+            def avg(f: torch.Tensor) -> None:
+                self.transport.all_reduce(f, self._grp(self._dp_ranks), "data-parallel gradient all-reduce")
+                f.div_(self.dp)
+
+            self._flat_collective([p.grad for p in self._params], avg)
+
+
+def split_microbatches(x: torch.Tensor, y: torch.Tensor, m: int) -> list[Batch]:
+    """Split a batch into ``m`` equal micro-batches along dim 0 (UserError when it does not divide)."""
+    if x.shape[0] % m:
+        raise UserError(f"a batch of {x.shape[0]} samples does not split into {m} equal micro-batches; use a "
+                        f"batch that is a multiple of parallel.microbatches={m}")
+    return list(zip(x.chunk(m), y.chunk(m)))
+
+
+def _overtaken(acts: list[Action], pipe: int, stage: int) -> set[int]:
+    """Micro-batches of (pipe, stage) with an optimizer update between their forward and their
+    backward in this rank's list: the ones whose forward weights must be stashed."""
+    fwd_at: dict[int, int] = {}
+    opts: list[int] = []
+    out: set[int] = set()
+    for i, a in enumerate(acts):
+        if a.kind == OPT:
+            opts.append(i)
+        elif a.pipe == pipe and a.stage == stage and a.kind == "F":
+            fwd_at[a.mb] = i
+        elif a.pipe == pipe and a.stage == stage and a.kind in ("B", "I") and opts and opts[-1] > fwd_at[a.mb]:
+            out.add(a.mb)
+    return out

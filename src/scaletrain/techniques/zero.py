@@ -1,0 +1,395 @@
+"""ZeRO stages 1-3 (Rajbhandari et al., SC20): cost face and apply face.
+
+Cost face (pure functions, for the estimator and the planner)
+    :func:`model_state_bytes` — per-rank bytes of parameters, gradients and optimizer states
+    (ZeRO section 5, REFERENCES.md): with ``P, G, M, K`` bytes per parameter for the compute
+    parameters, gradients, fp32 master weights and optimizer states, on ``N`` ranks
+
+        stage 0: (P + G + M + K) Psi         stage 2: P Psi + (G + M + K) Psi / N
+        stage 1: (P + G) Psi + (M + K) Psi/N stage 3: (P + G + M + K) Psi / N
+
+    mixed-precision Adam (P = G = 2, M = 4, K = 8): 16, 4 + 12/N, 2 + 14/N, 16/N;
+    fp32 Adam (P = G = 4, M = 0, K = 8): 16, 8 + 8/N, 4 + 12/N, 16/N.
+    :func:`comm_bytes_per_step` — bytes received per rank per optimizer step: 2 Psi (N-1)/N
+    elements for stages 0-2, 3 Psi (N-1)/N for stage 3 (ZeRO section 7), times element sizes.
+
+Apply face (what runs)
+    Stage 0 is torch DDP (:mod:`~scaletrain.techniques.data_parallel`).
+    Stages 1 and 2 are implemented here (:class:`ZeroStrategy`) because torch has no faithful
+    version: ``ZeroRedundancyOptimizer`` shards states by whole tensors (unbalanced) and moves
+    ~3 Psi per step (DDP all-reduce + parameter broadcasts) instead of 2 Psi; FSDP2's
+    ``fully_shard(reshard_after_forward=False)`` moves 2 Psi but keeps parameters *sharded*
+    between steps and full during forward/backward — neither ZeRO-2's memory nor its schedule.
+    Here every parameter stays whole on every rank (in the compute dtype); rank r owns rows
+    ``[r c, (r+1) c)`` of each tensor, ``c = ceil(rows / N)`` (torch.chunk / DTensor Shard(0)
+    layout). Gradients are reduce-scattered in buckets launched from post-accumulate-grad hooks,
+    so communication overlaps backward; stage 1 reduces once per optimizer step (after
+    accumulation) and keeps full gradients, stage 2 reduces every micro-batch and frees each
+    bucket's full gradients at once, keeping only the owned rows. The optimizer updates the
+    owned rows (fp32 masters in mixed precision), then the rows are all-gathered back.
+    Stage 3 is FSDP2 ``fully_shard`` per Chain block plus the root, resharding after forward
+    (also the root, so traffic is ZeRO-3's 3 Psi) with explicit forward/backward prefetch of the
+    neighbouring block.
+
+Optimizers see *local shards as plain tensors* ("proxies" sharing storage with the owned rows),
+so every scaletrain optimizer runs unchanged at every stage, 8-bit states included. Optimizers
+whose update of one element depends on other elements of the same tensor (LAMB/LARS trust
+ratios, Adafactor/CAME factored moments) then see row shards instead of whole tensors; the
+trainer warns. Gradient clipping uses the global norm (sum of squares all-reduced).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletrain.errors import ConfigError
+from scaletrain.techniques.zero_sharded import (  # noqa: F401
+    FSDPStrategy, ShardedStrategy, _Entry, _unique_params, shard_rows)
+
+# --------------------------------------------------------------------------- cost face
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model states on one rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+    """Optimizer states plus fp32 master weights."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def bytes_per_param(precision: str, optim_state_bytes: float = 8.0) -> dict[str, float]:
+    """(P, G, M, K) of the cost face: ``fp32`` or ``mixed`` (bf16/fp16 compute + fp32 master).
+
+    ``optim_state_bytes``: K for the optimizer (Adam 8, SGD momentum 4, 8-bit Adam ~2.004).
+    """
+    if precision == "fp32":
+        return {"param": 4.0, "grad": 4.0, "master": 0.0, "optim": optim_state_bytes}
+    if precision in ("mixed", "bf16", "fp16"):
+        return {"param": 2.0, "grad": 2.0, "master": 4.0, "optim": optim_state_bytes}
+    raise ConfigError(f"precision {precision!r} is not allowed; allowed: fp32, mixed, bf16, fp16")
+
+
+def model_state_bytes(n_params: float, stage: int, dp: int, *, precision: str = "fp32",
+                      optim_state_bytes: float = 8.0) -> ModelStateBytes:
+    """Per-rank model-state bytes of ZeRO ``stage`` on ``dp`` ranks (module docstring).
+
+    Stage 3 as run by FSDP2 keeps no separate half-precision copy: its sharded fp32
+    parameters *are* the masters and its sharded gradients are fp32, so P + G + M = 4 + 4 + 0
+    per Psi/N instead of 2 + 2 + 4 — the same total.
+    """
+    _check(stage, dp)
+    b = bytes_per_param(precision, optim_state_bytes)
+    n, N = float(n_params), float(dp)
+    P, G, O = b["param"] * n, b["grad"] * n, (b["master"] + b["optim"]) * n
+    if stage == 0:
+        return ModelStateBytes(P, G, O)
+    if stage == 1:
+        return ModelStateBytes(P, G, O / N)
+    if stage == 2:
+        return ModelStateBytes(P, G / N, O / N)
+    if precision != "fp32":  # FSDP2: fp32 sharded params (= masters) and fp32 sharded grads
+        return ModelStateBytes(4 * n / N, 4 * n / N, b["optim"] * n / N)
+    return ModelStateBytes(P / N, G / N, O / N)
+
+
+def comm_bytes_per_step(n_params: float, stage: int, dp: int, *, grad_bytes: float = 4.0,
+                        param_bytes: float = 4.0, accum: int = 1, hsdp: int = 0) -> float:
+    """Bytes received per rank per optimizer step (ring algorithms; see data_parallel's ledger).
+
+    Stage 0: one all-reduce of the gradients (``no_sync`` for the first ``accum - 1``
+    micro-batches). Stage 1: one reduce-scatter of gradients (after accumulation) + one
+    all-gather of parameters. Stage 2: a reduce-scatter per micro-batch + one all-gather.
+    Stage 3: per micro-batch two all-gathers of parameters (forward, backward) + one
+    reduce-scatter. ``hsdp=G``: shard within groups of G ranks, and all-reduce the gradient
+    shards (Psi/G) across the dp/G replicas.
+    """
+    _check(stage, dp)
+    n, N = float(n_params), dp
+    if N <= 1:
+        return 0.0
+    G = hsdp or N
+    if N % G:
+        raise ConfigError(f"parallel.hsdp={hsdp} must divide parallel.dp={dp}")
+    R = N // G
+    ring = (G - 1) / G
+    rep = 2 * (R - 1) / R * n / G * grad_bytes if R > 1 else 0.0
+    if stage == 0:
+        return 2 * (N - 1) / N * n * grad_bytes
+    if stage == 1:
+        return ring * n * (grad_bytes + param_bytes) + rep
+    if stage == 2:
+        return accum * (ring * n * grad_bytes + rep) + ring * n * param_bytes
+    return accum * (ring * n * (2 * param_bytes + grad_bytes) + rep)
+
+
+def shard_numel(shapes: Iterable[tuple[int, ...]], dp: int, rank: int) -> int:
+    """Exact parameter count rank ``rank`` owns when every tensor is row-sharded over ``dp``."""
+    total = 0
+    for s in shapes:
+        rows = s[0] if s else 1
+        total += shard_rows(rows, dp, rank)[2] * (math.prod(s[1:]) if len(s) > 1 else 1)
+    return total
+
+
+def _check(stage: int, dp: int) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={stage} is not allowed; allowed: 0, 1, 2, 3")
+    if dp < 1:
+        raise ConfigError(f"parallel.dp={dp} is not allowed; must be >= 1")
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def measure_model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer,
+                              extra_params: Iterable[torch.Tensor] = (),
+                              extra_grads: Iterable[torch.Tensor] = ()) -> ModelStateBytes:
+    """Bytes of the storages holding parameters, gradients and optimizer states on this rank.
+
+    Each storage is counted once (views, tied weights, proxies sharing a parameter's rows), in
+    the first category that holds it (parameters > gradients > optimizer). DTensors count their
+    local shard. Call it after backward and before the optimizer step, when all three exist.
+    """
+    seen: set[int] = set()
+
+    def size(ts: Iterable[Any]) -> int:
+        total = 0
+        for t in ts:
+            if not isinstance(t, torch.Tensor):
+                continue
+            t = getattr(t, "_local_tensor", t)
+            st = t.untyped_storage()
+            key = st.data_ptr() if st.nbytes() else id(st)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += st.nbytes()
+        return total
+
+    params = list(module.parameters()) + list(extra_params)
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    p_bytes = size(params)
+    g_bytes = size([p.grad for p in params + opt_params] + list(extra_grads))
+    # fp32 master copies (optimizer parameters that are not views of the model's) count as
+    # optimizer states, as in ZeRO's K = 12 for mixed-precision Adam.
+    o_bytes = size(opt_params) + size(v for st in optimizer.state.values() for v in st.values())
+    return ModelStateBytes(p_bytes, g_bytes, o_bytes)
+
+
+
+
+# --------------------------------------------------------------------------- stages 1 and 2
+
+
+@dataclass
+class _Bucket:
+    """Parameters whose gradients are reduce-scattered together (``seg`` values per rank)."""
+
+    entries: list[int]
+    offsets: list[int]
+    seg: int
+    ready: int = 0
+    launched: bool = False
+
+
+class ZeroStrategy(ShardedStrategy):
+    """ZeRO stage 1 (optimizer states sharded) or 2 (+ gradients sharded); see the module docstring.
+
+    ``param_dtype`` (bf16/fp16) gives ZeRO's mixed precision: the model's parameters and
+    gradients are kept in that dtype on every rank, fp32 masters of the owned rows live with
+    the optimizer. ``None`` keeps everything fp32 (the owned rows are updated in place).
+    """
+
+    name = "zero"
+
+    def __init__(self, model: nn.Module, stage: int, rank: int, world: int, device: torch.device, *,
+                 bucket_mb: float = 25.0, param_dtype: torch.dtype | None = None, hsdp: int = 0) -> None:
+        if stage not in (1, 2):
+            raise ConfigError(f"ZeroStrategy runs parallel.zero=1 or 2, not {stage}")
+        super().__init__(model, rank, world, device, hsdp=hsdp)
+        self.stage = stage
+        self.param_dtype = param_dtype
+        self._broadcast_params()
+        for p in _unique_params(model):
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+            e = _Entry(p, p.shape, *shard_rows(p.shape[0] if p.ndim else 1, self.N, self.r))
+            own = (p.data if p.ndim else p.data.view(1)).narrow(0, e.start, e.length)
+            if param_dtype is not None:
+                own = own.float().clone()  # fp32 master of the owned rows
+                p.data = p.data.to(param_dtype)
+            e.proxy = nn.Parameter(own)
+            self.entries.append(e)
+        self._index_names()
+        self.buckets = self._make_buckets(bucket_mb * 2**20)
+        self._where = {id(self.entries[i].param): b for b in self.buckets for i in b.entries}
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(self.entries)
+        self._sync = True
+        self._inflight: list[tuple[_Bucket, torch.Tensor, torch.Tensor, Any]] = []
+        self._hooks = [e.param.register_post_accumulate_grad_hook(self._on_grad) for e in self.entries]
+
+    def _make_buckets(self, cap: float) -> list[_Bucket]:
+        """Reverse registration order (roughly the order backward produces gradients)."""
+        groups: list[list[int]] = [[]]
+        size = 0.0
+        for i in reversed(range(len(self.entries))):
+            p = self.entries[i].param
+            nbytes = p.numel() * p.element_size()
+            if groups[-1] and size + nbytes > cap:
+                groups.append([])
+                size = 0.0
+            groups[-1].append(i)
+            size += nbytes
+        out = []
+        for g in groups:
+            offs, seg = [], 0
+            for i in g:
+                offs.append(seg)
+                seg += self.entries[i].chunk * self.entries[i].row_numel
+            out.append(_Bucket(g, offs, seg))
+        return out
+
+    # -- backward ------------------------------------------------------------------------
+    def micro_batch(self, last: bool) -> Any:
+        self._sync = self.stage == 2 or last
+        for b in self.buckets:
+            b.ready, b.launched = 0, False
+        return super().micro_batch(last)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        b = self._where[id(p)]
+        b.ready += 1
+        if b.ready == len(b.entries):
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        """Copy the bucket's gradients rank-major into one buffer; reduce-scatter it (async)."""
+        dtype = self.param_dtype or self.entries[b.entries[0]].param.dtype
+        inp = torch.empty(self.N * b.seg, dtype=dtype, device=self.device)
+        view = inp.view(self.N, b.seg)
+        for i, off in zip(b.entries, b.offsets):
+            e = self.entries[i]
+            dst = view[:, off: off + e.chunk * e.row_numel]
+            g = e.param.grad
+            if g is None:  # unused in this micro-batch
+                dst.zero_()
+                continue
+            g2 = g.reshape(e.rows, e.row_numel)
+            if e.rows == self.N * e.chunk:
+                dst.copy_(g2.view(self.N, -1))
+            else:
+                for q in range(self.N):
+                    _, s, n = shard_rows(e.rows, self.N, q)
+                    d = dst[q].view(e.chunk, e.row_numel)
+                    d[:n].copy_(g2[s: s + n])
+                    d[n:].zero_()
+            if self.stage == 2:
+                e.param.grad = None  # ZeRO-2: the full gradient lives only until its bucket is sent
+        inp.div_(self.world)  # average over all data-parallel ranks (gloo has no AVG)
+        out = torch.empty(b.seg, dtype=dtype, device=self.device)
+        work = dist.reduce_scatter_single(out, inp, group=self.shard_group, async_op=True)
+        self._inflight.append((b, inp, out, work))
+        b.launched = True
+
+    def after_backward(self, last: bool) -> None:
+        if not self._sync:
+            return
+        for b in self.buckets:  # buckets with unused parameters, in a fixed order on every rank
+            if not b.launched:
+                self._launch(b)
+        for b, _, out, work in self._inflight:
+            work.wait()
+            if self.replicate_group is not None:  # HSDP: average the shard across replicas
+                dist.all_reduce(out, group=self.replicate_group)
+            for i, off in zip(b.entries, b.offsets):
+                e = self.entries[i]
+                own = out[off: off + e.length * e.row_numel].view(e.local_shape())
+                if self.stage == 1:  # in place into the owned rows of the full gradient
+                    full = e.param.grad
+                    if full is None:
+                        full = e.param.grad = torch.zeros_like(e.param)
+                    rows = (full if full.ndim else full.view(1)).narrow(0, e.start, e.length)
+                    rows.copy_(own)
+                    self.grad_shards[i] = rows
+                elif self.grad_shards[i] is None:
+                    self.grad_shards[i] = own.clone()
+                else:
+                    self.grad_shards[i].add_(own)  # type: ignore[union-attr]
+        self._inflight.clear()
+
+    # -- the step ------------------------------------------------------------------------
+    def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
+        for e, g in zip(self.entries, self.grad_shards):
+            assert e.proxy is not None
+            if g is None:
+                g = torch.zeros(e.local_shape(), dtype=e.proxy.dtype, device=self.device)
+            e.proxy.grad = g if g.dtype == e.proxy.dtype else g.to(e.proxy.dtype)
+
+    def after_step(self) -> None:
+        """All-gather the updated rows into every rank's full parameters."""
+        dtype = self.param_dtype
+        pending = []
+        for b in self.buckets:
+            dt = dtype or self.entries[b.entries[0]].param.dtype
+            inp = torch.zeros(b.seg, dtype=dt, device=self.device)
+            for i, off in zip(b.entries, b.offsets):
+                e = self.entries[i]
+                inp[off: off + e.length * e.row_numel].copy_(e.proxy.detach().reshape(-1))  # type: ignore[union-attr]
+            out = torch.empty(self.N * b.seg, dtype=dt, device=self.device)
+            pending.append((b, out, dist.all_gather_single(out, inp, group=self.shard_group, async_op=True)))
+        for b, out, work in pending:
+            work.wait()
+            ov = out.view(self.N, b.seg)
+            for i, off in zip(b.entries, b.offsets):
+                e = self.entries[i]
+                full = (e.param.data if e.param.ndim else e.param.data.view(1)).reshape(e.rows, e.row_numel)
+                for q in range(self.N):
+                    _, s, n = shard_rows(e.rows, self.N, q)
+                    if n:
+                        full[s: s + n].copy_(ov[q, off: off + n * e.row_numel].view(n, e.row_numel))
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for e in self.entries:
+            e.param.grad = None
+        self.grad_shards = [None] * len(self.entries)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Gradient shards held outside ``param.grad`` (for :func:`measure_model_state_bytes`)."""
+        return [g for g in self.grad_shards if g is not None]
+
+    # -- state ---------------------------------------------------------------------------
+    def _local_full(self, e: _Entry) -> torch.Tensor:
+        if self.param_dtype is None:
+            return e.param.detach().clone()
+        return self._gather_rows(e, e.proxy.detach())  # type: ignore[union-attr]
+
+    def _load_param(self, e: _Entry, full: torch.Tensor) -> None:
+        e.param.data.copy_(full.reshape(e.shape))
+        if self.param_dtype is not None:
+            e.proxy.data.copy_(self._slice_rows(e, full.to(self.device)))  # type: ignore[union-attr]
+
+    def describe(self) -> str:
+        mp = f", {str(self.param_dtype).split('.')[-1]} parameters + fp32 masters" if self.param_dtype else ""
+        h = f", HSDP shard groups of {self.N}" if self.N != self.world else ""
+        return f"ZeRO stage {self.stage} over {self.world} ranks{mp}{h}"
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        super().close()

@@ -1,0 +1,129 @@
+"""Estimator: per-block Profile from fake tensors, optimizer model, whole-step composition."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from scaletrain import models
+from scaletrain.chain import Chain
+from scaletrain.errors import UserError
+from scaletrain.measure import formulas, optimizers
+from scaletrain.measure.blocks import trace_chain
+from scaletrain.measure.estimate import estimate_chain, estimate_step, fake_copy, simulate_step
+from scaletrain.measure.step import lm_loss, make_batch
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Bytes do not depend on the thread count; one thread keeps these tests quick on a shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+SHAPES = [((1000, 64), torch.float32), ((64,), torch.float32), ((300, 300), torch.float32), ((5,), torch.float32),
+          ((40, 40), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("adamw", {}), ("adamw", {"foreach": True}), ("adam", {"amsgrad": True}), ("adam", {"fused": True}),
+    ("sgd", {}), ("sgd", {"momentum": 0.0}), ("sgd", {"weight_decay": 0.1}),
+    ("sgd", {"nesterov": True, "foreach": True}), ("sgd", {"nesterov": True, "weight_decay": 0.1}),
+    ("sgd", {"weight_decay": 0.1, "foreach": True}), ("adam", {"weight_decay": 0.1}),
+    ("adam", {"weight_decay": 0.1, "foreach": True}),
+])
+def test_optimizer_model_matches_the_real_optimizer(name: str, kw: dict) -> None:
+    """The closed-form state and step-transient bytes equal torch's optimizer run on fake tensors."""
+    shapes = SHAPES if not kw.get("fused") else SHAPES[:4]
+    states, transient = optimizers.simulate(name, shapes, **kw)
+    assert optimizers.state_bytes(name, shapes, **kw) == states
+    assert optimizers.step_transient_bytes(name, shapes, **kw) == transient
+
+
+def test_unknown_names_are_user_errors() -> None:
+    with pytest.raises(UserError, match="unknown optimizer"):
+        estimate_step("mlp", optimizer="lion")
+    with pytest.raises(UserError, match="unknown model"):
+        estimate_step("gpt5")
+    with pytest.raises(UserError, match="exceeds the model's context"):
+        estimate_step("gpt2-tiny", seq=4096)
+    with pytest.raises(UserError, match="unknown precision"):
+        estimate_step("mlp", precision="fp8")
+
+
+def test_profile_fields_tied_parameters_and_saved_excludes_input() -> None:
+    m = models.get("gpt2-tiny", device="meta")
+    prof = estimate_chain(m, m.input_spec(2, 64))
+    wte = m.embed.wte.weight.numel() * 4
+    assert prof.blocks[0].name == "embed" and prof.blocks[-1].name == "head"
+    assert prof.blocks[0].param_bytes == wte + m.embed.wpe.weight.numel() * 4  # the tied weight is the embedding's
+    assert prof.blocks[-1].param_bytes == 2 * 128 * 4  # head: final LayerNorm only
+    assert prof.param_bytes == models.count_params(m) * 4
+    h = prof.blocks[1]
+    assert h.input_bytes == h.output_bytes == 2 * 64 * 128 * 4
+    assert h.saved_bytes > 0 and h.flops_fwd > 0 and h.flops_bwd >= 2 * h.flops_fwd
+    assert h.fwd_time_s == h.flops_fwd / prof.meta["flops_per_s"]
+    # a Linear saves only its input (and weight): nothing beyond the input and parameters
+    lin = estimate_chain(Chain([nn.Linear(64, 32)]), torch.empty(8, 64), target=torch.empty(8, dtype=torch.long),
+                         loss_fn=torch.nn.functional.cross_entropy)
+    assert lin.blocks[0].saved_bytes == 0 and lin.blocks[0].input_bytes == 8 * 64 * 4
+    assert lin.blocks[0].output_bytes == 8 * 32 * 4
+
+
+def test_dedupe_gives_the_same_traces() -> None:
+    m = models.get("gpt2-tiny", device="meta")
+    mode = FakeTensorMode()
+    fm = fake_copy(m, mode)
+    with mode:
+        x, y = make_batch(fm, 2, 32)
+        from scaletrain.chain import to_chain
+
+        a = trace_chain(to_chain(fm), x, y, lm_loss, dedupe=False, accum=2)
+        b = trace_chain(to_chain(fm), x, y, lm_loss, dedupe=True, accum=2)
+    assert [t.events for t in a] == [t.events for t in b]
+    assert [t.accum_bwd_events for t in a] == [t.accum_bwd_events for t in b]
+    assert [t.param_ids for t in a] == [t.param_ids for t in b]
+
+
+def test_gpt3_175b_shapes_without_memory() -> None:
+    """GPT-3 175B (l=96, h=12288, a=96, s=2048) in 16-bit parameters: ZeRO's 2 + 2 + 12 bytes/param."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    est = estimate_step("gpt2-small", 1, 2048, precision="bf16", optimizer="adamw", params_dtype="bf16",
+                        n_layer=96, n_embd=12288, n_head=96, n_positions=2048)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    psi = formulas.transformer_params(96, 12288, 50257, positions=2048, final_norm=True)
+    assert est.parameters == psi
+    n_tensors = 2 + 96 * 12 + 2  # parameter tensors (tied head once), each with a 4-byte Adam step on CPU
+    assert est.bytes["parameters"] == 2 * psi
+    assert est.bytes["optimizer_states"] == formulas.MIXED_ADAM_K * psi + 4 * n_tensors
+    assert est.peak_breakdown["parameters"] + est.peak_breakdown["optimizer_states"] >= 14 * psi
+    assert est.bytes["peak"] > 3 * 2**40  # > 3 TiB...
+    assert grown < 2**30  # ...estimated while this process grew by less than 1 GiB
+
+
+def test_fp32_adam_is_16_bytes_per_parameter() -> None:
+    est = estimate_step("gpt2-tiny", 1, 32, optimizer="adamw")
+    psi = est.parameters
+    n_tensors = len(list(models.get("gpt2-tiny", device="meta").parameters()))
+    model_states = est.bytes["parameters"] + est.bytes["gradients"] + est.bytes["optimizer_states"]
+    assert model_states == formulas.fp32_adam_bytes(psi) + 4 * n_tensors
+
+
+@pytest.mark.parametrize("model,kw", [("gpt2-tiny", dict(batch=2, seq=32, accum=2, precision="bf16")),
+                                      ("resnet-mini", dict(batch=2, optimizer="sgd"))])
+def test_composition_equals_whole_step_simulation(model: str, kw: dict) -> None:
+    """Per-block traces replayed as a step == the whole step run on fake tensors, byte for byte."""
+    est = estimate_step(model, **kw)
+    sim = simulate_step(model, **kw)
+    assert est.bytes["peak"] == sim.bytes["peak"]
+    assert est.peak_breakdown == sim.peak_breakdown
+
+
+def test_data_dependent_models_get_a_clear_error() -> None:
+    with pytest.raises(UserError, match="data-dependent"):
+        estimate_step("gpt2-moe", 2, 32)

@@ -1,0 +1,164 @@
+"""Tensor parallelism (Megatron column/row split, vocabulary-parallel embedding and loss) and
+Megatron sequence parallelism: parity with the single-device model, and the cost face against
+what was measured (parameters per rank, bytes saved for backward, collectives)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scaletrain import models
+from scaletrain.measure.tracker import MemoryTracker
+from scaletrain.techniques import tensor_parallel as tp
+from scaletrain.testing import run_distributed
+
+SHAPE = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+BATCH, SEQ, STEPS = 4, 32, 3
+
+
+def build() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return models.get("gpt2-tiny", **SHAPE)
+
+
+def batches(k: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 256, (BATCH, SEQ), generator=g), torch.randint(0, 256, (BATCH, SEQ), generator=g))
+            for _ in range(k)]
+
+
+def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
+    # SGD with momentum and weight decay: linear in the gradients, so a parity failure is a real
+    # gradient difference. (Adam turns gradients that are zero in exact arithmetic, e.g. the
+    # key bias's, into +-lr steps whose sign is rounding noise — see the report.)
+    return torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
+
+
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    m = build()
+    opt = optimizer(m)
+    losses = []
+    for x, y in batches():
+        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _train_tp(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from scaletrain.techniques.comm_count import CommCounter, DTensorMemoryTracker
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for sp in (False, True):
+        m = tp.apply_tensor_parallel(build(), mesh["tp"], sequence_parallel=sp)
+        opt = optimizer(m)
+        losses = []
+        for i, (x, y) in enumerate(batches()):
+            counter = CommCounter() if i == 0 else None  # step 0: collectives
+            tracker = DTensorMemoryTracker(model=m, optimizer=opt) if i == 1 else None  # step 1: memory
+            with contextlib.ExitStack() as stack:
+                for ctx in (counter, tracker):
+                    if ctx is not None:
+                        stack.enter_context(ctx)
+                with tp.loss_context(m):
+                    loss = tp.vocab_parallel_cross_entropy(m(x), y)
+                    if tracker is not None:
+                        end_fwd = len(tracker.events) - 1
+                    loss.backward()
+            if counter is not None:
+                out[f"comm_{sp}"] = counter.summary()
+            if tracker is not None:
+                out[f"act_{sp}"] = tracker.breakdown_at(end_fwd)["activations"]
+                out[f"peak_{sp}"] = tracker.peak_bytes
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        out[f"losses_{sp}"] = losses
+        out[f"state_{sp}"] = tp.full_state_dict(m)
+        out[f"numel_{sp}"] = tp.local_numel(m)
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# --------------------------------------------------------------------------- fast, one process
+
+
+def test_qkv_permutation_keeps_heads_together():
+    h, a, t = 64, 4, 2
+    perm = qkv_perm = tp.qkv_permutation(h, a, t)
+    assert sorted(qkv_perm.tolist()) == list(range(3 * h))
+    d = h // a
+    for r in range(t):
+        block = perm[r * 3 * h // t:(r + 1) * 3 * h // t]
+        for part, rows in enumerate(block.split(h // t)):
+            heads = {(int(i) - part * h) // d for i in rows}
+            assert all(part * h <= int(i) < (part + 1) * h for i in rows)  # q rows then k then v
+            assert heads == set(range(r * a // t, (r + 1) * a // t))
+    with pytest.raises(Exception, match="divide"):
+        tp.qkv_permutation(64, 4, 3)
+
+
+def test_cost_face_matches_single_device_measurement():
+    m = build()
+    assert tp.tp_param_elements(m.config, 1)["total"] == models.count_params(m)
+    x, y = batches(1)[0]
+    with MemoryTracker(model=m) as t:
+        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+        acts = t.current_breakdown["activations"]
+        loss.backward()
+    assert acts == tp.tp_activation_bytes(m.config, 1, BATCH, SEQ)["total"]
+    assert t.peak_bytes == pytest.approx(tp.tp_memory_per_rank(m.config, 1, BATCH, SEQ, optim_bytes_per_param=0)["peak"],
+                                         rel=0.05)
+    pred = tp.tp_memory_per_rank(m.config, 2, BATCH, SEQ)
+    assert pred["parameters"] == 4 * tp.tp_param_elements(m.config, 2)["total"]
+    # SP trades LayerNorm/residual memory for the same wire bytes
+    c = m.config
+    assert (tp.tp_activation_bytes(c, 4, BATCH, SEQ, sequence_parallel=True)["total"]
+            < tp.tp_activation_bytes(c, 4, BATCH, SEQ)["total"])
+    assert tp.tp_comm_bytes_per_step(c, 1, BATCH, SEQ)["wire_bytes"] == 0
+
+
+# --------------------------------------------------------------------------- multi-process
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_and_sp_parity_memory_and_traffic(world):
+    ref_losses, ref_state = reference()
+    res = run_distributed(_train_tp, world)
+    cfg = build().config
+    for sp in (False, True):
+        for r, out in enumerate(res):
+            for a, b in zip(out[f"losses_{sp}"], ref_losses):
+                assert abs(a - b) <= 1e-5 * abs(b), (sp, r, out[f"losses_{sp}"], ref_losses)
+            for k, v in ref_state.items():
+                assert _rel(out[f"state_{sp}"][k], v) <= 1e-5, (sp, r, k)
+            assert out[f"numel_{sp}"] == tp.tp_param_elements(cfg, world)["total"]
+            assert out[f"act_{sp}"] == tp.tp_activation_bytes(cfg, world, BATCH, SEQ, sequence_parallel=sp)["total"]
+            # whole per-rank peak (parameters, momentum, activations, loss buffers) within 5%
+            mem = tp.tp_memory_per_rank(cfg, world, BATCH, SEQ, sequence_parallel=sp, optim_bytes_per_param=4)
+            assert out[f"peak_{sp}"] == pytest.approx(mem["peak"], rel=0.05), (sp, out[f"peak_{sp}"], mem)
+            pred = tp.tp_comm_bytes_per_step(cfg, world, BATCH, SEQ, sequence_parallel=sp)
+            got = out[f"comm_{sp}"]
+            assert set(got) == set(pred["kinds"]), (sp, got)
+            for kind, p in pred["kinds"].items():
+                assert got[kind]["count"] == p["count"], (sp, kind, got[kind], p)
+                assert got[kind]["payload_bytes"] == p["payload_bytes"], (sp, kind, got[kind], p)
+            wire = sum(v["wire_bytes"] for v in got.values())
+            assert wire == pytest.approx(pred["wire_bytes"], rel=1e-9)
+    # the exported state dict is the plain model's layout: it loads and gives the same loss
+    m = build()
+    m.load_state_dict(res[0]["state_True"])

@@ -1,0 +1,100 @@
+"""Composition on one 4-rank DeviceMesh through :func:`setup_intralayer` (the trainer's entry):
+TP=2 (+SP) x DP=2, CP=2 x DP=2, and EP=2 x CP=2 on ``gpt2-moe`` — each with the losses and final
+parameters of the single-device model trained on the global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scaletrain import models
+from scaletrain.techniques.intralayer import setup_intralayer
+from scaletrain.testing import run_distributed
+
+GPT = ("gpt2-tiny", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64))
+MOE = ("gpt2-moe", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, n_experts=4, top_k=2,
+                        capacity_factor=2.0, moe_every=2, aux_loss_coef=0.1))
+CASES = {
+    "tp2_sp_dp2": (GPT, dict(tp=2, sequence_parallel=True)),
+    "cp2_dp2": (GPT, dict(cp=2)),
+    "ep2_cp2": (MOE, dict(ep=2, cp=2)),
+}
+DP_BATCH, SEQ, STEPS = 2, 32, 2  # samples per data-parallel rank
+
+
+def build(spec) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return models.get(spec[0], **spec[1])
+
+
+def global_batches(dp: int):
+    g = torch.Generator().manual_seed(1)
+    n = DP_BATCH * dp
+    return [(torch.randint(0, 256, (n, SEQ), generator=g), torch.randint(0, 256, (n, SEQ), generator=g))
+            for _ in range(STEPS)]
+
+
+def optimizer(m):
+    return torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+
+
+def reference(spec, dp: int):
+    m = build(spec)
+    opt = optimizer(m)
+    losses = []
+    for x, y in global_batches(dp):
+        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+        if hasattr(m, "aux_loss"):
+            loss = loss + m.aux_loss()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _train(rank: int, world: int) -> dict:
+    out = {}
+    for name, (spec, par) in CASES.items():
+        m = build(spec)
+        il = setup_intralayer(m, world=world, **par)
+        opt = optimizer(m)
+        losses = []
+        for x, y in global_batches(il.dp):
+            sl = slice(il.dp_rank * DP_BATCH, (il.dp_rank + 1) * DP_BATCH)
+            x, y = il.shard_batch(x[sl], y[sl])
+            with il.loss_context():
+                loss = il.loss(m, m(x), y)
+                loss.backward()
+            il.reduce_gradients(m)
+            losses.append(il.mean(loss.detach()))
+            opt.step()
+            opt.zero_grad()
+        out[name] = (losses, il.full_state_dict(m))
+    return out
+
+
+@pytest.mark.slow
+def test_intralayer_compositions_match_single_device():
+    res = run_distributed(_train, 4)
+    for name, (spec, par) in CASES.items():
+        ref_losses, ref_state = reference(spec, 4 // (par.get("tp", 1) * par.get("cp", 1)))
+        for r, out in enumerate(res):
+            losses, state = out[name]
+            for a, b in zip(losses, ref_losses):
+                assert abs(a - b) <= 1e-5 * abs(b), (name, r, losses, ref_losses)
+            for k, v in ref_state.items():
+                assert float((state[k] - v).norm() / v.norm().clamp_min(1e-30)) <= 1e-5, (name, r, k)
+
+
+def test_bad_layouts_are_user_errors():
+    from scaletrain.errors import UserError
+
+    m = build(GPT)
+    with pytest.raises(UserError, match="must divide"):
+        setup_intralayer(m, tp=3, world=4)
+    with pytest.raises(UserError, match="cannot be combined"):
+        setup_intralayer(m, tp=2, cp=2, world=4)
+    with pytest.raises(UserError, match="needs parallel.tp"):
+        setup_intralayer(m, sequence_parallel=True, world=4)
