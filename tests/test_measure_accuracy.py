@@ -26,8 +26,10 @@ MIB = 2**20
 
 SMALL = {"gpt2-tiny": dict(batch=2, seq=64), "resnet-mini": dict(batch=2), "vgg-mini": dict(batch=2),
          "mlp": dict(batch=4)}
+SGD = {"optimizer_kwargs": {"momentum": 0.9}}  # SGD with a momentum buffer
 CASES = [
-    pytest.param(model, dict(shape, precision=prec, optimizer=opt, accum=accum), id=f"{model}-{prec}-{opt}-accum{accum}")
+    pytest.param(model, dict(shape, precision=prec, optimizer=opt, accum=accum, **(SGD if opt == "sgd" else {})),
+                 id=f"{model}-{prec}-{opt}-accum{accum}")
     for model, shape in SMALL.items()
     for prec in ("fp32", "bf16")
     for opt in ("adamw", "sgd")
@@ -37,7 +39,7 @@ CASES = [
 CASES += [
     pytest.param("gpt2-small", dict(batch=1, seq=128, precision="fp32", optimizer="adamw", accum=1),
                  id="gpt2-small-fp32-adamw-accum1"),
-    pytest.param("gpt2-small", dict(batch=1, seq=128, precision="bf16", optimizer="sgd", accum=2),
+    pytest.param("gpt2-small", dict(batch=1, seq=128, precision="bf16", optimizer="sgd", accum=2, **SGD),
                  id="gpt2-small-bf16-sgd-accum2"),
     # the other precision setups: fp16 autocast with a GradScaler; 16-bit parameters + fp32 masters
     pytest.param("resnet-mini", dict(batch=2, precision="fp16", optimizer="adamw", accum=2), id="resnet-mini-fp16"),

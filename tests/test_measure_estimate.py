@@ -31,18 +31,32 @@ SHAPES = [((1000, 64), torch.float32), ((64,), torch.float32), ((300, 300), torc
 
 
 @pytest.mark.parametrize("name,kw", [
-    ("adamw", {}), ("adamw", {"foreach": True}), ("adam", {"amsgrad": True}), ("adam", {"fused": True}),
-    ("sgd", {}), ("sgd", {"momentum": 0.0}), ("sgd", {"weight_decay": 0.1}),
-    ("sgd", {"nesterov": True, "foreach": True}), ("sgd", {"nesterov": True, "weight_decay": 0.1}),
-    ("sgd", {"weight_decay": 0.1, "foreach": True}), ("adam", {"weight_decay": 0.1}),
-    ("adam", {"weight_decay": 0.1, "foreach": True}),
+    ("adamw", {}), ("adamw", {"foreach": False}), ("adam", {"amsgrad": True}), ("adam", {"fused": True}),
+    ("sgd", {}), ("sgd", {"momentum": 0.9, "foreach": False}), ("sgd", {"weight_decay": 0.1, "foreach": False}),
+    ("sgd", {"momentum": 0.9, "nesterov": True}), ("sgd", {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1,
+                                                           "foreach": False}),
+    ("sgd", {"weight_decay": 0.1}), ("adam", {"weight_decay": 0.1, "foreach": False}),
+    ("adam", {"weight_decay": 0.1}),
 ])
 def test_optimizer_model_matches_the_real_optimizer(name: str, kw: dict) -> None:
-    """The closed-form state and step-transient bytes equal torch's optimizer run on fake tensors."""
+    """The closed-form state and step-transient bytes equal torch's optimizer run on fake tensors
+    (for-loop and foreach implementations; without ``foreach`` as the registry builds them)."""
     shapes = SHAPES if not kw.get("fused") else SHAPES[:4]
     states, transient = optimizers.simulate(name, shapes, **kw)
     assert optimizers.state_bytes(name, shapes, **kw) == states
+    assert optimizers.torch_state_bytes(name, shapes, **kw) == states
     assert optimizers.step_transient_bytes(name, shapes, **kw) == transient
+    from scaletrain.techniques.optim import registry
+
+    assert registry.state_bytes(name, shapes, **kw) == states  # the project's cost face agrees
+
+
+@pytest.mark.parametrize("name", ["adafactor", "came", "lamb", "lars"])
+def test_registry_optimizers_state_bytes(name: str) -> None:
+    """The registry's state bytes agree with the optimizer's own step on fake tensors."""
+    states, transient = optimizers.simulate(name, SHAPES[:4])
+    assert optimizers.state_bytes(name, SHAPES[:4]) == states
+    assert optimizers.step_transient_bytes(name, SHAPES[:4]) == transient > 0
 
 
 def test_unknown_names_are_user_errors() -> None:
@@ -114,8 +128,12 @@ def test_fp32_adam_is_16_bytes_per_parameter() -> None:
     assert model_states == formulas.fp32_adam_bytes(psi) + 4 * n_tensors
 
 
-@pytest.mark.parametrize("model,kw", [("gpt2-tiny", dict(batch=2, seq=32, accum=2, precision="bf16")),
-                                      ("resnet-mini", dict(batch=2, optimizer="sgd"))])
+@pytest.mark.parametrize("model,kw", [
+    ("gpt2-tiny", dict(batch=2, seq=32, accum=2, precision="bf16")),
+    ("resnet-mini", dict(batch=2, optimizer="sgd")),
+    ("mlp", dict(batch=4, precision="bf16", optimizer="sgd", accum=2, optimizer_kwargs={"momentum": 0.9})),
+    ("vgg-mini", dict(batch=2, accum=3)),
+])
 def test_composition_equals_whole_step_simulation(model: str, kw: dict) -> None:
     """Per-block traces replayed as a step == the whole step run on fake tensors, byte for byte."""
     est = estimate_step(model, **kw)
@@ -127,3 +145,17 @@ def test_composition_equals_whole_step_simulation(model: str, kw: dict) -> None:
 def test_data_dependent_models_get_a_clear_error() -> None:
     with pytest.raises(UserError, match="data-dependent"):
         estimate_step("gpt2-moe", 2, 32)
+
+
+def test_platform_sets_device_flops_and_fit() -> None:
+    from scaletrain import platform
+
+    h100 = platform.get("h100")
+    big = estimate_step("gpt2-xl", 16, 1024, precision="fp32", optimizer="adamw", platform="h100")
+    assert big.device == "cuda" and big.meta["fits"] is False and big.bytes["peak"] > h100.device_memory_bytes
+    small = estimate_step("gpt2-tiny", 2, 64, precision="bf16", platform=h100)
+    assert small.meta["fits"] is True
+    b = small.profile.blocks[1]
+    assert b.fwd_time_s == b.flops_fwd / h100.flops("bf16")
+    # CUDA: every storage is a whole number of the caching allocator's 512-byte blocks
+    assert all(v % 512 == 0 for v in small.peak_breakdown.values())

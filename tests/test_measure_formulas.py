@@ -95,7 +95,8 @@ def test_training_flops_formula() -> None:
     tokens = b * s
     attention = 14 * c.n_layer * c.n_embd * s
     assert fc.get_total_flops() == tokens * (6 * psi_matmul + attention)
-    assert f.training_flops_per_token(psi_matmul, c.n_layer, c.n_embd, s) == 6 * psi_matmul + 12 * c.n_layer * c.n_embd * s
+    nanogpt = 6 * psi_matmul + 12 * c.n_layer * c.n_embd * s
+    assert f.training_flops_per_token(psi_matmul, c.n_layer, c.n_embd, s) == nanogpt
     # the estimator's per-block FLOPs add up to the same total
     prof = estimate_chain(to_chain(m), x)
     total = sum(bp.flops_fwd + bp.flops_bwd for bp in prof.blocks)

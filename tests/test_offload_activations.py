@@ -15,6 +15,7 @@ from scaletrain.chain import to_chain
 from scaletrain.errors import UserError
 from scaletrain.platform import Platform
 from scaletrain.techniques.offload.activations import ActivationOffloader, offload_bytes, parse_blocks
+from scaletrain.techniques.offload.planner import predict
 from scaletrain.techniques.offload.pools import DeviceOutOfMemory, HostOutOfMemory, LogicalPools
 from scaletrain.techniques.offload.probe import probe_chain
 from scaletrain.techniques.offload.runtime import OffloadOptions, OffloadRuntime
@@ -44,6 +45,17 @@ def baseline_grads(model, x, y):
     m = copy.deepcopy(model)
     lm_loss(m(x), y).backward()
     return [p.grad for p in m.parameters()]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Baseline gradients and the measured device peak with everything kept (computed once)."""
+    model = tiny_gpt()
+    x, y = batch()
+    keep = OffloadRuntime(copy.deepcopy(model), adamw, OffloadOptions(), PLAT, lm_loss, (x, y))
+    keep.forward_backward(x, y)
+    keep.step()
+    return baseline_grads(model, x, y), keep.last_stats()["device_peak_bytes"]
 
 
 # ----------------------------------------------------------------------------- pools
@@ -95,18 +107,13 @@ def test_parse_blocks():
     dict(activations="1,2", prefetch=3),
     dict(activations="0,2", recompute="1"),
 ])
-def test_activation_offload_matches_baseline_and_prediction(kw):
+def test_activation_offload_matches_baseline_and_prediction(kw, reference):
+    ref, keep_peak = reference
     model = tiny_gpt()
     x, y = batch()
-    ref = baseline_grads(model, x, y)
-    keep = OffloadRuntime(copy.deepcopy(model), adamw, OffloadOptions(), PLAT, lm_loss, (x, y))
-    keep.forward_backward(x, y)
-    keep.step()
-    keep_peak = keep.last_stats()["device_peak_bytes"]
-
-    probe = OffloadRuntime(copy.deepcopy(model), adamw, OffloadOptions(**kw), PLAT, lm_loss, (x, y))
-    budget = probe.prediction.device_peak_bytes
-    rt = OffloadRuntime(model, adamw, OffloadOptions(device_budget=budget, **kw), PLAT, lm_loss, (x, y))
+    costs = probe_chain(to_chain(model), x, y, lm_loss)
+    budget = predict(costs, OffloadOptions(**kw), PLAT).device_peak_bytes  # the budget is the prediction
+    rt = OffloadRuntime(model, adamw, OffloadOptions(device_budget=budget, **kw), PLAT, lm_loss, (x, y), costs=costs)
     rt.forward_backward(x, y)
     got = [p.grad.clone() for p in model.parameters()]
     rt.step()
@@ -169,3 +176,20 @@ def test_a_budget_below_the_need_fails_like_a_gpu():
     rt = OffloadRuntime(model, adamw, OffloadOptions(device_budget=500_000), PLAT, lm_loss, (x, y))
     with pytest.raises(DeviceOutOfMemory):
         rt.forward_backward(x, y)
+
+
+def test_conv_net_with_batch_norm_offloads_exactly():
+    """BatchNorm buffers are persistent (never moved); the probe must not confuse their storages."""
+    torch.manual_seed(0)
+    model = models.get("resnet-mini")
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(x), y).backward()
+    rt = OffloadRuntime(model, adamw, OffloadOptions(activations="all"), PLAT, F.cross_entropy, (x, y))
+    rt.forward_backward(x, y)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), ref.buffers()))  # running stats too
+    rt.step()
+    st = rt.last_stats()
+    assert st["d2h_bytes"] == st["predicted_d2h_bytes"] > 0 and st["h2d_bytes"] == st["predicted_h2d_bytes"]
+    assert st["device_peak_bytes"] <= st["predicted_device_peak_bytes"]

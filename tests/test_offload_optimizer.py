@@ -84,15 +84,20 @@ def test_cpu_adam_flat_equals_torch_fused_adamw():
         assert all(torch.equal(a, b) for a, b in zip(views, params)), f"step {step}"
 
 
+@pytest.fixture(scope="module")
+def baseline():
+    data = batches(3)
+    return data, run_baseline(tiny_gpt(), adamw, data)
+
+
 @pytest.mark.parametrize("kw", [
     dict(optimizer="host"),
     dict(optimizer="host", activations="all", recompute="none"),
     dict(params="host", optimizer="host", activations="1,2", param_window=0),
     dict(params="host", optimizer="host", recompute="all", param_window=2),
 ])
-def test_offloaded_training_equals_baseline_bitwise(kw):
-    data = batches(3)
-    base_losses, base_params = run_baseline(tiny_gpt(), adamw, data)
+def test_offloaded_training_equals_baseline_bitwise(kw, baseline):
+    data, (base_losses, base_params) = baseline
     losses, params, rt = run_offload(tiny_gpt(), adamw, data, **kw)
     assert losses == base_losses
     assert all(torch.equal(params[n], base_params[n]) for n in base_params)
@@ -201,3 +206,56 @@ def test_options_validation_and_config_reading():
 
     o = options_from_cfg(type("Cfg", (), {"memory": Mem()})())
     assert (o.activations, o.optimizer, o.device_budget, o.disk_max_bytes) == ("all", "host", 2 << 20, 1 << 30)
+
+
+@pytest.mark.parametrize("kw", [dict(params="host", optimizer="host", activations="all"), dict(optimizer="host")])
+def test_resume_from_state_dict_continues_bitwise(kw):
+    data = batches(3)
+    whole = OffloadRuntime(tiny_gpt(), adamw, OffloadOptions(**kw), PLAT, lm_loss, data[0])
+    first = OffloadRuntime(tiny_gpt(), adamw, OffloadOptions(**kw), PLAT, lm_loss, data[0])
+    for rt, steps in ((whole, data), (first, data[:2])):
+        for x, y in steps:
+            rt.forward_backward(x, y)
+            rt.step()
+    state = first.state_dict()
+    assert set(state["model"]) == set(tiny_gpt().state_dict())
+    resumed = OffloadRuntime(tiny_gpt(seed=5), adamw, OffloadOptions(**kw), PLAT, lm_loss, data[0])
+    resumed.load_state_dict(state)
+    resumed.forward_backward(*data[2])
+    resumed.step()
+    a, b = whole.full_parameters(), resumed.full_parameters()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    plain = tiny_gpt(seed=5)  # an offload checkpoint loads into a plain model and a torch optimizer
+    plain.load_state_dict(state["model"])
+    adamw(plain).load_state_dict(state["optimizer"])
+
+
+def test_evaluation_forward_streams_weights():
+    x, y = batches(1)[0]
+    model = tiny_gpt()
+    expected = tiny_gpt()(x)
+    rt = OffloadRuntime(model, adamw, OffloadOptions(params="host", optimizer="host"), PLAT, lm_loss, (x, y))
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # nothing resident
+    assert torch.equal(rt.forward(x), expected)
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+
+
+def test_gradient_accumulation_on_the_host():
+    data = batches(4)
+    base = tiny_gpt()
+    opt = adamw(base)
+    for k in range(0, 4, 2):
+        for x, y in data[k:k + 2]:
+            (lm_loss(base(x), y) * 0.5).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    rt = OffloadRuntime(tiny_gpt(), adamw, OffloadOptions(params="host", optimizer="host", activations="all"), PLAT,
+                        lm_loss, data[0], accum=2)
+    for k in range(0, 4, 2):
+        for x, y in data[k:k + 2]:
+            rt.forward_backward(x, y, 0.5)
+        rt.step()
+        st = rt.last_stats()
+        assert st["h2d_bytes"] == st["predicted_h2d_bytes"] and st["d2h_bytes"] == st["predicted_d2h_bytes"]
+    got = rt.full_parameters()
+    assert all(torch.equal(got[n], p) for n, p in base.named_parameters())

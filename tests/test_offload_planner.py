@@ -77,20 +77,26 @@ def test_prediction_is_monotone_in_what_is_offloaded():
     assert gpu_full.step_time_s >= gpu_keep.step_time_s  # overlap hides at most all of it
 
 
-@pytest.mark.parametrize("fraction", [0.25, 0.6])
-def test_auto_plan_fits_trains_like_the_baseline_and_predicts_the_transfers(fraction):
-    """fraction 0.25: the device holds a quarter of parameters + gradients + Adam states (16 B/param)."""
-    data = batches(3)
-    model = gpt()
+@pytest.fixture(scope="module")
+def baseline_losses():
     base = gpt()
     opt = adamw(base)
-    base_losses = []
-    for x, y in data:
+    out = []
+    for x, y in batches(3):
         loss = lm_loss(base(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        base_losses.append(loss.item())
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.6])
+def test_auto_plan_fits_trains_like_the_baseline_and_predicts_the_transfers(fraction, baseline_losses):
+    """fraction 0.25: the device holds a quarter of parameters + gradients + Adam states (16 B/param)."""
+    data = batches(3)
+    model = gpt()
+    base_losses = baseline_losses
     budget = int(fraction * 16 * sum(p.numel() for p in model.parameters()))
     rt = OffloadRuntime(model, adamw, OffloadOptions(plan="auto", device_budget=budget), CPU, lm_loss, data[0])
     assert rt.prediction.device_peak_bytes <= budget

@@ -147,8 +147,8 @@ def test_periodic_structure():
 
 
 def test_optimal_budget_sweep_is_monotone_and_fits():
-    g = random_chain(24, 5, scale=2**20)
-    lo, hi = optimal.min_budget_optimal(g), simulate(g, none_ops(24)).peak_bytes
+    g = random_chain(16, 5, scale=2**20)
+    lo, hi = optimal.min_budget_optimal(g), simulate(g, none_ops(16)).peak_bytes
     prev = None
     for k in range(6):
         b = lo + (hi - lo) * k // 5

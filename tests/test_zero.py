@@ -102,6 +102,8 @@ def test_stages_match_one_process_and_formulas(world):
     """fp32: same losses (5 steps) and parameters as one process; memory and traffic = formulas."""
     ref = _train([])
     runs = [[f"parallel.zero={s}"] for s in range(4)] + [BF16 + [f"parallel.zero={s}"] for s in range(4)]
+    if world == 4:  # HSDP: shard within pairs, replicate across the two pairs
+        runs += [[f"parallel.zero={s}", "parallel.hsdp=2"] for s in (1, 2, 3)]
     res = run_distributed(_runs, world, runs)
     n = ref["n"]
     for s in range(4):
@@ -124,6 +126,12 @@ def test_stages_match_one_process_and_formulas(world):
         want_comm = zero.comm_bytes_per_step(n, s, world, grad_bytes=half, param_bytes=half)
         assert r["comm"] == pytest.approx(want_comm, rel=0.05), s
         assert all(math.isfinite(x) for x in r["losses"])
+    for i, s in enumerate((1, 2, 3) if world == 4 else ()):
+        r = res[1][8 + i]
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), s
+        assert _rel(r["params"], ref["params"]) < 1e-5, s
+        assert sum(r["mem"].values()) == pytest.approx(zero.model_state_bytes(n, s, 2).total, rel=0.05), s
+        assert r["comm"] == pytest.approx(zero.comm_bytes_per_step(n, s, 4, hsdp=2), rel=0.05), s
 
 
 @pytest.mark.slow

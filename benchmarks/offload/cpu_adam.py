@@ -16,6 +16,7 @@ warm-up step; on a shared machine the spread is reported too.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform as pyplatform
 import statistics
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         opt = build(params, buf)
         if grads_flat:
             fg = torch.cat([p.grad.reshape(-1) for p in params])
-            step = lambda: opt.step(grads=[fg])  # noqa: E731
+            step = functools.partial(opt.step, grads=[fg])
         else:
             step = opt.step
         med, spread = time_steps(step, args.repeats)

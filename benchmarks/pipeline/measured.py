@@ -108,7 +108,7 @@ def _worker(rank: int, world: int, schedules: list[str], steps: int) -> dict:
 def _fit_link(samples: dict[int, float]) -> Link:
     """Least-squares latency + bytes/bandwidth through the ping-pong points."""
     xs, ys = list(samples), list(samples.values())
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     slope = max(slope, 1e-15)
     return Link(bandwidth_Bps=1.0 / slope, latency_s=max(my - slope * mx, 0.0))

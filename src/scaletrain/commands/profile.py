@@ -78,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
     if est is not None:
         meas.meta["estimated"] = {"peak": est.bytes["peak"], "peak_breakdown": est.peak_breakdown,
                                   "bytes": est.bytes}
-    if device.startswith("cuda"):
-        meas.meta["cuda_max_memory_allocated"] = int(torch.cuda.max_memory_allocated())
     if args.plot:
         from scaletrain.measure.plot import plot_timeline
 
@@ -89,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
         print(to_json(meas))
         return 0
     print_step(meas, f"measured on {device}")
+    if "cuda_max_memory_allocated" in meas.meta:
+        print(f"torch.cuda.max_memory_allocated: {meas.meta['cuda_max_memory_allocated'] / 2**30:.3f} GiB "
+              f"(of which {meas.meta['cuda_untracked_bytes'] / 2**30:.3f} GiB allocated outside tensors)")
     if est is not None:
         err = (est.bytes["peak"] - meas.bytes["peak"]) / max(meas.bytes["peak"], 1) * 100
         print(f"estimated peak {est.bytes['peak'] / 2**30:.3f} GiB ({err:+.2f}% vs measured)")

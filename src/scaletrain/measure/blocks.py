@@ -4,12 +4,13 @@
 :class:`~scaletrain.measure.tracker.MemoryTracker` (on real or on fake tensors) and keeps every
 storage event, labelled with the storage's role *relative to the block*:
 
-- ``y``: the output; ``saved``: other storages saved for backward (e.g. 16-bit weight copies
-  under autocast); ``cache``: autocast casts freed only when the autocast region ends;
+- ``x``: the input (a private copy, so its free shows when the block stops needing it — after
+  the forward, or when the backward node that saved it ran); ``y``: the output; ``saved``:
+  other storages saved for backward (e.g. 16-bit weight copies under autocast); ``cache``: autocast casts freed only when the autocast region ends;
   ``temp``: transient; ``g``: the output's gradient (freed by the engine during backward);
   ``gin``: the input's gradient; ``pgrad``: a parameter's gradient (with the parameter's index).
 
-The input ``x`` and the parameters exist before and after, so they have no events. The
+The parameters (and the model's own input) exist before and after, so they have no events. The
 backward is driven through a root node that hands the engine the output gradient and keeps no
 reference to it or to ``y``, so their lifetimes are those they have inside a whole chain.
 :mod:`scaletrain.measure.compose` replays these traces in the context of a training step.
@@ -17,6 +18,7 @@ reference to it or to ``y``, so their lifetimes are those they have inside a who
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from scaletrain.measure.step import autocast
 from scaletrain.measure.tracker import MemoryTracker
+from scaletrain.measure.types import BlockProfile
 
 aten = torch.ops.aten
 
@@ -108,6 +111,18 @@ class BlockTrace:
         return max(0, self._peak(self.events[self.fwd_end:]) - produced)
 
 
+class _Source(torch.autograd.Function):
+    """A private copy of the input, so its storage lives only as long as the block keeps it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 class _Root(torch.autograd.Function):
     """Starts a backward from ``y`` with a gradient it hands over and forgets (see module doc)."""
 
@@ -124,7 +139,7 @@ class _Root(torch.autograd.Function):
 def trace_block(name: str, fn: Callable[[torch.Tensor], torch.Tensor], params: list[nn.Parameter],
                 x: torch.Tensor, *, x_grad: bool, precision: str = "fp32", aux: tuple[torch.Tensor, ...] = (),
                 device_type: str = "cpu", count_flops: bool = True, buffers: tuple[torch.Tensor, ...] = (),
-                accumulate: bool = False) -> tuple[BlockTrace, torch.Tensor]:
+                accumulate: bool = False, granularity: int | None = None) -> tuple[BlockTrace, torch.Tensor]:
     """Run ``fn(x)`` forward and backward once, tracked; return its trace and ``fn(x)`` detached.
 
     ``params`` are the block's parameters (their ``.grad`` must be None); ``x_grad`` says whether
@@ -142,7 +157,7 @@ def trace_block(name: str, fn: Callable[[torch.Tensor], torch.Tensor], params: l
         for p in params:
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-    with MemoryTracker(extra=[x, *aux], device=device_type) as t:
+    with MemoryTracker(extra=[x, *aux], device=device_type, granularity=granularity) as t:
         for p in params:
             t.register(p, "parameters")
             if p.grad is not None:
@@ -154,12 +169,20 @@ def trace_block(name: str, fn: Callable[[torch.Tensor], torch.Tensor], params: l
                     hooks.append(p.register_hook(
                         lambda g, j=j: incoming.__setitem__(t.record_of(g).uid, j) if t.record_of(g) else None))
         ev = t.events
+        # the block's input: the model's input is the caller's (held all along); any other is a
+        # private copy (kind "x") that only the block's saved tensors keep alive after the forward
+        xin = _Source.apply(x) if x_grad else x
+        xin_rec = t.record_of(xin) if x_grad else None
+        f0 = len(ev)
         fc = flop_counter() if count_flops else None
-        with (fc if fc is not None else _null()):
+        with (fc if fc is not None else contextlib.nullcontext()):
             with autocast(precision, device_type):
-                y = fn(x)
+                y = fn(xin)
                 a0 = len(ev)
         a1 = len(ev)
+        src_rec = xin_rec if x_grad else t.record_of(x)
+        x_saved = bool(src_rec and src_rec.category == "activations")
+        del xin
         flops_fwd = float(fc.get_total_flops()) if fc is not None else 0.0
         y_rec = t.record_of(y)
         out = y.detach().clone()  # the next block's input; its own storage, so y's life is the chain's
@@ -172,7 +195,7 @@ def trace_block(name: str, fn: Callable[[torch.Tensor], torch.Tensor], params: l
         del y
         f_end = len(ev)
         fc = flop_counter() if count_flops else None
-        with (fc if fc is not None else _null()):
+        with (fc if fc is not None else contextlib.nullcontext()):
             torch.autograd.backward(root, torch.empty(0, device=root.device))
         flops_bwd = float(fc.get_total_flops()) if fc is not None else 0.0
         del root
@@ -194,12 +217,14 @@ def trace_block(name: str, fn: Callable[[torch.Tensor], torch.Tensor], params: l
         events: list[tuple[str, int, int]] = []
         fwd_end = 0
         for i, (_, rec, d) in enumerate(ev):
-            if rec.uid in skip:
+            if i < f0 or rec.uid in skip:
                 continue
             if a1 <= i < f_end and rec.uid == g_uid and d > 0:
                 continue  # g exists before the backward starts (it is the next block's input gradient)
             if rec is y_rec:
                 kind = "y"
+            elif xin_rec is not None and rec is xin_rec:
+                kind = "x"
             elif rec.uid == g_uid:
                 kind = "g"
             elif rec.uid in pg_recs:
@@ -220,7 +245,7 @@ def trace_block(name: str, fn: Callable[[torch.Tensor], torch.Tensor], params: l
             pgrad_bytes[j] = t.records[uid].nbytes
         trace = BlockTrace(
             name=name, events=events, fwd_end=fwd_end,
-            x_bytes=x_rec.nbytes if x_rec else 0, x_saved=bool(x_rec and x_rec.category == "activations"),
+            x_bytes=x_rec.nbytes if x_rec else 0, x_saved=x_saved,
             x_grad=x_grad, y_bytes=y_rec.nbytes if y_rec else 0,
             y_saved=bool(y_rec and y_rec.category == "activations"),
             g_bytes=t.records[g_uid].nbytes if g_uid >= 0 else 0, param_ids=[id(p) for p in params],
@@ -234,14 +259,6 @@ def trace_block(name: str, fn: Callable[[torch.Tensor], torch.Tensor], params: l
     return trace, out
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
 def _signature(block: nn.Module, x: torch.Tensor, x_grad: bool) -> tuple:
     """Blocks with equal signatures behave identically (same structure, shapes, dtypes, input)."""
     ps = tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in block.parameters())
@@ -250,7 +267,7 @@ def _signature(block: nn.Module, x: torch.Tensor, x_grad: bool) -> tuple:
 
 def trace_chain(chain, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable, *, precision: str = "fp32",
                 accum: int = 1, device_type: str = "cpu", dedupe: bool = False,
-                count_flops: bool = True) -> list[BlockTrace]:
+                count_flops: bool = True, granularity: int | None = None) -> list[BlockTrace]:
     """Traces of every block of ``chain`` on input ``x``, then of the loss (``loss_fn(out, target) / accum``).
 
     ``dedupe`` reuses the trace of an identical earlier block (same :func:`_signature`); use it
@@ -269,26 +286,24 @@ def trace_chain(chain, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable,
         else:
             tr, out = trace_block(name, block, params, h, x_grad=x_grad, precision=precision,
                                   device_type=device_type, count_flops=count_flops,
-                                  buffers=tuple(block.buffers()))
+                                  buffers=tuple(block.buffers()), granularity=granularity)
             if accum > 1:
                 tr2, _ = trace_block(name, block, params, h, x_grad=x_grad, precision=precision,
                                      device_type=device_type, count_flops=False,
-                                     buffers=tuple(block.buffers()), accumulate=True)
+                                     buffers=tuple(block.buffers()), accumulate=True, granularity=granularity)
                 tr.accum_bwd_events = tr2.events[tr2.fwd_end:]
             if sig is not None:
                 seen[sig] = (tr, out)
         traces.append(tr)
         h = out
     loss, _ = trace_block("loss", lambda z: loss_fn(z, target) / accum, [], h, x_grad=True, precision=precision,
-                          aux=(target,), device_type=device_type, count_flops=count_flops)
+                          aux=(target,), device_type=device_type, count_flops=count_flops, granularity=granularity)
     traces.append(loss)
     return traces
 
 
-def block_profile(tr: BlockTrace, owned: list[nn.Parameter]) -> "BlockProfile":
+def block_profile(tr: BlockTrace, owned: list[nn.Parameter]) -> BlockProfile:
     """The BlockProfile fields a trace gives (no times)."""
-    from scaletrain.measure.types import BlockProfile
-
     return BlockProfile(
         name=tr.name, param_bytes=sum(p.numel() * p.element_size() for p in owned),
         param_count=sum(p.numel() for p in owned), input_bytes=tr.x_bytes, output_bytes=tr.y_bytes,

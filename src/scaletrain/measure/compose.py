@@ -4,9 +4,10 @@ The step is replayed event by event: the blocks' forward traces in order, the lo
 backward traces in reverse, the optimizer step, ``zero_grad``. Each block's trace was taken in
 isolation (:mod:`scaletrain.measure.blocks`); what differs inside a whole step is decided here:
 
-- the output of block i is the input of block i+1: an activation if either block saves it
-  (then it lives until the backward of the later of the two savers), else a temporary freed
-  after block i+1's forward;
+- the output of block i is the input of block i+1: an activation if either block saves it, else
+  a temporary; it is freed where block i+1's trace frees its input (after the forward, or when
+  its saving node ran in the backward), unless block i saved it too (then block i's backward
+  frees it);
 - parameter gradients: in the first micro-batch a new gradient becomes ``param.grad``; in later
   micro-batches (gradient accumulation) it is added in place and freed at once;
 - a parameter used by several blocks (tied embeddings) gets its first gradient in the last
@@ -123,8 +124,9 @@ def compose_step(traces: list[BlockTrace], *, param_bytes: int, state_bytes: int
                  accum: int = 1, buffer_bytes: int = 0, master_grad_bytes: int = 0) -> _Sim:
     """Replay a step; ``traces`` are the chain's blocks followed by the loss (see module doc).
 
-    ``param_bytes`` / ``state_bytes`` / ``buffer_bytes`` (buffers that are in no block) exist throughout; ``master_grad_bytes``
-    are fp32 copies of the gradients made at the optimizer step (16-bit parameters).
+    ``param_bytes`` / ``state_bytes`` / ``buffer_bytes`` (buffers that are in no block) exist
+    throughout; ``master_grad_bytes`` are fp32 copies of the gradients made at the optimizer step
+    (16-bit parameters).
     """
     sim = _Sim()
     n = len(traces)
@@ -152,7 +154,10 @@ def compose_step(traces: list[BlockTrace], *, param_bytes: int, state_bytes: int
         for i, tr in enumerate(traces):
             sim.at(f"forward {m}: {tr.name}")
             for kind, _, d in tr.events[: tr.fwd_end]:
-                if kind == "y":
+                if kind == "x":
+                    if not traces[i - 1].y_saved:  # else the previous block's saved output decides
+                        sim.add(y_cat[i - 1], d)
+                elif kind == "y":
                     if d > 0:
                         sim.add(y_cat[i], d)
                 elif kind == "saved":
@@ -161,8 +166,6 @@ def compose_step(traces: list[BlockTrace], *, param_bytes: int, state_bytes: int
                     cache -= d  # freed only when the autocast region ends
                 else:
                     sim.add("temporaries", d)
-            if i > 0 and not tr.x_saved and not traces[i - 1].y_saved:
-                sim.add(y_cat[i - 1], -tr.x_bytes)  # the input was only needed by this forward
         sim.add("temporaries", -cache)
         pending: dict[int, int] = {}
         held: set[int] = set()
@@ -180,6 +183,9 @@ def compose_step(traces: list[BlockTrace], *, param_bytes: int, state_bytes: int
                     due.clear()
                 if kind == "saved":
                     sim.add("activations", d)
+                elif kind == "x":
+                    if not traces[i - 1].y_saved:
+                        sim.add(y_cat[i - 1], d)
                 elif kind == "y":
                     sim.add(y_cat[i], d)
                 elif kind == "g" and i == n - 1:
@@ -193,8 +199,6 @@ def compose_step(traces: list[BlockTrace], *, param_bytes: int, state_bytes: int
                 else:  # g, gin, temp, cache
                     sim.add("temporaries", d)
             grads += sum(_sum_pending(sim, p, dd, i, users, pending, held, first) for p, dd in due)
-            if i > 0 and tr.x_saved and not traces[i - 1].y_saved:
-                sim.add(y_cat[i - 1], -tr.x_bytes)  # released with this block's saved tensors
         sim.add("temporaries", -loss.g_bytes - loss.y_bytes)  # d(loss) and the loss value, after backward
     sim.at("optimizer step")
     sim.add("gradients", master_grad_bytes)

@@ -11,9 +11,13 @@ Times in an estimate are FLOPs (``torch.utils.flop_counter``, 2 per multiply-add
 FLOP/s figure: the ``flops_per_s`` argument, else :data:`NOMINAL_FLOPS_PER_S` for the device —
 nominal round numbers, not measurements; pass a calibrated figure for real predictions.
 
-Where the estimate's device is CUDA, byte counts are rounded to the caching allocator's 512-byte
-blocks and the optimizer defaults to PyTorch's CUDA choices (foreach); the activations are those
-of the CPU kernels (flash attention saves the same output + logsumexp on both).
+A ``platform`` (a :mod:`scaletrain.platform` preset such as "h100", or a Platform) gives the
+device type, the data-sheet FLOP/s for the precision (so times are lower bounds: 100% of peak)
+and the device memory, and the estimate says whether the step fits.
+
+Where the device is CUDA, every storage is rounded up to the caching allocator's 512-byte blocks
+and Adam's step counters are host tensors; the activations are those of the CPU kernels (flash
+attention saves the same output + logsumexp on both; CUDA autocast runs a few more ops in fp32).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
+from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
@@ -96,8 +101,6 @@ def profile_from_traces(chain: Chain, traces, *, model: str, batch: int, seq: in
     owned = chain.owned_params()
     blocks = [block_profile(tr, own) for tr, own in zip(traces, owned)]
     loss = block_profile(traces[-1], [])
-    from dataclasses import asdict
-
     return Profile(blocks=blocks, model=model, batch=batch, seq=seq, precision=precision, device=device,
                    measured=measured, meta={"loss": asdict(loss)})
 
@@ -105,7 +108,7 @@ def profile_from_traces(chain: Chain, traces, *, model: str, batch: int, seq: in
 def estimate_chain(chain: Chain | nn.Module, example_input: torch.Tensor, *, target: torch.Tensor | None = None,
                    loss_fn: Callable | None = None, precision: str = "fp32", accum: int = 1,
                    flops_per_s: float | None = None, device: str = "cpu", name: str = "",
-                   params_dtype: str = "fp32", _return_traces: bool = False):
+                   params_dtype: str = "fp32", platform: Any = None, _return_traces: bool = False):
     """Per-block Profile of ``chain`` from fake tensors (nothing allocated; times from FLOPs).
 
     ``example_input`` may be real, meta or fake: only its shape and dtype are used. ``target``
@@ -113,6 +116,10 @@ def estimate_chain(chain: Chain | nn.Module, example_input: torch.Tensor, *, tar
     by default the model's task gives both (see :func:`scaletrain.measure.step.make_batch`).
     """
     check_precision(precision)
+    plat = _platform(platform)
+    if plat is not None:
+        device = plat.device_type
+        flops_per_s = flops_per_s or plat.flops(precision)
     chain = to_chain(chain)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fchain = fake_copy(chain, mode, params_dtype=_params_dtype(params_dtype))
@@ -127,7 +134,8 @@ def estimate_chain(chain: Chain | nn.Module, example_input: torch.Tensor, *, tar
         else:
             target = torch.empty(tuple(target.shape), dtype=target.dtype, device="cpu")
         try:
-            traces = trace_chain(fchain, x, target, loss_fn, precision=precision, accum=accum, dedupe=True)
+            traces = trace_chain(fchain, x, target, loss_fn, precision=precision, accum=accum, dedupe=True,
+                                 granularity=512 if torch.device(device).type == "cuda" else None)
         except _DATA_DEPENDENT as e:
             raise UserError(f"{name or type(chain).__name__} runs data-dependent operations (e.g. mixture-of-experts "
                             f"routing: {type(e).__name__}) that fake tensors cannot estimate; measure it with "
@@ -140,6 +148,14 @@ def estimate_chain(chain: Chain | nn.Module, example_input: torch.Tensor, *, tar
     prof.meta["flops_per_s"] = fps
     prof.meta["params_dtype"] = params_dtype
     return (prof, traces) if _return_traces else prof
+
+
+def _platform(platform: Any):
+    if platform is None or not isinstance(platform, str):
+        return platform
+    from scaletrain import platform as platforms
+
+    return platforms.get(platform)
 
 
 def _check_seq(module: nn.Module, seq: int | None) -> None:
@@ -161,16 +177,20 @@ def estimate_step(model: str | nn.Module, batch: int = 1, seq: int | None = None
                   optimizer: str = "adamw", accum: int = 1, params_dtype: str = "fp32", device: str = "cpu",
                   foreach: bool | None = None, flops_per_s: float | None = None, loss_fn: Callable | None = None,
                   example_input: torch.Tensor | None = None, target: torch.Tensor | None = None,
-                  optimizer_kwargs: dict | None = None, **overrides: Any) -> StepEstimate:
+                  optimizer_kwargs: dict | None = None, platform: Any = None, **overrides: Any) -> StepEstimate:
     """Memory of one steady-state training step (after the first, so optimizer states exist).
 
     ``batch`` is the micro-batch; ``accum`` micro-batches per optimizer step. ``precision``:
     autocast dtype with fp32 parameters (bf16/fp16) or none (fp32). ``params_dtype`` bf16/fp16
     stores parameters and gradients in 16 bits with fp32 master weights in the optimizer state
-    (ZeRO's 2 + 2 + 12 bytes/parameter with Adam). Nothing is allocated.
+    (ZeRO's 2 + 2 + 12 bytes/parameter with Adam). ``platform`` (preset name or Platform) sets
+    the device, the FLOP/s and says whether the step fits (``meta["fits"]``). Nothing is allocated.
     """
     t0 = time.perf_counter()
     check_precision(precision)
+    plat = _platform(platform)
+    if plat is not None:
+        device = plat.device_type
     optimizer = optimizers.check(optimizer)
     if accum < 1 or batch < 1:
         raise UserError(f"batch and accum must be >= 1 (got batch={batch}, accum={accum})")
@@ -183,7 +203,7 @@ def estimate_step(model: str | nn.Module, batch: int = 1, seq: int | None = None
             example_input, target = make_batch(chain, batch, seq)
     prof, traces = estimate_chain(chain, example_input, target=target, loss_fn=loss_fn, precision=precision,
                                   accum=accum, flops_per_s=flops_per_s, device=device, name=name,
-                                  params_dtype=params_dtype, _return_traces=True)
+                                  params_dtype=params_dtype, platform=plat, _return_traces=True)
     params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
     all_params = list({id(p): p for p in module.parameters()}.values())
     n_params = sum(p.numel() for p in all_params)
@@ -212,8 +232,12 @@ def estimate_step(model: str | nn.Module, batch: int = 1, seq: int | None = None
         peak_breakdown=sim.peak_breakdown, peak_phase=sim.peak_phase, measured=False, profile=prof,
         timeline=sim.timeline, points=list(enumerate(sim.points)), marks=sim.marks,
         meta={"optimizer_step_transient": transient, "buffers": buffer_bytes,
+              "optimizer_step_transient_modelled": optimizers.transient_modelled(optimizer),
               "flops_per_s": prof.meta["flops_per_s"]},
     )
+    if plat is not None:
+        est.meta.update(platform=plat.name, device_memory_bytes=plat.device_memory_bytes,
+                        fits=est.bytes["peak"] <= plat.device_memory_bytes)
     est.meta["seconds_to_estimate"] = time.perf_counter() - t0
     return est
 

@@ -2,8 +2,10 @@
 
 Optimizers come from the project's registry (``scaletrain.techniques.optim.registry``: sgd,
 adam, adamw, adam8bit, adamw8bit, adafactor, came, lamb, lars); their *state* bytes are the
-registry's cost face ``state_bytes``. This module adds what the registry does not give: the
-*transient* bytes of a step, which decide whether the optimizer step is the peak.
+registry's cost face ``state_bytes`` (for torch's own, the closed form below, which a test
+checks equal to the registry's on CPU and which also knows where Adam's step counters live and
+CUDA's 512-byte rounding). This module adds what the registry does not give: the *transient*
+bytes of a step, which decide whether the optimizer step is the peak.
 
 PyTorch's own optimizers (``sgd``, ``adam``, ``adamw``; the registry builds them with
 ``foreach=True``) are modelled in closed form from their source (torch/optim/{sgd,adam}.py,
@@ -114,31 +116,43 @@ def torch_state_bytes(name: str, shapes_and_dtypes: Sequence[ShapeDtype], *, dev
     o = _opts(name, kw)
     total = 0
     for shape, dtype in shapes_and_dtypes:
-        b = _nbytes(shape, dtype)
+        b = _round(_nbytes(shape, dtype), device_type)
         if name == "sgd":
             total += b if o.get("momentum", 0) else 0
         else:
             total += (3 if o.get("amsgrad") else 2) * b
             on_device = device_type == "cpu" or o.get("fused") or o.get("capturable")
-            total += 4 if on_device else 0  # scalar float32 ``step``
+            total += _round(4, device_type) if on_device else 0  # scalar float32 ``step``
     return total
+
+
+def _round(n: int, device_type: str) -> int:
+    """CUDA's caching allocator hands out whole 512-byte blocks."""
+    return -(-n // 512) * 512 if device_type == "cuda" and n > 0 else n
 
 
 def state_bytes(name: str, shapes_and_dtypes: Sequence[ShapeDtype], *, device_type: str = "cpu",
                 **kw: Any) -> int:
     """Bytes of optimizer state on ``device_type`` for parameters of these shapes/dtypes.
 
-    The registry's ``state_bytes``; Adam's 0-d ``step`` tensors live on the CPU unless fused or
-    capturable, so they are not device memory when training on a GPU.
+    The registry's ``state_bytes`` (for torch's own, the closed form above, which also places
+    Adam's 0-d ``step`` tensors: on the CPU unless fused or capturable, so not device memory on
+    a GPU). On CUDA each parameter's state is rounded up to 512-byte blocks (exact for torch's,
+    whose state tensors are parameter-sized; per parameter for the others).
     """
     name = check(name)
     reg = _registry()
-    if reg is None or (name in TORCH_OPTIMIZERS and ("foreach" in kw or "fused" in kw)):
+    if reg is None or name in TORCH_OPTIMIZERS:
         return torch_state_bytes(name, shapes_and_dtypes, device_type=device_type, **kw)
-    total = int(reg.state_bytes(name, list(shapes_and_dtypes), **kw))
-    if name in ("adam", "adamw") and device_type != "cpu" and not (kw.get("fused") or kw.get("capturable")):
-        total -= 4 * len(shapes_and_dtypes)
-    return total
+    if device_type != "cuda":
+        return int(reg.state_bytes(name, list(shapes_and_dtypes), **kw))
+    return sum(_round(int(reg.state_bytes(name, [sd], **kw)), device_type) for sd in shapes_and_dtypes)
+
+
+def transient_modelled(name: str) -> bool:
+    """False where :func:`step_transient_bytes` has no model and answers 0 (see module doc)."""
+    reg = _registry()
+    return not (check(name) in _NO_FAKE and getattr(reg, "step_transient_bytes", None) is None)
 
 
 def default_foreach(device_type: str) -> bool:

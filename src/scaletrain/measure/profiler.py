@@ -178,11 +178,22 @@ def measure_step(model: str | nn.Module, batch: int = 1, seq: int | None = None,
     batches = [make_batch(module, batch, seq, device=device) for _ in range(accum)]
     loss_fn = loss_fn or loss_for(module)
     train_step(module, opt, batches, precision=precision, loss_fn=loss_fn, scaler=scaler)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     with MemoryTracker(model=module, optimizer=opt, extra=[t for b in batches for t in b], device=device) as tr:
+        untracked = base - tr.current_bytes if cuda else 0  # e.g. library workspaces, never tensors
         train_step(module, opt, batches, precision=precision, loss_fn=loss_fn, scaler=scaler, mark=tr.mark)
+        if cuda:
+            torch.cuda.synchronize()
     est = step_from_tracker(tr, module, name=name, batch=batch, seq=seq or 0, precision=precision,
                             optimizer=optimizer, accum=accum, params_dtype=params_dtype, device=device,
                             measured=True)
+    if cuda:  # the caching allocator's own count, for comparison (issue 3: within 5%)
+        est.meta.update(cuda_max_memory_allocated=int(torch.cuda.max_memory_allocated()),
+                        cuda_untracked_bytes=int(untracked))
     if keep_tracker:
         est.meta["tracker"] = tr
     return est

@@ -26,7 +26,9 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length for language models (default: context)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32, or bf16/fp16 autocast with fp32 parameters (default fp32)")
-    p.add_argument("--optimizer", default="adamw", help="sgd (momentum 0.9), adam, adamw, ... (default adamw)")
+    p.add_argument("--optimizer", default="adamw",
+                   help="an optimizer of scaletrain.techniques.optim.registry: sgd, adam, adamw, adam8bit, "
+                        "adamw8bit, adafactor, came, lamb, lars (default adamw)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--params-dtype", choices=PRECISIONS, default="fp32",
                    help="storage dtype of parameters and gradients; bf16/fp16 adds fp32 master weights "
@@ -91,6 +93,8 @@ def print_step(est: StepEstimate, how: str) -> None:
         print(f"{label:<18}{est.bytes.get(key, 0) / GIB:>10.3f}")
     print(f"peak at: {est.peak_phase}; by category (GiB): "
           + ", ".join(f"{k} {v / GIB:.3f}" for k, v in est.peak_breakdown.items() if v))
+    if est.meta.get("optimizer_step_transient_modelled") is False:
+        print(f"note: the temporary memory of {est.optimizer}'s step is not modelled (counted as 0)")
 
 
 def print_blocks(rows: list[dict], measured: bool) -> None:

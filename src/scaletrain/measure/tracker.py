@@ -80,12 +80,14 @@ class MemoryTracker(TorchDispatchMode):
     ``t.peak_breakdown``. ``model``/``optimizer``/``extra`` pre-register storages that exist
     before entering (parameters, gradients, buffers, optimizer states, the batch) so the peak is
     the whole footprint. ``device`` restricts accounting to one device type (default: the
-    model's parameters' device type, else everything).
+    model's parameters' device type, else everything). ``granularity``: sizes are rounded up to a
+    multiple of it (default 512 bytes on CUDA, as the caching allocator does, else 1); the
+    estimator sets 512 to predict CUDA with fake CPU tensors.
     """
 
     def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  *, extra: Iterable[torch.Tensor] = (), device: str | torch.device | None = None,
-                 track_saved: bool = True):
+                 track_saved: bool = True, granularity: int | None = None):
         super().__init__()
         self.model = model
         self.optimizer = optimizer
@@ -95,6 +97,7 @@ class MemoryTracker(TorchDispatchMode):
             device = p.device if p is not None else None
         self.device_type: str | None = torch.device(device).type if device is not None else None
         self.track_saved = track_saved
+        self.granularity = granularity
         self._lock = threading.RLock()
         self._live: dict[int, tuple[StorageRecord, weakref.ref]] = {}
         self.records: list[StorageRecord] = []
@@ -116,9 +119,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def _nbytes(self, st, device: torch.device) -> int:
         n = int(st.nbytes())
-        if device.type == "cuda" and n > 0:
-            n = -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
-        return n
+        g = self.granularity or (_CUDA_BLOCK if device.type == "cuda" else 1)
+        return -(-n // g) * g if n > 0 else 0
 
     def _wanted(self, t: torch.Tensor) -> bool:
         return self.device_type is None or t.device.type == self.device_type

@@ -51,10 +51,12 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _group(name_or_group):
-    if isinstance(name_or_group, str):
+    if isinstance(name_or_group, str):  # functional collectives name their group
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         return _resolve_process_group(name_or_group)
+    if isinstance(name_or_group, torch.ScriptObject):  # c10d ops carry a boxed ProcessGroup
+        return dist.ProcessGroup.unbox(name_or_group)
     return name_or_group
 
 

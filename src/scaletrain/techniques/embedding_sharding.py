@@ -79,7 +79,7 @@ class _ShardedBagLookup(torch.autograd.Function):
         B, T, d, n_rows = ctx.shape
         g = grad.contiguous().view(B * T, d)
         gathered = g.new_empty(mod.world * B * T, d)
-        dist.all_gather_into_tensor(gathered, g, group=mod.group)  # transpose of the reduce-scatter
+        dist.all_gather_single(gathered, g, group=mod.group)  # transpose of the reduce-scatter
         values = gathered[slot] * mod.grad_scale  # one row of gradient per id served: [n, d]
         dw = torch.sparse_coo_tensor(rows.unsqueeze(0), values, (n_rows, d))
         return dw, None, None

@@ -75,7 +75,7 @@ def keep_sequence_shard_for_backward(module: nn.Module, tp_mesh: DeviceMesh, seq
         if isinstance(shard, tuple):  # the outer hooks packed the shard itself
             shard = shard[0](shard[1])
         gathered = shard.new_empty((t * shard.shape[0], *shard.shape[1:]))
-        dist.all_gather_into_tensor(gathered, shard.contiguous(), group=group)
+        dist.all_gather_single(gathered, shard.contiguous(), group=group)
         full = gathered.view(t, *shard.shape).movedim(0, seq_dim).reshape(full_shape)  # [b, t, s/t, h] -> [b, s, h]
         local = full.as_strided(*view)
         if not as_dtensor:

@@ -178,7 +178,8 @@ def _reduce_partial_grads_eagerly(model: nn.Module) -> None:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
                           regather: bool = True) -> nn.Module:
-    """Shard a GPT-2 (``scaletrain.models.gpt2.GPT2`` or a subclass) over ``tp_mesh`` in place.
+    """Shard a GPT-2 (``scaletrain.models.gpt2.GPT2`` or a subclass, or a Hugging Face
+    ``GPT2LMHeadModel`` — see :mod:`tensor_parallel_hf`) over ``tp_mesh`` in place.
 
     ``tp_mesh`` is a 1-D DeviceMesh (e.g. ``mesh["tp"]`` of a 2-D (dp, tp) mesh). Every rank must
     hold the same initial weights (rank 0's are scattered). The model's output becomes a DTensor
@@ -191,9 +192,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     of 2 + 14/t units per layer); ``False`` keeps DTensor's behaviour (the gathered input saved).
     """
     t = tp_mesh.size()
-    _check_model(model, t)
     if getattr(model, _TP_ATTR, None) is not None:
         raise UserError("apply_tensor_parallel was already applied to this model")
+    from scaletrain.techniques.tensor_parallel_hf import apply_tensor_parallel_hf, is_hf_gpt2
+
+    if is_hf_gpt2(model):  # Hugging Face GPT-2: same split, HF's own forward
+        if sequence_parallel:
+            raise UserError("sequence parallelism is not supported for Hugging Face GPT-2; use parallel.tp alone")
+        return apply_tensor_parallel_hf(model, tp_mesh)
+    _check_model(model, t)
     rank = tp_mesh.get_local_rank()
     sp = bool(sequence_parallel)
     seq_in = Shard(1) if sp else Replicate()
@@ -284,6 +291,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Collective: every TP rank must call it. Loads into the unparallelised model.
     """
     info = tp_info(model)
+    from scaletrain.techniques.tensor_parallel_hf import hf_full_state_dict, is_hf_gpt2
+
+    if info is not None and is_hf_gpt2(model):
+        return hf_full_state_dict(model)
     out: dict[str, torch.Tensor] = {}
     for name, v in model.state_dict().items():
         v = v.full_tensor() if isinstance(v, DTensor) else v

@@ -112,8 +112,8 @@ class ParallelConfig:
                            choices=("none", "powersgd", "topk", "onebit"))
     compression_rank: int = opt(4, "PowerSGD rank r of the low-rank approximation", "rank", min=1)
     topk_ratio: float = opt(0.01, "top-k: fraction of gradient entries sent per bucket", "fraction", min=0.0, max=1.0)
-    onebit_warmup_steps: int = opt(10, "onebit: uncompressed steps before compression starts", "optimizer steps",
-                                   min=0)
+    compression_warmup_steps: int = opt(10, "uncompressed steps before compression starts (1-bit Adam / DGC "
+                                            "warm-up; PowerSGD needs at least 2)", "optimizer steps", min=0)
     bucket_mb: float = opt(25.0, "gradient bucket size for all-reduce / reduce-scatter (zero 0-2)", "MiB", min=0.0)
     timeout_s: float = opt(600.0, "collective timeout; a rank waiting longer fails with a message naming the "
                                   "collective", "seconds", min=1.0)

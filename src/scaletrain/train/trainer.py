@@ -198,7 +198,7 @@ class Trainer:
         if p.zero == 0:
             return dp.DDPStrategy(self.model, self.rank, world, self.device, bucket_mb=p.bucket_mb,
                                   compression=p.compression, compression_rank=p.compression_rank,
-                                  topk_ratio=p.topk_ratio, onebit_warmup_steps=p.onebit_warmup_steps,
+                                  topk_ratio=p.topk_ratio, compression_warmup_steps=p.compression_warmup_steps,
                                   seed=self.cfg.train.seed)
         from scaletrain.techniques import zero
 

@@ -146,7 +146,7 @@ class DiskStates:
     """Adam/AdamW whose moments (and optionally masters) live in memory-mapped files."""
 
     def __init__(self, pools: Pools, directory: str | None = None, max_bytes: int | None = None,
-                 chunk_bytes: int = 16 * 2**20, masters_on_disk: bool = False, drop_cache: bool = True):
+                 chunk_bytes: int = 4 * 2**20, masters_on_disk: bool = False, drop_cache: bool = True):
         self.pools = pools
         self.root = Path(directory or tempfile.gettempdir())
         self.max_bytes = max_bytes
@@ -304,7 +304,7 @@ class DiskCost:
     time_s: float
 
 
-def predict_disk(param_numel: int, platform, *, masters_on_disk: bool = False, chunk_bytes: int = 16 * 2**20,
+def predict_disk(param_numel: int, platform, *, masters_on_disk: bool = False, chunk_bytes: int = 4 * 2**20,
                  n_groups: int = 1) -> DiskCost:
     """Cost face of :class:`DiskStates` for ``param_numel`` fp32 parameters (exact bytes)."""
     per = 3 if masters_on_disk else 2

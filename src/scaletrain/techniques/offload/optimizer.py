@@ -52,6 +52,8 @@ class CPUAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw)
         super().__init__(params, defaults)
         self._flat = list(flat) if flat is not None else [None] * len(self.param_groups)
+        self._flat_state: dict[int, dict[str, torch.Tensor]] = {}
+        """Per flat group: the whole m / v buffers (the per-parameter states are views of them)."""
         self._alloc = alloc or torch.zeros_like
         """Makes a zeroed state tensor like its argument (the host pool's, to count the bytes)."""
 
@@ -83,7 +85,7 @@ class CPUAdam(torch.optim.Optimizer):
                 self.state[p] = {"exp_avg": m[off:off + n].view_as(p), "exp_avg_sq": v[off:off + n].view_as(p),
                                  "step": torch.zeros((), dtype=torch.float32)}
                 off += n
-            self.state[flat] = {"exp_avg": m, "exp_avg_sq": v}
+            self._flat_state[group_i] = {"exp_avg": m, "exp_avg_sq": v}
             return
         for p in params:
             if not self.state[p]:
@@ -113,7 +115,7 @@ class CPUAdam(torch.optim.Optimizer):
                 steps = [self.state[p]["step"] for p in params]
                 if all(float(s) == float(steps[0]) for s in steps):
                     torch._foreach_add_(steps, 1.0)
-                    st = self.state[flat]
+                    st = self._flat_state[gi]
                     self._kernel(group, lr, [flat], [fg], [st["exp_avg"]], [st["exp_avg_sq"]], [steps[0]])
                     continue
             live = [p for p in params if p.grad is not None]
@@ -125,10 +127,28 @@ class CPUAdam(torch.optim.Optimizer):
             self._kernel(group, lr, live, [p.grad for p in live], [self.state[p]["exp_avg"] for p in live],
                          [self.state[p]["exp_avg_sq"] for p in live], steps)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch-format Adam state *into* the existing (flat-viewed) state tensors."""
+        for gi, g in enumerate(self.param_groups):
+            self._state_for(gi, g["params"])
+        mine = {p: dict(s) for p, s in self.state.items()}
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for p, st in mine.items():
+                got = self.state.get(p, {})
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if k in got:
+                        st[k].copy_(got[k])
+                if "step" in got:
+                    st["step"].copy_(torch.as_tensor(float(got["step"]), dtype=torch.float32))
+                self.state[p] = st
+        for g in self.param_groups:
+            g.setdefault("adamw", True)
+
     @staticmethod
     def _kernel(group, lr, params, grads, m, v, steps) -> None:
         b1, b2 = group["betas"]
-        fn = torch._fused_adamw_ if group["adamw"] else torch._fused_adam_
+        fn = torch._fused_adamw_ if group.get("adamw", True) else torch._fused_adam_
         fn(params, grads, m, v, [], steps, lr=lr, beta1=b1, beta2=b2,
            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)
 

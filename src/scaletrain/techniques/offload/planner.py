@@ -126,7 +126,6 @@ def simulate_device(costs: ChainCosts, modes: Sequence[str], *, prefetch: int = 
     pending: set[int] = set()
 
     def live(extra: set[int] = frozenset(), add: int = 0) -> int:
-        nonlocal grads
         ids = set(held) | fetched | set(extra)
         return sum(sb[s] for s in ids) + add + pres["now"] + static_bytes + grads
 

@@ -188,6 +188,7 @@ def _probe(chain, x, y, loss_fn, ac, device: torch.device) -> ChainCosts:
     xm = _fake_like(x, device)
     skip = {xm.untyped_storage()._cdata} | {m.untyped_storage()._cdata for m in meta_p.values()}
     blocks: list[BlockCost] = []
+    held: list[torch.Tensor] = []
     inp, in_sid = xm, -1
     buffer_bytes = 0
     tr = MemoryTracker(device=device, track_saved=False)
@@ -206,6 +207,7 @@ def _probe(chain, x, y, loss_fn, ac, device: torch.device) -> ChainCosts:
                 mb = _fake_like(b, device)
                 pdict[bname] = mb
                 skip.add(mb.untyped_storage()._cdata)
+                held.append(mb)  # a skipped storage must outlive the probe: its address is never reused
                 buffer_bytes += b.untyped_storage().nbytes()
             saved: list[int] = []
 

@@ -58,7 +58,7 @@ class OffloadOptions:
     dpu: bool = False
     disk_dir: str = ""
     disk_max_bytes: int | None = None
-    disk_chunk_bytes: int = 16 * 2**20
+    disk_chunk_bytes: int = 4 * 2**20
     disk_masters: bool = False
     device_budget: int | None = None
     host_budget: int | None = None
@@ -101,7 +101,7 @@ CONFIG_FIELDS: list[tuple[str, str, Any, str, str]] = [
     ("memory.offload.host_budget", "str", "", "bytes", "host memory the plan may use; empty = the platform's"),
     ("memory.offload.disk_dir", "str", "", "path", "directory for the disk tier's files; empty = the system temp dir"),
     ("memory.offload.disk_max_bytes", "str", "", "bytes", "largest size the disk tier may use; empty = the free space"),
-    ("memory.offload.disk_chunk_bytes", "str", "16MiB", "bytes", "disk tier read/update/write chunk per state tensor"),
+    ("memory.offload.disk_chunk_bytes", "str", "4MiB", "bytes", "disk tier read/update/write chunk per state tensor"),
     ("memory.offload.disk_masters", "bool", False, "", "keep fp32 master weights on disk too (params on device only)"),
     ("memory.offload.strict", "bool", True, "", "CPU logical device: fail like a GPU when the budget is exceeded"),
 ]
@@ -222,6 +222,7 @@ class OffloadRuntime:
             self._marks.append((i, time.perf_counter(), self._copy_s()))
         if self.streamer is not None:
             self.streamer.claims.backward_start(i)
+            self.streamer.wait(i)
         self.acts.on_backward_start(i)
         self._bwd_started.append(i)
 
@@ -242,6 +243,7 @@ class OffloadRuntime:
                     t0, c0 = time.perf_counter(), self._copy_s()
                 if self.streamer is not None:
                     self.streamer.claims.forward_start(i)
+                    self.streamer.wait(i)
                 with self.autocast():
                     if modes[i] == "recompute":
                         out = checkpoint(blk, out, use_reentrant=False)
@@ -288,6 +290,23 @@ class OffloadRuntime:
 
         self.prediction = predict(self.costs, self.options, self.platform, accum=self.accum)
         self.times_measured = True
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference forward (evaluation): streamed weights pass through the device block by block."""
+        self.flush()
+        out = x
+        for i, blk in enumerate(self.chain.blocks):
+            if self.streamer is not None:
+                self.streamer.claims.forward_start(i)
+                self.streamer.wait(i)
+            with self.autocast():
+                out = blk(out)
+            if self.streamer is not None:
+                self.streamer.claims.forward_end(i)
+        if self.streamer is not None:
+            self.streamer.claims.finish()
+        return out
 
     # ------------------------------------------------------------------ the step
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -345,6 +364,44 @@ class OffloadRuntime:
             else:
                 out[name] = p.detach().clone()
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": like model.state_dict(), "optimizer": ...}`` with full (host) copies of streamed
+        weights; the optimizer part is torch's format except for the disk tier (its files' contents)."""
+        self.flush()
+        src = getattr(self.chain, "source", None) or self.model
+        masters = self.host_opt.master if self.host_opt is not None and self.streamer is not None else {}
+        model = {k: (masters.get(id(v), v)).detach().clone() for k, v in src.state_dict(keep_vars=True).items()}
+        if self.disk is not None:
+            opt = {"disk": [self.disk.state_tensors(g) for g in range(len(self.disk.files))],
+                   "steps": list(self.disk.steps), "lr": [g["lr"] for g in self.optimizer.param_groups]}
+        else:
+            opt = self.optimizer.state_dict()
+        return {"model": model, "optimizer": opt}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (the model part also accepts a plain model.state_dict())."""
+        self.flush()
+        src = getattr(self.chain, "source", None) or self.model
+        own = src.state_dict(keep_vars=True)
+        master = self.host_opt.master if self.host_opt is not None else {}
+        with torch.no_grad():
+            for k, v in state["model"].items():
+                t = own[k]
+                if self.streamer is not None and id(t) in master:
+                    master[id(t)].copy_(v)
+                else:
+                    t.copy_(v)
+                    if id(t) in master:
+                        master[id(t)].copy_(t)
+        opt = state["optimizer"]
+        if self.disk is not None:
+            for g, tensors in enumerate(opt["disk"]):
+                self.disk.load_state_tensors(g, tensors, opt["steps"][g])
+            for g, lr in zip(self.optimizer.param_groups, opt["lr"]):
+                g["lr"] = lr
+        else:
+            self.optimizer.load_state_dict(opt)
 
     def close(self) -> None:
         """Flush and remove the disk tier's files."""

@@ -144,19 +144,31 @@ class WeightStreamer:
             if p.data.device != pools.device:
                 p.data = pools.device_empty(p.shape, p.dtype)
             pools.free_device_storage(p.data)
+        self.block_params = [list(b) for b in block_params]
         self.claims = ParamClaims(block_params, window, self._fetch, self._release)
         self.resident: set[int] = set()
+        self._tickets: dict[int, object] = {}
 
     def _fetch(self, j: int) -> None:
         p = self.params[j]
         self.pools.alloc_device_storage(p.data, "parameters")
-        self.pools.h2d_into(p.data, self.masters[id(p)], "params")
+        self._tickets[j] = self.pools.h2d_into(p.data, self.masters[id(p)], "params")
         self.resident.add(j)
 
     def _release(self, j: int) -> None:
         p = self.params[j]
+        t = self._tickets.pop(j, None)
+        if t is not None:  # (GPU) the copy into it must be ordered before the memory is reused
+            t.wait_device()
         self.pools.free_device_storage(p.data)
         self.resident.discard(j)
+
+    def wait(self, block: int) -> None:
+        """Make the compute stream wait until block ``block``'s parameters have arrived (GPU)."""
+        for j in self.block_params[block]:
+            t = self._tickets.pop(j, None)
+            if t is not None:
+                t.wait_device()
 
     def resident_bytes(self) -> int:
         return sum(self.params[j].numel() * self.params[j].element_size() for j in self.resident)

@@ -33,8 +33,9 @@ dropout > 0 the runtime is not bitwise equal to one process (fp32 parity holds w
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from scaletrain.errors import UserError
 
 from . import p2p
 from .checks import rendezvous_safe, validate
+from .grads import ParamPlan
 from .partition import equal_bounds
 from .schedules import (ASYNC_SCHEDULES, GRAD_SYNC, OPT, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, build)
 from .simulate import Event
@@ -97,20 +99,26 @@ class PipelineRuntime:
     is one micro-batch's input (meta allowed: only shape and dtype are read); ``loss_fn(out,
     target)`` runs on the last stage. ``bounds`` are the S + 1 block boundaries of the S = pp ×
     virtual stages (default: an equal split; :func:`.partition.partition` gives a balanced one).
-    ``p2p``: "eager" (isend lists, gloo tags), "rendezvous" (lists reordered by
+    ``p2p_mode``: "eager" (isend lists, gloo tags), "rendezvous" (lists reordered by
     :func:`.checks.rendezvous_safe`, needed by NCCL), or "auto" (by backend).
+    ``forward_context``: a context-manager factory entered around every stage forward and the
+    loss (e.g. the trainer's ``autocast``); boundary activations are cast back to the model's
+    dtype (the fake-tensor/meta pass's) before they are sent, so both sides agree on sizes.
+    ``record_events``: keep per-pass timings in :attr:`events` (and align the ranks' clocks
+    with a barrier at each step's start).
     """
 
     def __init__(self, chain: Chain | nn.Module, schedule: str, microbatches: int, *, pp: int, dp: int = 1,
                  virtual: int = 1, bounds: Sequence[int] | None = None, loss_fn: LossFn,
                  example_input: torch.Tensor, device: torch.device | str | None = None,
                  ranks: Sequence[int] | None = None, timeout_s: float = 300.0, p2p_mode: str = "auto",
-                 record_events: bool = True):
+                 record_events: bool = True, forward_context: Callable[[], ContextManager] | None = None):
         if not dist.is_initialized():
             raise UserError("the pipeline runtime needs torch.distributed initialised (run under torchrun)")
         self.chain = to_chain(chain)
         self.name, self.M, self.pp, self.dp, self.virtual = schedule, int(microbatches), int(pp), int(dp), int(virtual)
         self.loss_fn = loss_fn
+        self.forward_context = forward_context or contextlib.nullcontext
         self.timeout_s = float(timeout_s)
         self.record_events = record_events
         self.asynchronous = schedule in ASYNC_SCHEDULES
@@ -147,14 +155,17 @@ class PipelineRuntime:
             mod = nn.Sequential(*self.chain.blocks[self.bounds[s]:self.bounds[s + 1]])
             self.replicas[(pipe, s)] = Replica(pipe, s, mod, s == 0, s == self.n_stages - 1,
                                                defer_weight_grads=sched.split_backward, stash_weights=self.asynchronous)
-        self._plan_parameters(sched)
-        self._make_groups(sched)
-        self._broadcast_replicated()
+        self.plan = ParamPlan(self.chain.blocks, self.bounds, sched, self.ranks, self.pp_rank, self.dp_rank,
+                              self.dp, self.transport, self.timeout_s)
+        self.plan.broadcast_replicated()
+        blocks = {id(b): b for rep in self.replicas.values() for b in rep.module}
+        self.module = nn.ModuleList(blocks.values())
+        """The local blocks (shared with the chain): build the optimizer over this module."""
         self.events: list[Event] = []
         """Measured compute events of the last :meth:`train` call: (pipeline rank, kind, micro-batch,
         start_s, end_s, stage, pipe), seconds from the call's start (after a barrier)."""
         self.comm_events: list[Event] = []
-        """Measured waits in receives and collectives (kinds RECV_F, RECV_B, SYNC)."""
+        """Measured waits in receives (kinds RECV_F, RECV_B), same format."""
 
     # ------------------------------------------------------------------ set-up
     def schedule_for(self, n_steps: int) -> Schedule:
@@ -168,117 +179,13 @@ class PipelineRuntime:
             self._schedules[key] = s
         return self._schedules[key]
 
-    def _plan_parameters(self, sched: Schedule) -> None:
-        """Who holds which parameter, and where its gradient is summed.
-
-        holders(p) = pipeline ranks holding a stage replica that uses p. A parameter held by
-        several ranks (tied weights; Chimera's two replicas of each stage) has its gradient
-        summed over them: at Chimera's GRAD_SYNC of its first stage when the holders are
-        exactly that stage's replica pair, otherwise at OPT (grouped by holder set, canonical order).
-        """
-        uniq: list[nn.Parameter | torch.Tensor] = []
-        seen: dict[int, int] = {}
-        stage_of_block = [s for s in range(self.n_stages) for _ in range(self.bounds[s], self.bounds[s + 1])]
-        users: dict[int, set[int]] = {}
-        kinds: dict[int, str] = {}
-        for b, blk in enumerate(self.chain.blocks):
-            for kind, tensors in (("param", blk.parameters()), ("buffer", blk.buffers())):
-                for t in tensors:
-                    if id(t) not in seen:
-                        seen[id(t)] = len(uniq)
-                        uniq.append(t)
-                        kinds[id(t)] = kind
-                    users.setdefault(seen[id(t)], set()).add(stage_of_block[b])
-        self._tensors = uniq
-        self._is_param = [kinds[id(t)] == "param" for t in uniq]
-        self._owner_stage = [min(users[i]) for i in range(len(uniq))]
-        self._holders = [tuple(sorted({sched.rank_of(s, p) for s in users[i] for p in range(sched.n_pipes)}))
-                         for i in range(len(uniq))]
-        local = [i for i in range(len(uniq)) if self.pp_rank in self._holders[i]]
-        self._local = local
-        params = [i for i in local if self._is_param[i]]
-        self._params = [uniq[i] for i in params]
-        self._owned = [uniq[i] for i in params if self._holders[i][0] == self.pp_rank]
-        # where each multi-holder parameter's gradient is summed
-        pair = {s: tuple(sorted({sched.rank_of(s, p) for p in range(sched.n_pipes)})) for s in range(self.n_stages)}
-        self._gradsync: dict[int, list[torch.Tensor]] = {}
-        tied: dict[tuple[int, ...], list[torch.Tensor]] = {}
-        for i in params:
-            h = self._holders[i]
-            if len(h) == 1:
-                continue
-            if sched.n_pipes == 2 and h == pair[self._owner_stage[i]]:
-                self._gradsync.setdefault(self._owner_stage[i], []).append(uniq[i])
-            else:
-                tied.setdefault(h, []).append(uniq[i])
-        self._tied = sorted(tied.items())
-        blocks = []
-        seen_blocks: set[int] = set()
-        for rep in self.replicas.values():
-            for blk in rep.module:
-                if id(blk) not in seen_blocks:
-                    seen_blocks.add(id(blk))
-                    blocks.append(blk)
-        self.module = nn.ModuleList(blocks)
-        """The local blocks (shared with the chain): build the optimizer over this module."""
-
-    def _global(self, pp_rank: int, dp_rank: int | None = None) -> int:
-        return self.ranks[pp_rank * self.dp + (self.dp_rank if dp_rank is None else dp_rank)]
-
-    def _make_groups(self, sched: Schedule) -> None:
-        """Create every group of the layout, in one canonical order on every process."""
-        wanted: list[tuple[int, ...]] = [tuple(sorted(self.ranks))]
-        for d in range(self.dp):
-            wanted.append(tuple(sorted(self._global(r, d) for r in range(self.pp))))
-        for r in range(self.pp):
-            wanted.append(tuple(sorted(self._global(r, d) for d in range(self.dp))))
-        holder_sets = sorted({h for h in self._holders if len(h) > 1})
-        for d in range(self.dp):
-            for h in holder_sets:
-                wanted.append(tuple(sorted(self._global(r, d) for r in h)))
-        for g in wanted:  # every process creates every group, in this order (see p2p.group)
-            if len(g) > 1:
-                p2p.group(g, self.timeout_s)
-        self._mesh_ranks = tuple(sorted(self.ranks))
-        self._replica_ranks = tuple(sorted(self._global(r) for r in range(self.pp)))
-        self._dp_ranks = tuple(sorted(self._global(self.pp_rank, d) for d in range(self.dp)))
-
-    def _grp(self, ranks: Sequence[int]) -> Any:
-        return p2p.group(ranks, self.timeout_s)
-
-    def _flat_collective(self, tensors: list[torch.Tensor], fn: Callable[[torch.Tensor], None]) -> None:
-        """Apply an in-place collective to ``tensors`` through one flat buffer per dtype."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for ts in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            fn(flat)
-            off = 0
-            for t in ts:
-                n = t.numel()
-                t.detach().copy_(flat[off:off + n].view_as(t))
-                off += n
-
-    def _broadcast_replicated(self) -> None:
-        """Make replicated tensors equal: shared parameters from their first holder, then every
-        local tensor from data-parallel replica 0 (as DDP does at construction)."""
-        with torch.no_grad():
-            for h in sorted({self._holders[i] for i in self._local if len(self._holders[i]) > 1}):
-                ts = [self._tensors[i] for i in self._local if self._holders[i] == h]
-                if self.pp_rank in h and ts:
-                    g = tuple(sorted(self._global(r) for r in h))
-                    self._flat_collective(ts, lambda f: self.transport.broadcast(
-                        f, self._global(h[0]), self._grp(g), "initial broadcast of shared parameters"))
-            if self.dp > 1:
-                ts = [self._tensors[i] for i in self._local]
-                self._flat_collective(ts, lambda f: self.transport.broadcast(
-                    f, self._global(self.pp_rank, 0), self._grp(self._dp_ranks), "initial data-parallel broadcast"))
+    def _global(self, pp_rank: int) -> int:
+        return self.plan.global_rank(pp_rank)
 
     # ------------------------------------------------------------------ public API
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (each once), for the optimizer."""
-        return list(self._params)
+        return list(self.plan.params)
 
     @property
     def needs_data(self) -> bool:
@@ -307,9 +214,6 @@ class PipelineRuntime:
             raise UserError(f"n_steps must be >= 1 (got {n_steps})")
         if not self.asynchronous:
             it = iter(microbatches) if microbatches is not None else None
-        if sched.asynchronous:  # stash weights only for micro-batches that an update overtakes
-            for rep in self.replicas.values():
-                rep.stash_mbs = _overtaken(acts, rep.pipe, rep.stage)
             return [self._run(self.schedule_for(1), it, update)[0] for _ in range(n_steps)]
         if update is None:
             raise UserError(f"asynchronous schedule {self.name} updates weights inside the stream; pass update")
@@ -317,34 +221,15 @@ class PipelineRuntime:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the global gradient norm (all stages, shared parameters counted once) to
-        ``max_norm``; returns the norm before clipping. Collective over the pipeline replica."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self._owned:
-            if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum()
-        sq = sq.reshape(1)
-        if self.pp > 1:
-            self.transport.all_reduce(sq, self._grp(self._replica_ranks), "gradient-norm all-reduce")
-        norm = float(sq.sqrt())
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in self._params:
-                if p.grad is not None:
-                    p.grad.detach().mul_(coef)
-        return norm
+        ``max_norm``; returns the norm before clipping. Collective over the pipeline replica:
+        call it inside ``update``."""
+        return self.plan.clip_(max_norm)
 
     def sync_full_model(self) -> None:
         """Broadcast every parameter and buffer from its first holder to all ranks of this
         pipeline replica, so each process's model is the whole, current model (evaluation or a
         checkpoint in the single-process layout). Collective over the replica."""
-        if self.pp == 1:
-            return
-        with torch.no_grad():
-            for r in range(self.pp):
-                ts = [t for i, t in enumerate(self._tensors) if self._holders[i][0] == r]
-                if ts:
-                    self._flat_collective(ts, lambda f: self.transport.broadcast(
-                        f, self._global(r), self._grp(self._replica_ranks), "full-model broadcast"))
+        self.plan.sync_full_model()
 
     def close(self) -> None:
         """Wait for outstanding sends and drop in-flight tensors."""
@@ -384,16 +269,17 @@ class PipelineRuntime:
         self._local_fwd: dict[tuple[int, int, int], torch.Tensor] = {}
         self._local_bwd: dict[tuple[int, int, int], torch.Tensor] = {}
         self.events, self.comm_events = [], []
-        if self.record_events and len(self._mesh_ranks) > 1:  # a common time origin for the timeline
-            self.transport.barrier(self._grp(self._mesh_ranks), "barrier at the start of a pipeline step")
+        mesh = self.plan.mesh_ranks
+        if self.record_events and len(mesh) > 1:  # a common time origin for the timeline
+            self.transport.barrier(self.plan.group(mesh), "barrier at the start of a pipeline step")
         self._t0 = time.perf_counter()
         for a in acts:
             self._do(a, sched, feed, update)
         self.transport.drain()
         feed.finish(total)
         losses = self._losses
-        if len(self._mesh_ranks) > 1:
-            self.transport.all_reduce(losses, self._grp(self._mesh_ranks), "loss all-reduce")
+        if len(mesh) > 1:
+            self.transport.all_reduce(losses, self.plan.group(mesh), "loss all-reduce")
         return (losses / (self.M * self.dp)).tolist()
 
     def _do(self, a: Action, sched: Schedule, feed: _Feed, update: Callable[[], None] | None) -> None:
@@ -432,19 +318,14 @@ class PipelineRuntime:
             self._record(k, a, t0)
         elif k == GRAD_SYNC:
             t0 = self._now()
-            ts = self._gradsync.get(a.stage, [])
-            if ts:
-                self._grads_materialise(ts)
-                g = tuple(sorted((self.global_rank, self._global(a.peer))))
-                self._flat_collective([t.grad for t in ts], lambda f: self.transport.all_reduce(
-                    f, self._grp(g), f"GRAD_SYNC of stage {a.stage} with pipeline rank {a.peer}"))
+            self.plan.grad_sync(a.stage, a.peer)
             self._record(k, a, t0)
         elif k == OPT:
             if a.mb == self._opt_mb:
                 return  # one update per rank and window, at its first OPT
             self._opt_mb = a.mb
             t0 = self._now()
-            self._reduce_grads()
+            self.plan.reduce()
             if update is not None:
                 update()
             for rep in self.replicas.values():
@@ -463,13 +344,17 @@ class PipelineRuntime:
         else:
             x = rep.inputs[a.mb]
         rep.inputs[a.mb] = x
-        out = rep.forward(x, a.mb)
+        with self.forward_context():
+            out = rep.forward(x, a.mb)
+            if rep.last:
+                y = feed.get(a.mb)[1]
+                loss = self.loss_fn(out, y)
         if rep.last:
-            y = feed.get(a.mb)[1]
-            loss = self.loss_fn(out, y)
             self._losses[a.mb // self.M] += float(loss.detach())
             out = loss * self._weight
             feed.used(a.mb)
+        else:  # activations cross stages in the model's dtype (autocast may have made them 16-bit)
+            out = out.to(self.specs[a.stage + 1].dtype)
         if rep.first and not rep.last:
             feed.used(a.mb)
         rep.outputs[a.mb] = out
@@ -496,30 +381,6 @@ class PipelineRuntime:
             else:
                 rep.grad_in[a.mb] = gx
         self._record(a.kind, a, t0)
-
-    # ------------------------------------------------------------------ gradients
-    @staticmethod
-    def _grads_materialise(params: Iterable[torch.Tensor]) -> None:
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-
-    def _reduce_grads(self) -> None:
-        """Sum shared parameters' gradients over their holders, then average over dp replicas."""
-        for h, ts in self._tied:
-            if self.pp_rank in h:
-                self._grads_materialise(ts)
-                g = tuple(sorted(self._global(r) for r in h))
-                self._flat_collective([t.grad for t in ts], lambda f: self.transport.all_reduce(
-                    f, self._grp(g), f"shared-parameter gradient all-reduce over pipeline ranks {list(h)}"))
-        if self.dp > 1 and self._params:
-            self._grads_materialise(self._params)
-
-            def avg(f: torch.Tensor) -> None:
-                self.transport.all_reduce(f, self._grp(self._dp_ranks), "data-parallel gradient all-reduce")
-                f.div_(self.dp)
-
-            self._flat_collective([p.grad for p in self._params], avg)
 
 
 def split_microbatches(x: torch.Tensor, y: torch.Tensor, m: int) -> list[Batch]:

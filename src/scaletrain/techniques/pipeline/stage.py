@@ -123,7 +123,8 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):  # g: [..., out_features]
         x, weight = ctx.saved_tensors
-        gx = g @ weight if ctx.needs_input_grad[0] else None  # [..., in_features]
+        # under autocast g is 16-bit while weight/x keep their dtype: compute in g's dtype
+        gx = g @ weight.to(g.dtype) if ctx.needs_input_grad[0] else None  # [..., in_features]
         gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if ctx.needs_input_grad[1]:
             ctx.queue.append((weight, x, g))  # dW = gᵀ x, computed in the W pass
@@ -152,9 +153,9 @@ def run_weight_grads(queue: list) -> None:
     """The W pass: accumulate ``dW = gᵀ·x`` for every queued linear (fp32 accumulate into .grad)."""
     while queue:
         weight, x, g = queue.pop()
-        gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])  # [out, in]
+        gw = (g.reshape(-1, g.shape[-1]).t() @ x.to(g.dtype).reshape(-1, x.shape[-1])).to(weight.dtype)  # [out, in]
         if weight.grad is None:
-            weight.grad = gw.to(weight.dtype)
+            weight.grad = gw
         else:
             weight.grad += gw
 

@@ -1,0 +1,186 @@
+"""Who holds which parameter in a pp × dp pipeline, and where its gradient is summed.
+
+A parameter is *held* by every pipeline rank with a stage replica that uses it. Most are held
+by one rank; two kinds are held by several and need their gradients summed before the update
+so training stays exact:
+
+* tied weights used by stages on different ranks — GPT-2's ``wte`` (embedding on the first
+  stage, LM head on the last). Megatron keeps an "embedding group" of the first and last
+  pipeline ranks and all-reduces the embedding gradient there; we do the same for any parameter
+  shared across ranks, grouped by holder set, in one canonical order on every rank;
+* Chimera's two replicas of each stage (ranks s and P−1−s): summed at the schedule's
+  ``GRAD_SYNC`` of the stage that first uses them.
+
+Then every local gradient is averaged over the data-parallel replicas of the same pipeline rank.
+Layout: pipeline rank r of replica d is global rank ``ranks[r·dp + d]`` (pp outermost).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import p2p
+from .schedules import Schedule
+
+
+def flat_collective(tensors: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], None]) -> None:
+    """Apply an in-place collective to ``tensors`` through one flat buffer per dtype (one message
+    instead of one per tensor)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        fn(flat)
+        off = 0
+        for t in ts:
+            n = t.numel()
+            t.detach().copy_(flat[off:off + n].view_as(t))
+            off += n
+
+
+def _materialise(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+class ParamPlan:
+    """Holders of every parameter/buffer of ``blocks`` under ``bounds`` and ``sched``, this
+    rank's share, and the gradient reductions (collectives bounded by the transport's timeout)."""
+
+    def __init__(self, blocks: nn.ModuleList, bounds: list[int], sched: Schedule, ranks: Sequence[int],
+                 pp_rank: int, dp_rank: int, dp: int, transport: p2p.Transport, timeout_s: float):
+        self.ranks, self.pp, self.pp_rank, self.dp_rank, self.dp = list(ranks), sched.n_ranks, pp_rank, dp_rank, dp
+        self.transport, self.timeout_s = transport, timeout_s
+        S = sched.n_stages
+        stage_of_block = [s for s in range(S) for _ in range(bounds[s], bounds[s + 1])]
+        uniq: list[torch.Tensor] = []
+        index: dict[int, int] = {}
+        users: dict[int, set[int]] = {}
+        is_param: list[bool] = []
+        for b, blk in enumerate(blocks):
+            for param, tensors in ((True, blk.parameters()), (False, blk.buffers())):
+                for t in tensors:
+                    if id(t) not in index:
+                        index[id(t)] = len(uniq)
+                        uniq.append(t)
+                        is_param.append(param)
+                    users.setdefault(index[id(t)], set()).add(stage_of_block[b])
+        self.tensors = uniq
+        self.holders = [tuple(sorted({sched.rank_of(s, p) for s in users[i] for p in range(sched.n_pipes)}))
+                        for i in range(len(uniq))]
+        owner_stage = [min(users[i]) for i in range(len(uniq))]
+        self.local = [i for i in range(len(uniq)) if pp_rank in self.holders[i]]
+        mine = [i for i in self.local if is_param[i]]
+        self.params: list[nn.Parameter] = [uniq[i] for i in mine]  # type: ignore[misc]
+        """This rank's parameters, each once."""
+        self.owned = [uniq[i] for i in mine if self.holders[i][0] == pp_rank]
+        """The parameters this rank counts in the global gradient norm (first holder)."""
+        pair = {s: tuple(sorted({sched.rank_of(s, p) for p in range(sched.n_pipes)})) for s in range(S)}
+        self.gradsync: dict[int, list[torch.Tensor]] = {}
+        tied: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for i in mine:
+            h = self.holders[i]
+            if len(h) == 1:
+                continue
+            if sched.n_pipes == 2 and h == pair[owner_stage[i]]:
+                self.gradsync.setdefault(owner_stage[i], []).append(uniq[i])
+            else:
+                tied.setdefault(h, []).append(uniq[i])
+        self.tied = sorted(tied.items())
+        self.mesh_ranks = tuple(sorted(self.ranks))
+        self.replica_ranks = tuple(sorted(self.global_rank(r) for r in range(self.pp)))
+        self.dp_ranks = tuple(sorted(self.global_rank(pp_rank, d) for d in range(dp)))
+        self._make_groups()
+
+    def global_rank(self, pp_rank: int, dp_rank: int | None = None) -> int:
+        return self.ranks[pp_rank * self.dp + (self.dp_rank if dp_rank is None else dp_rank)]
+
+    def group(self, ranks: Sequence[int]) -> Any:
+        return p2p.group(ranks, self.timeout_s)
+
+    def _make_groups(self) -> None:
+        """Create every group of the layout, in one canonical order on every process (p2p.group)."""
+        wanted = [self.mesh_ranks]
+        wanted += [tuple(sorted(self.global_rank(r, d) for r in range(self.pp))) for d in range(self.dp)]
+        wanted += [tuple(sorted(self.global_rank(r, d) for d in range(self.dp))) for r in range(self.pp)]
+        for d in range(self.dp):
+            for h in sorted({h for h in self.holders if len(h) > 1}):
+                wanted.append(tuple(sorted(self.global_rank(r, d) for r in h)))
+        for g in wanted:
+            if len(g) > 1:
+                self.group(g)
+
+    # ------------------------------------------------------------------ operations
+    def broadcast_replicated(self) -> None:
+        """Make replicated tensors equal at the start: shared ones from their first holder, then
+        every local tensor from data-parallel replica 0 (as DDP does at construction)."""
+        with torch.no_grad():
+            for h in sorted({self.holders[i] for i in self.local if len(self.holders[i]) > 1}):
+                ts = [self.tensors[i] for i in self.local if self.holders[i] == h]
+                g = self.group([self.global_rank(r) for r in h])
+                flat_collective(ts, lambda f: self.transport.broadcast(
+                    f, self.global_rank(h[0]), g, "initial broadcast of shared parameters"))
+            if self.dp > 1:
+                flat_collective([self.tensors[i] for i in self.local], lambda f: self.transport.broadcast(
+                    f, self.global_rank(self.pp_rank, 0), self.group(self.dp_ranks), "initial data-parallel broadcast"))
+
+    def grad_sync(self, stage: int, peer_pp_rank: int) -> None:
+        """Chimera's GRAD_SYNC: sum the gradients of ``stage``'s parameters with its other replica."""
+        ts = self.gradsync.get(stage, [])
+        if ts:
+            g = self.group([self.global_rank(self.pp_rank), self.global_rank(peer_pp_rank)])
+            flat_collective(_materialise(ts), lambda f: self.transport.all_reduce(
+                f, g, f"GRAD_SYNC of stage {stage} with pipeline rank {peer_pp_rank}"))
+
+    def reduce(self) -> None:
+        """Before an update: sum shared parameters' gradients over their holders, then average
+        every gradient over the data-parallel replicas."""
+        for h, ts in self.tied:
+            g = self.group([self.global_rank(r) for r in h])
+            flat_collective(_materialise(ts), lambda f: self.transport.all_reduce(
+                f, g, f"shared-parameter gradient all-reduce over pipeline ranks {list(h)}"))
+        if self.dp > 1 and self.params:
+            g = self.group(self.dp_ranks)
+
+            def avg(f: torch.Tensor) -> None:
+                self.transport.all_reduce(f, g, "data-parallel gradient all-reduce")
+                f.div_(self.dp)
+
+            flat_collective(_materialise(self.params), avg)
+
+    def clip_(self, max_norm: float) -> float:
+        """Clip the global gradient norm (L2 over all stages, shared parameters counted once) to
+        ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does (coefficient max_norm / (norm +
+        1e-6), at most 1); returns the norm before clipping. Collective over the replica."""
+        sq = torch.zeros(1, dtype=torch.float64, device=self.transport.device)
+        for p in self.owned:
+            if p.grad is not None:
+                sq += p.grad.detach().double().pow(2).sum()
+        if self.pp > 1:
+            self.transport.all_reduce(sq, self.group(self.replica_ranks), "gradient-norm all-reduce")
+        norm = float(sq.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+        return norm
+
+    def sync_full_model(self) -> None:
+        """Broadcast every parameter and buffer from its first holder to all ranks of this
+        replica, so each process's model is the whole, current model. Collective over the replica."""
+        if self.pp == 1:
+            return
+        g = self.group(self.replica_ranks)
+        with torch.no_grad():
+            for r in range(self.pp):
+                ts = [t for i, t in enumerate(self.tensors) if self.holders[i][0] == r]
+                if ts:
+                    flat_collective(ts, lambda f: self.transport.broadcast(
+                        f, self.global_rank(r), g, "full-model broadcast"))
