@@ -23,6 +23,16 @@ from scaletrain.techniques.offload.runtime import OffloadOptions, OffloadRuntime
 PLAT = Platform("test")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: on a shared, oversubscribed CI machine OpenMP barriers make small ops
+    10x slower with more; these tests check bytes and equality, never speed."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def lm_loss(o, t):
     return F.cross_entropy(o.flatten(0, 1), t.flatten())
 

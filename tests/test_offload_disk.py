@@ -22,6 +22,16 @@ from scaletrain.techniques.offload.runtime import OffloadOptions, OffloadRuntime
 PLAT = Platform("test")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: on a shared, oversubscribed CI machine OpenMP barriers make small ops
+    10x slower with more; these tests check bytes and equality, never speed."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def mlp(seed=0):
     torch.manual_seed(seed)
     return models.get("mlp", widths=(48, 128, 128, 128, 10), image_size=4, channels=3)

@@ -19,6 +19,16 @@ from scaletrain.techniques.optim.adam8bit import Adam8bit
 PLAT = Platform("test")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: on a shared, oversubscribed CI machine OpenMP barriers make small ops
+    10x slower with more; these tests check bytes and equality, never speed."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def lm_loss(o, t):
     return F.cross_entropy(o.flatten(0, 1), t.flatten())
 
@@ -259,3 +269,25 @@ def test_gradient_accumulation_on_the_host():
         assert st["h2d_bytes"] == st["predicted_h2d_bytes"] and st["d2h_bytes"] == st["predicted_d2h_bytes"]
     got = rt.full_parameters()
     assert all(torch.equal(got[n], p) for n, p in base.named_parameters())
+
+
+def test_build_offload_runtime_entry_point():
+    from scaletrain.techniques.offload import build_offload_runtime
+
+    data = batches(2)
+    rt = build_offload_runtime(tiny_gpt(), adamw, {"optimizer": "host", "activations": "all", "device_budget": "8MiB"},
+                               PLAT, loss_fn=lm_loss, example=data[0])
+    sched = torch.optim.lr_scheduler.LambdaLR(rt.optimizer, lambda s: 0.5)  # the trainer's scheduler attaches
+    for x, y in data:
+        loss = rt.forward_backward(x, y, 1.0)
+        assert rt.clip_grad_norm_(1.0) > 0
+        rt.step()
+        sched.step()
+        row = rt.last_stats()
+        for key in ("device_peak_bytes", "offload_bytes", "predicted_device_peak_bytes", "predicted_offload_bytes",
+                    "predicted_step_time_s", "step_time_s"):
+            assert key in row
+        assert row["device_peak_bytes"] <= 8 << 20
+    assert torch.isfinite(loss)
+    assert rt.optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-2)
+    rt.close()

@@ -115,6 +115,15 @@ def test_qkv_permutation_keeps_heads_together():
         tp.qkv_permutation(64, 4, 3)
 
 
+def test_unsupported_layouts_are_user_errors():
+    from scaletrain.errors import UserError
+
+    with pytest.raises(UserError, match="use parallel.ep"):
+        tp._check_model(models.get("gpt2-moe", device="meta"), 2)
+    with pytest.raises(UserError, match="divide n_head"):
+        tp._check_model(build(), 3)
+
+
 def test_cost_face_matches_single_device_measurement():
     m = build()
     assert tp.tp_param_elements(m.config, 1)["total"] == models.count_params(m)

@@ -21,6 +21,7 @@ CASES = {
     "ep2_cp2": (MOE, dict(ep=2, cp=2)),
 }
 DP_BATCH, SEQ, STEPS = 2, 32, 2  # samples per data-parallel rank
+CLIP = 0.5  # below the gradient norms here, so clipping acts (and must use the global norm)
 
 
 def build(spec) -> torch.nn.Module:
@@ -48,6 +49,7 @@ def reference(spec, dp: int):
         if hasattr(m, "aux_loss"):
             loss = loss + m.aux_loss()
         loss.backward()
+        assert float(torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)) > CLIP  # clipping acts
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
@@ -55,7 +57,16 @@ def reference(spec, dp: int):
 
 
 def _train(rank: int, world: int) -> dict:
-    out = {}
+    import torch.distributed as dist
+
+    from scaletrain.techniques.comm_count import CommCounter
+
+    # the traffic counter must see sub-groups' sizes (c10d ops carry them boxed)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    with CommCounter() as comm:
+        dist.all_gather_single(torch.empty(4), torch.ones(2), group=groups[rank // 2])
+        dist.all_reduce(torch.ones(3), group=groups[rank // 2])
+    out: dict = {"comm": [(r.kind, r.group_size, r.wire_bytes) for r in comm.records]}
     for name, (spec, par) in CASES.items():
         m = build(spec)
         il = setup_intralayer(m, world=world, **par)
@@ -68,6 +79,7 @@ def _train(rank: int, world: int) -> dict:
                 loss = il.loss(m, m(x), y)
                 loss.backward()
             il.reduce_gradients(m)
+            il.clip_grad_norm(m, CLIP)
             losses.append(il.mean(loss.detach()))
             opt.step()
             opt.zero_grad()
@@ -78,6 +90,8 @@ def _train(rank: int, world: int) -> dict:
 @pytest.mark.slow
 def test_intralayer_compositions_match_single_device():
     res = run_distributed(_train, 4)
+    for out in res:  # ring model on groups of 2: all-gather (n-1)/n of 16 B, all-reduce 2(n-1)/n of 12 B
+        assert out["comm"] == [("all_gather", 2, 8.0), ("all_reduce", 2, 12.0)]
     for name, (spec, par) in CASES.items():
         ref_losses, ref_state = reference(spec, 4 // (par.get("tp", 1) * par.get("cp", 1)))
         for r, out in enumerate(res):

@@ -152,6 +152,18 @@ def test_accumulation_and_8bit_states_at_every_stage():
     assert res[2]["comm"] == pytest.approx(want, rel=0.05)  # stage 2 reduce-scatters every micro-batch
 
 
+def _sharded_8bit_resume(rank, world, out):
+    import torch.distributed as dist
+
+    common = ["optim.name=adamw8bit", "parallel.zero=2", "train.steps=6", "train.checkpoint_every=3",
+              "train.keep_checkpoints=5"]
+    full = _train(common, out)
+    if rank == 0:
+        (out / "checkpoints" / "step_00000006.pt").unlink()
+    dist.barrier()
+    return full["losses"], _train(common, out, resume=True)["losses"]
+
+
 def _ckpt_runs(rank, world, steps):
     return [_train(*s) for s in steps]
 
@@ -177,3 +189,14 @@ def test_checkpoints_move_between_world_sizes_and_stages(tmp_path):
     z2 = run_distributed(_ckpt_runs, 2, [(common + ["parallel.zero=2"], tmp_path / "z2", True)])[0][0]
     assert z2["losses"] == pytest.approx(full["losses"][3:], rel=1e-5)
     assert _rel(z2["params"], full["params"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_8bit_states_stay_sharded_and_resume_at_the_same_layout(tmp_path):
+    """8-bit codes are not row-shaped: checkpoints keep them per rank and say so at another layout."""
+    from scaletrain.errors import ConfigError
+
+    full, resumed = run_distributed(_sharded_8bit_resume, 2, tmp_path / "run")[0]
+    assert resumed == pytest.approx(full[3:], rel=1e-6)
+    with pytest.raises(ConfigError, match="sharded for parallel.dp=2 parallel.zero=2"):
+        _train(["optim.name=adamw8bit", "train.steps=6"], tmp_path / "run", resume=True)

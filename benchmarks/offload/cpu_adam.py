@@ -66,8 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2-small")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="intra-op threads (0: torch's default); on a shared, oversubscribed machine one thread "
+                         "gives stable timings (OpenMP barriers make small ops 10x slower with more)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shapes = shapes_of(args.model)
     numel = sum(int(torch.Size(s).numel()) for s in shapes)
     rows = []

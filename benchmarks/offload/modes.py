@@ -122,8 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads (0: torch's default); on a shared, oversubscribed machine one thread "
+                         "gives stable timings (OpenMP barriers make small ops 10x slower with more)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = models.get(args.model).to(args.device)
     g = torch.Generator().manual_seed(0)

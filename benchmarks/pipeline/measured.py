@@ -4,7 +4,9 @@ For P = 2 and 4 ranks (gloo, CPU, one thread each) and every schedule, the runti
 GPT-2 tiny (6 layers) with AdamW on M = 8 micro-batches and records its compute events. Then:
 
 * measured step time and per-rank bubble come from those events through
-  :func:`scaletrain.techniques.pipeline.summarise` — the simulator's own definitions;
+  :func:`scaletrain.techniques.pipeline.summarise` — the simulator's own definitions; the host
+  time of posting a send (gloo's ``isend``: milliseconds on a loaded machine) is charged to the
+  pass that produced the tensor, in the measurement and in the costs alike;
 * the prediction is :func:`~scaletrain.techniques.pipeline.simulate` of the same schedule with
   the per-stage costs of the same measured step (median F, B, I, W, optimizer time) and a link
   fitted to a ping-pong between ranks (latency + bytes / bandwidth): it tests the simulator's
@@ -80,17 +82,19 @@ def _worker(rank: int, world: int, schedules: list[str], steps: int) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        runs = []
+        runs, comms = [], []
         if rt.asynchronous:
             rt.train(3, cycle(mbs), update)  # warm-up stream
             rt.train(ASYNC_WINDOWS, cycle(mbs), update)
             runs.append([tuple(e) for e in rt.events])
+            comms.append([tuple(e) for e in rt.comm_events])
         else:
             for _ in range(2):
                 rt.train_step(iter(mbs), update)
             for _ in range(steps):
                 rt.train_step(iter(mbs), update)
                 runs.append([tuple(e) for e in rt.events])
+                comms.append([tuple(e) for e in rt.comm_events])
         with MemoryTracker(model=rt.module, optimizer=opt) as tr:
             if rt.asynchronous:
                 rt.train(ASYNC_WINDOWS, cycle(mbs), update)
@@ -98,7 +102,7 @@ def _worker(rank: int, world: int, schedules: list[str], steps: int) -> dict:
                 rt.train_step(iter(mbs), update)
         stage_params = {f"{p}:{s}": sum(t.numel() * t.element_size() for t in dict.fromkeys(r.module.parameters()))
                         for (p, s), r in rt.replicas.items()}
-        out[name] = {"runs": runs, "peak_bytes": tr.peak_bytes, "peak_breakdown": tr.peak_breakdown,
+        out[name] = {"runs": runs, "comms": comms, "peak_bytes": tr.peak_bytes, "peak_breakdown": tr.peak_breakdown,
                      "stage_param_bytes": stage_params, "bounds": rt.bounds,
                      "boundary_bytes": [sp.nbytes for sp in rt.specs]}
         rt.close()
@@ -159,6 +163,28 @@ def _costs(sched, run: list, wbytes: list[float], acts: list[float], boundary: l
                       act_bytes=acts, weight_bytes=wbytes, state_bytes=[3.0 * x for x in wbytes])
 
 
+def _charge_sends(run: list, comm: list) -> list:
+    """Charge the host time of posting a send (gloo copies/queues it: milliseconds under load) to
+    the pass that produced the tensor, which the send follows in the list. The simulator's link
+    has no sender-side cost, so measured and simulated passes both include it."""
+    out = [list(e) for e in run]
+    by_rank: dict[int, list[list]] = {}
+    for e in out:
+        by_rank.setdefault(e[0], []).append(e)
+    for c in comm:
+        if not c[1].startswith("SEND"):
+            continue
+        prev = [e for e in by_rank.get(c[0], []) if e[1] in ("F", "B", "I") and e[4] <= c[3] + 1e-9]
+        if prev:
+            p = max(prev, key=lambda e: e[4])
+            p[4] = max(p[4], c[4])
+    return [tuple(e) for e in out]
+
+
+def _comm_time(comm: list, P: int, prefix: str) -> list[float]:
+    return [sum(c[4] - c[3] for c in comm if c[0] == r and c[1].startswith(prefix)) for r in range(P)]
+
+
 def analyse(P: int, name: str, rec: dict, link: Link) -> dict:
     """Measured versus simulated, step by step: each measured step is simulated with its own
     per-stage costs; the least-disturbed step (shortest) is reported, with the median over steps."""
@@ -171,16 +197,22 @@ def analyse(P: int, name: str, rec: dict, link: Link) -> dict:
     acts = _act_bytes(rec["bounds"], S)
     boundary = [float(x) for x in rec["boundary_bytes"][1:]]
     steps = []
-    for run in rec["runs"]:
+    for run, comm in zip(rec["runs"], rec["comms"]):
+        run = _charge_sends(run, comm)
         costs = _costs(sched, run, wbytes, acts, boundary)
         steps.append((summarise(sched, run, costs), simulate(sched, costs, link), costs))
-    meas, sim, costs = min(steps, key=lambda t: t[0].step_time_s)
+    best = min(range(len(steps)), key=lambda k: steps[k][0].step_time_s)
+    meas, sim, costs = steps[best]
+    idle = [meas.step_time_s * meas.bubble_per_rank[r] for r in range(P)]
     peaks = rec["peak_bytes"]
     diff = [abs(a - c) for a, c in zip(meas.bubble_per_rank, sim.bubble_per_rank)]
     return {
         "measured": {"step_time_s": meas.step_time_s, "bubble_per_rank": meas.bubble_per_rank,
                      "bubble_fraction": meas.bubble_fraction, "peak_memory_bytes": peaks,
-                     "peak_breakdown": rec["peak_breakdown"], "peak_inflight": meas.peak_inflight},
+                     "peak_breakdown": rec["peak_breakdown"], "peak_inflight": meas.peak_inflight,
+                     "idle_s_per_rank": idle,
+                     "recv_s_per_rank": _comm_time(rec["comms"][best], P, "RECV"),
+                     "send_post_s_per_rank": _comm_time(rec["comms"][best], P, "SEND")},
         "simulated": {"step_time_s": sim.step_time_s, "bubble_per_rank": sim.bubble_per_rank,
                       "bubble_fraction": sim.bubble_fraction, "peak_memory_bytes": sim.peak_memory_bytes,
                       "peak_inflight": sim.peak_inflight},
@@ -222,6 +254,8 @@ def main() -> None:
             rec = {k: per_rank[0][name][k] for k in ("stage_param_bytes", "bounds", "boundary_bytes")}
             rec["runs"] = [sorted(e for r in per_rank for e in r[name]["runs"][k])
                            for k in range(len(per_rank[0][name]["runs"]))]
+            rec["comms"] = [sorted(e for r in per_rank for e in r[name]["comms"][k])
+                            for k in range(len(per_rank[0][name]["runs"]))]
             rec["peak_bytes"] = [r[name]["peak_bytes"] for r in per_rank]
             rec["peak_breakdown"] = [r[name]["peak_breakdown"] for r in per_rank]
             rec["stage_param_bytes"] = {k: v for r in per_rank for k, v in r[name]["stage_param_bytes"].items()}

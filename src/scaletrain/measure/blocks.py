@@ -6,9 +6,10 @@ storage event, labelled with the storage's role *relative to the block*:
 
 - ``x``: the input (a private copy, so its free shows when the block stops needing it — after
   the forward, or when the backward node that saved it ran); ``y``: the output; ``saved``:
-  other storages saved for backward (e.g. 16-bit weight copies under autocast); ``cache``: autocast casts freed only when the autocast region ends;
-  ``temp``: transient; ``g``: the output's gradient (freed by the engine during backward);
-  ``gin``: the input's gradient; ``pgrad``: a parameter's gradient (with the parameter's index).
+  other storages saved for backward (e.g. 16-bit weight copies under autocast); ``cache``:
+  autocast casts freed only when the autocast region ends; ``temp``: transient; ``g``: the
+  output's gradient (freed by the engine during backward); ``gin``: the input's gradient;
+  ``pgrad``: a parameter's gradient (with the parameter's index).
 
 The parameters (and the model's own input) exist before and after, so they have no events. The
 backward is driven through a root node that hands the engine the output gradient and keeps no

@@ -253,7 +253,9 @@ class MemoryTracker(TorchDispatchMode):
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         # Called by autograd for every tensor saved for backward (Korthikanti's "activations").
         self._see(t, "activations", "saved")
-        return t
+        # Detached: returning ``t`` itself would tie the saved value to its own grad_fn, a reference
+        # cycle that keeps every graph dropped without a backward alive (and inflates peaks).
+        return t.detach()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

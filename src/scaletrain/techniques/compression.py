@@ -26,7 +26,7 @@ warm-up top-k (5%) and one-bit end 20-25% above uncompressed after 80-150 steps;
 warm-up steps all three end within 5% after 150 (PowerSGD needs torch's minimum of 2).
 
 Bytes on the wire per step (ring convention of the ledger, N ranks, n values of fp32 in a
-bucket): plain all-reduce ``2(N-1)/N * 4n``; top-k ``(N-1) * 8k`` with ``k = ratio * n``;
+bucket): plain all-reduce ``2(N-1)/N * 4n``; top-k ``(N-1) * 8k`` with ``k = ratio * n`` (per tensor);
 one-bit ``(N-1) * (n/8 + 4 * tensors)``. The all-gather exchange grows with N; a compressed
 reduce-scatter/all-gather pair with a second error-feedback stage (1-bit Adam's scheme) would
 not, and is not implemented here.
@@ -238,8 +238,9 @@ def bytes_per_step(method: str, shapes: list[tuple[int, ...]], world: int, *, ra
                    compressed: bool = True) -> float:
     """Predicted bytes received per rank per optimizer step for ``parallel.compression=method``.
 
-    ``shapes``: the gradient tensors' shapes; ``bucket_numels``: DDP bucket sizes in values
-    (top-k picks k per bucket; default one bucket per tensor). ``compressed=False`` gives the
+    ``shapes``: the gradient tensors' shapes (top-k picks ``ceil(ratio n)`` per tensor);
+    ``bucket_numels``: DDP bucket sizes in values (one-bit pads each bucket's signs to whole
+    bytes; default one bucket per tensor). ``compressed=False`` gives the
     warm-up steps' cost (plain all-reduce). Conventions as in the module docstring.
     """
     N = world

@@ -361,6 +361,10 @@ class Strategy:
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        if state.get("sharded"):  # written by a ZeRO run whose states could not be consolidated
+            raise ConfigError(f"the checkpoint's optimizer states are sharded for parallel.dp={state['dp']} "
+                              f"parallel.zero={state['stage']} (8-bit or factored states cannot be re-sharded); "
+                              f"resume with those values")
         optimizer.load_state_dict(state)
 
     def describe(self) -> str:

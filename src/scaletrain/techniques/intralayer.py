@@ -104,6 +104,33 @@ class IntraLayer:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
                 off += g.numel()
 
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
+        """Clip the global L2 gradient norm (after :meth:`reduce_gradients`); return it.
+
+        Under TP the parameters are DTensors and ``clip_grad_norm_`` sums their shards' squares
+        over the TP group itself. Under EP each rank holds other experts: their squared norms are
+        summed over the EP group, so every rank clips by the same factor (a rank-local norm would
+        let the replicated parameters drift apart).
+        """
+        params = [p for p in model.parameters() if p.grad is not None]
+        if self.tp > 1:
+            return float(nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+        from scaletrain.techniques.experts import expert_params
+
+        experts = {id(p) for p in expert_params(model)}
+        dense_sq = sum((p.grad.double().pow(2).sum() for p in params if id(p) not in experts), torch.zeros((),
+                                                                                                  dtype=torch.float64))
+        expert_sq = sum((p.grad.double().pow(2).sum() for p in params if id(p) in experts),
+                        torch.zeros((), dtype=torch.float64))
+        if self.ep > 1:
+            dist.all_reduce(expert_sq, group=self.mesh["ep"].get_group())
+        norm = float((dense_sq + expert_sq).sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+        return norm
+
     def mean(self, value: float | torch.Tensor) -> float:
         """Average a logged scalar (e.g. the loss) over dp × cp."""
         if isinstance(value, DTensor):

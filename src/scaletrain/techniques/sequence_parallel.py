@@ -8,7 +8,9 @@ the sequence, and each TP all-reduce becomes a reduce-scatter (into the sequence
 plus an all-gather (out of it) — the same ring bytes, 2 (t-1)/t · A, but activations of those
 regions shrink t-fold. It is :func:`apply_sequence_parallel` (=
 ``apply_tensor_parallel(model, tp_mesh, sequence_parallel=True)``, built on DTensor's
-``SequenceParallel``); its cost is in :mod:`scaletrain.techniques.tensor_parallel`.
+``SequenceParallel``), plus :func:`keep_sequence_shard_for_backward`, which gives DTensor's
+column-parallel layers Megatron's activation saving (keep the s/t slice, all-gather it again in
+the backward); its cost is in :mod:`scaletrain.techniques.tensor_parallel`.
 
 **Context parallelism by ring attention** (Liu et al. 2023, "Ring Attention with Blockwise
 Transformers"; Li et al. 2021 "ring self-attention"; the load-balanced causal layout of
@@ -55,7 +57,8 @@ def keep_sequence_shard_for_backward(module: nn.Module, tp_mesh: DeviceMesh, seq
 
     DTensor's Linear saves its (all-gathered, replicated) input whole: b·s·h per rank. Megatron
     keeps only this rank's s/t slice and all-gathers it again in the backward (Korthikanti et
-    al. §4.2.2), which is what makes TP+SP activations ``34 sbh / t`` instead of ``sbh(2·... + ../t)``.
+    al. 2022), which is what makes TP+SP activations Korthikanti's ``34 sbh / t`` (16/t units of
+    b·s·h per layer here) instead of the 2 + 14/t units that saving the gathered inputs costs.
     Done here with ``saved_tensors_hooks`` around the module call: a saved tensor that shares
     storage with the module's replicated input is packed as a clone of this rank's sequence
     slice and unpacked by an all-gather over ``tp_mesh``. Cost: one more all-gather of b·s·h per

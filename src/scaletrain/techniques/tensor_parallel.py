@@ -17,7 +17,9 @@ Per layer this gives Megatron's two all-reduces of [b, s, h] in the forward (att
 MLP-out) and two in the backward (the inputs of the column-parallel layers), plus one each for
 the embedding and the head. With ``sequence_parallel=True`` (Korthikanti et al. 2022, see
 :mod:`scaletrain.techniques.sequence_parallel`) every all-reduce becomes a reduce-scatter / all-gather
-pair and the LayerNorm/dropout/residual regions hold only ``s / t`` tokens.
+pair and the LayerNorm/dropout/residual regions hold only ``s / t`` tokens; with ``regather``
+(the default) the column-parallel layers also keep only their input's ``s / t`` slice for the
+backward and all-gather it again there, as Megatron does.
 
 The fused QKV. ``c_attn.weight`` is [3h, h] with rows ordered ``[q (h) | k (h) | v (h)]``; a plain
 column split (``Shard(0)`` of the rows) would give rank 0 all of q and a part of k. At parallelize
@@ -155,6 +157,10 @@ def _check_model(model: nn.Module, tp: int) -> None:
         raise UserError(f"parallel.tp={tp} must divide n_head={cfg.n_head}")
     if cfg.vocab_size % tp:
         raise UserError(f"parallel.tp={tp} must divide vocab_size={cfg.vocab_size} (vocabulary-parallel embedding)")
+    for i, block in enumerate(model.h):
+        if not isinstance(getattr(block.mlp, "c_fc", None), nn.Linear):
+            raise UserError(f"tensor parallelism splits dense MLPs; block {i} has a {type(block.mlp).__name__} "
+                            f"(mixture of experts: use parallel.ep instead of parallel.tp)")
 
 
 def _reduce_partial_grads_eagerly(model: nn.Module) -> None:
@@ -226,18 +232,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         plan: dict[str, Any] = {
             "attn.c_attn": ColwiseParallel(),
             "attn.c_proj": RowwiseParallel(output_layouts=seq_in),
+            "mlp.c_fc": ColwiseParallel(),
+            "mlp.c_proj": RowwiseParallel(output_layouts=seq_in),
         }
-        dense_mlp = hasattr(block.mlp, "c_fc") and isinstance(block.mlp.c_fc, nn.Linear)
-        if dense_mlp:
-            plan.update({"mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(output_layouts=seq_in)})
         if sp:
             plan.update({
                 "ln_1": SequenceParallel(use_local_output=True),
                 "ln_2": SequenceParallel(use_local_output=True),
                 # all-gather the sequence before the column-parallel layers (Megatron's g)
                 "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                          use_local_output=not dense_mlp),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             })
         parallelize_module(block, tp_mesh, plan)
 
@@ -246,8 +250,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
 
         for block in model.h:
             keep_sequence_shard_for_backward(block.attn.c_attn, tp_mesh)
-            if hasattr(block.mlp, "c_fc"):
-                keep_sequence_shard_for_backward(block.mlp.c_fc, tp_mesh)
+            keep_sequence_shard_for_backward(block.mlp.c_fc, tp_mesh)
     head_plan: dict[str, Any] = {
         "lm_head": ColwiseParallel(input_layouts=seq_in, output_layouts=Shard(-1), use_local_output=False),
     }
@@ -391,8 +394,9 @@ def tp_memory_per_rank(cfg: Any, t: int, batch: int, seq: int, *, sequence_paral
     parameter element; SGD with momentum: 4), activations at the end of the forward, and
     ``peak``.
 
-    ``peak`` is at the start of the backward: parameters + optimizer states + activations + the
-    loss's backward buffers (+ gradients when ``grads_kept``, i.e. not ``zero_grad(set_to_none=True)``).
+    ``peak`` is early in the backward: parameters + optimizer states + activations + the largest
+    transient of the head's backward (+ gradients when ``grads_kept``, i.e. not
+    ``zero_grad(set_to_none=True)``).
     The loss's backward holds 2 fp32 [b, s, V] buffers on one device (grad of the log-softmax
     and of the logits); ``loss_parallel`` holds 3 of [b, s, V/t] plus 32 B per token of
     bookkeeping (target masks and indices) — counted storage by storage with the tracker.
@@ -404,9 +408,17 @@ def tp_memory_per_rank(cfg: Any, t: int, batch: int, seq: int, *, sequence_paral
            "activations": act}
     tokens = batch * seq
     loss_bwd = 2 * tokens * cfg.vocab_size * 4 if t == 1 else 3 * tokens * (cfg.vocab_size // t) * 4 + 32 * tokens
+    transient = loss_bwd
+    if sequence_parallel and t > 1:
+        # lm_head's backward under SP: the vocab-parallel logits' gradient (1 of the 3 loss buffers)
+        # + its full [b, s, h] input (re-gathered: the gathered buffer and its re-ordered copy, else
+        # the saved one is already counted) + the full input gradient + its reduce-scattered 1/t.
+        A = tokens * cfg.n_embd * act_bytes
+        transient = max(loss_bwd, loss_bwd // 3 + int((2 + 1 / t if regather else 1 + 1 / t) * A))
     out["total"] = sum(out.values())
     out["loss_backward"] = loss_bwd
-    out["peak"] = (out["parameters"] + out["optimizer_states"] + act + loss_bwd
+    out["backward_transient"] = transient
+    out["peak"] = (out["parameters"] + out["optimizer_states"] + act + transient
                    + (out["gradients"] if grads_kept else 0))
     return out
 

@@ -357,6 +357,9 @@ class ZeroStrategy(ShardedStrategy):
             for i, off in zip(b.entries, b.offsets):
                 e = self.entries[i]
                 full = (e.param.data if e.param.ndim else e.param.data.view(1)).reshape(e.rows, e.row_numel)
+                if e.rows == self.N * e.chunk:  # even split: one strided copy
+                    full.view(self.N, -1).copy_(ov[:, off: off + e.chunk * e.row_numel])
+                    continue
                 for q in range(self.N):
                     _, s, n = shard_rows(e.rows, self.N, q)
                     if n:

@@ -130,8 +130,9 @@ class ShardedStrategy(Strategy):
         """Global L2 norm: each element is owned by exactly one rank of the shard group."""
         grads = [e.proxy.grad for e in self.entries if e.proxy is not None and e.proxy.grad is not None]
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            sq += g.float().pow(2).sum()
+        nonempty = [g for g in grads if g.numel()]
+        if nonempty:  # sum of squares of this rank's rows, then over the shard group
+            sq = torch.stack(torch._foreach_norm(nonempty)).float().pow(2).sum()
         dist.all_reduce(sq, group=self.shard_group)
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -353,6 +353,7 @@ class HostOptimizer:
     def step(self) -> None:
         """Apply the accumulated gradients (now, or in the background with DPU)."""
         self.pools.synchronize()
+        self.optimizer._opt_called = True  # what an LR scheduler checks (we bypass optimizer.step's hooks)
         has, self._has_grad = self._has_grad, set()
         if not self.dpu:
             self._update(self._cur, has)

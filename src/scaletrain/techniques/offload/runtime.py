@@ -157,10 +157,13 @@ class OffloadRuntime:
                 if id(p) not in seen:
                     seen[id(p)] = len(self.params)
                     self.params.append(p)
+        options = dataclasses.replace(options)  # the caller's object stays as it was
+        self.plan = None
         if options.plan == "auto":
             from scaletrain.techniques.offload.planner import plan_offload
 
-            options = plan_offload(self.costs, platform, options, accum=accum).options
+            self.plan = plan_offload(self.costs, platform, options, accum=accum)
+            options = self.plan.options
         options.validate()
         n = len(self.chain)
         if options.modes is None:
@@ -199,6 +202,9 @@ class OffloadRuntime:
             for p in self.params:
                 if p.device != dev:
                     p.data = p.data.to(dev)
+        for b in self.chain.buffers():
+            if b.device != dev:
+                b.data = b.data.to(dev)
         from scaletrain.techniques.offload.planner import predict
 
         self.prediction = predict(self.costs, self.options, platform, accum=accum)

@@ -219,6 +219,8 @@ class Adam8bit(DtypePreservingOptimizer):
         fused = group["fused"]
         if fused is None:
             fused = p.numel() >= FUSE_MIN_NUMEL
+        if fused and Q.in_fake_mode():
+            fused = False  # fake tensors (the estimator's dry run): eager ops, nothing compiled
         kernel = _kernel(fused)
         hp = torch.tensor(self._hyper(group, state["step"]), dtype=torch.float32, device=p.device)
         qs = Q.dynamic_map(True, p.device)

@@ -63,18 +63,37 @@ def _magnitude(rank: int, levels: int) -> float:
 
 def dynamic_map(signed: bool, device: torch.device | str | None = None) -> Tensor:
     """The 256-entry dynamic quantization map as float32, indexed by code (see module doc)."""
-    return _dynamic_map_cached(signed, str(torch.device(device or "cpu")))
+    dev = torch.device(device or "cpu")
+    if dev.type == "cpu":
+        return _CPU_MAPS[signed]
+    if in_fake_mode():  # never cache a fake tensor: it would poison later real calls
+        return _CPU_MAPS[signed].to(dev)
+    return _device_map(signed, str(dev))
+
+
+def in_fake_mode() -> bool:
+    """True inside ``FakeTensorMode`` (the estimator runs optimizers on fake tensors)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
 
 
 @functools.lru_cache(maxsize=None)
-def _dynamic_map_cached(signed: bool, device: str) -> Tensor:
+def _device_map(signed: bool, device: str) -> Tensor:
+    return _CPU_MAPS[signed].to(device)
+
+
+def _build_map(signed: bool) -> Tensor:
     if signed:
         mags = [_magnitude(r, SIGNED_LEVELS) for r in range(128)]  # rank 0 is zero
         values = [-m for m in reversed(mags[1:])] + [0.0] + mags[1:] + [0.0]
     else:
         values = [_magnitude(r, UNSIGNED_LEVELS) for r in range(256)]
     assert len(values) == 256
-    return torch.tensor(values, dtype=torch.float64).to(torch.float32).to(device)
+    return torch.tensor(values, dtype=torch.float64).to(torch.float32)
+
+
+_CPU_MAPS = {True: _build_map(True), False: _build_map(False)}
 
 
 def max_abs_error(signed: bool) -> float:

@@ -165,7 +165,8 @@ class PipelineRuntime:
         """Measured compute events of the last :meth:`train` call: (pipeline rank, kind, micro-batch,
         start_s, end_s, stage, pipe), seconds from the call's start (after a barrier)."""
         self.comm_events: list[Event] = []
-        """Measured waits in receives (kinds RECV_F, RECV_B), same format."""
+        """Measured time in receives (kinds RECV_F, RECV_B: posting and waiting) and in posting sends
+        (SEND_F, SEND_B), same format."""
 
     # ------------------------------------------------------------------ set-up
     def schedule_for(self, n_steps: int) -> Schedule:
@@ -264,7 +265,7 @@ class PipelineRuntime:
             for rep in self.replicas.values():
                 rep.stash_mbs = _overtaken(acts, rep.pipe, rep.stage)
         feed = _Feed(it if uses else None, uses, self.device)
-        self._losses = torch.zeros(sched.n_steps, dtype=torch.float64)
+        self._losses = torch.zeros(sched.n_steps, dtype=torch.float64, device=self.device)  # NCCL: on device
         self._opt_mb = -1
         self._local_fwd: dict[tuple[int, int, int], torch.Tensor] = {}
         self._local_bwd: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -280,7 +281,7 @@ class PipelineRuntime:
         losses = self._losses
         if len(mesh) > 1:
             self.transport.all_reduce(losses, self.plan.group(mesh), "loss all-reduce")
-        return (losses / (self.M * self.dp)).tolist()
+        return (losses / (self.M * self.dp)).cpu().tolist()
 
     def _do(self, a: Action, sched: Schedule, feed: _Feed, update: Callable[[], None] | None) -> None:
         k = a.kind
@@ -302,12 +303,16 @@ class PipelineRuntime:
             self._record(k, a, t0, comm=True)
         elif k == SEND_F:
             rep = self.replicas[(a.pipe, a.stage)]
+            t0 = self._now()
             self.transport.send(rep.outputs[a.mb], self._global(a.peer), p2p.tag(0, a.pipe, a.stage + 1, a.mb, S),
                                 f"SEND_F of micro-batch {a.mb} (activation of stage {a.stage})")
+            self._record(k, a, t0, comm=True)
         elif k == SEND_B:
             rep = self.replicas[(a.pipe, a.stage)]
+            t0 = self._now()
             self.transport.send(rep.grad_in.pop(a.mb), self._global(a.peer), p2p.tag(1, a.pipe, a.stage - 1, a.mb, S),
                                 f"SEND_B of micro-batch {a.mb} (gradient of stage {a.stage}'s input)")
+            self._record(k, a, t0, comm=True)
         elif k == "F":
             self._forward(a, feed)
         elif k in ("B", "I"):
@@ -350,7 +355,7 @@ class PipelineRuntime:
                 y = feed.get(a.mb)[1]
                 loss = self.loss_fn(out, y)
         if rep.last:
-            self._losses[a.mb // self.M] += float(loss.detach())
+            self._losses[a.mb // self.M] += loss.detach().double()
             out = loss * self._weight
             feed.used(a.mb)
         else:  # activations cross stages in the model's dtype (autocast may have made them 16-bit)

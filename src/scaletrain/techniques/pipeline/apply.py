@@ -1,0 +1,71 @@
+"""The pipeline's apply face in one call, for the trainer: config values → a running pipeline.
+
+``parallel.pp``, ``parallel.dp``, ``parallel.schedule``, ``parallel.microbatches`` and
+``parallel.virtual`` map one to one onto :func:`pipeline_runtime`'s arguments. The stage
+split is the memory-aware partitioner's (:func:`.partition.partition`) over the fake-tensor
+estimate of the model (:func:`scaletrain.measure.estimate.estimate_chain`: nothing allocated),
+or an equal-blocks split with ``balance="equal"``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ContextManager
+
+import torch
+from torch import nn
+
+from scaletrain.chain import to_chain
+from scaletrain.errors import UserError
+
+from .partition import equal_bounds, partition
+from .runtime import LossFn, PipelineRuntime
+
+
+def default_virtual(schedule: str, virtual: int | None) -> int:
+    """Stages per rank: 2 for ``interleaved`` unless given, 1 otherwise."""
+    return virtual if virtual else (2 if schedule == "interleaved" else 1)
+
+
+def example_input(model: nn.Module, micro_batch: int, seq_len: int | None = None) -> torch.Tensor:
+    """One micro-batch's input as a meta tensor, from the reference models' ``input_spec``."""
+    spec = getattr(model, "input_spec", None)
+    if spec is None:
+        raise UserError(f"{type(model).__name__} has no input_spec(batch, seq); pass example_input= (one "
+                        "micro-batch's input, meta allowed) to PipelineRuntime")
+    return spec(micro_batch, seq_len)
+
+
+def stage_bounds(model: nn.Module, example: torch.Tensor, *, pp: int, schedule: str, microbatches: int,
+                 virtual: int = 1, loss_fn: LossFn | None = None, balance: str = "profile",
+                 memory_limit_bytes: float = float("inf")) -> list[int]:
+    """Block boundaries of the pp × virtual stages: ``"profile"`` (minimise the slowest stage of
+    the estimated profile under the memory limit) or ``"equal"`` (equal block counts)."""
+    chain = to_chain(model)
+    S = pp * virtual
+    if balance == "equal":
+        return equal_bounds(len(chain), S)
+    if balance != "profile":
+        raise UserError(f"pipeline balance must be 'profile' or 'equal' (got {balance!r})")
+    from scaletrain.measure.estimate import estimate_chain
+
+    prof = estimate_chain(chain, example, loss_fn=loss_fn)
+    return partition(prof, pp, schedule, microbatches, virtual, memory_limit_bytes=memory_limit_bytes).bounds
+
+
+def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, microbatches: int, micro_batch: int,
+                     loss_fn: LossFn, seq_len: int | None = None, virtual: int | None = None,
+                     device: torch.device | str | None = None, timeout_s: float = 300.0, balance: str = "profile",
+                     forward_context: Callable[[], ContextManager] | None = None,
+                     record_events: bool = False) -> PipelineRuntime:
+    """Build the :class:`PipelineRuntime` for this process (call on every process of the job).
+
+    ``micro_batch`` is samples per micro-batch: ``global_batch = dp × microbatches × micro_batch``.
+    Events are off by default (recording adds a barrier per step and, on CUDA, a synchronize per pass).
+    """
+    v = default_virtual(schedule, virtual)
+    example = example_input(model, micro_batch, seq_len)
+    bounds = stage_bounds(model, example, pp=pp, schedule=schedule, microbatches=microbatches, virtual=v,
+                          loss_fn=loss_fn, balance=balance)
+    return PipelineRuntime(model, schedule, microbatches, pp=pp, dp=dp, virtual=v, bounds=bounds, loss_fn=loss_fn,
+                           example_input=example, device=device, timeout_s=timeout_s, forward_context=forward_context,
+                           record_events=record_events)
