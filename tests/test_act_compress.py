@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from scaletrain.techniques.act_compress import (
-    channel_dim, compress_activations, compressed_bytes, dequantize_per_channel,
+    channel_dim, compress_activations, compressed_bytes, compressed_saved_bytes,
+    dequantize_per_channel,
     quantize_per_channel,
 )
 
@@ -78,6 +79,9 @@ def test_mlp_gradients_close_and_bytes_reduced_4x() -> None:
     assert 3.8 < baseline / stats.compressed_bytes <= 4.0  # fp32 -> uint8 + per-channel scales
     # cost face agrees exactly with what the hook stored
     assert stats.compressed_bytes == sum(compressed_bytes(4 * _numel(s), s) for s in stats.shapes)
+    # profile-level estimate (no shapes): a lower bound within the scales' share
+    low = compressed_saved_bytes(baseline, 4)
+    assert 0.97 * stats.compressed_bytes < low <= stats.compressed_bytes
 
 
 def _numel(shape: tuple[int, ...]) -> int:

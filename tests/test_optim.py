@@ -224,6 +224,47 @@ def test_adamw8bit_tracks_fp32_adamw() -> None:
     assert torch.allclose(q[1], ref[1], rtol=0, atol=1e-6)
 
 
+def test_second_moment_never_rounds_to_zero() -> None:
+    y = torch.tensor([0.0, 1e-12, 4e-8, 6e-8, 1.0])
+    assert Q.encode(y, signed=False).tolist() == [0, 0, 0, 1, 255]  # nearest
+    assert Q.encode(y, signed=False, keep_nonzero=True).tolist() == [0, 1, 1, 1, 255]
+
+
+def test_adam8bit_stable_when_small_gradients_share_a_block() -> None:
+    """Rows with gradients 1e-5 of their block-mates' have v below 10^-7 of the block maximum
+    but representable m; if v were stored as 0, the first near-zero gradient would give an
+    update m/eps ~ 1000 lr (the divergence seen on GPT-2 attention weights)."""
+    p = nn.Parameter(torch.zeros(4, 1024))  # each block of 2048 holds a loud and a quiet row
+    lr = 1e-3
+    opt = AdamW8bit([p], lr=lr, weight_decay=0.0, fused=False)
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([1.0, 1e-5, 1.0, 1e-5]).view(4, 1)
+    for step in range(30):
+        before = p.detach().clone()
+        quiet = 1e-9 if step >= 20 else 1.0  # the quiet rows then almost stop receiving gradient
+        p.grad = torch.randn(4, 1024, generator=g) * scale * torch.tensor([1, quiet, 1, quiet]).view(4, 1)
+        opt.step()
+        assert (p - before).abs().max() < 10 * lr, step
+
+
+@pytest.mark.parametrize("cls,ref", [(Adam8bit, torch.optim.Adam), (AdamW8bit, torch.optim.AdamW)])
+def test_small_tensors_are_plain_adam(cls, ref) -> None:
+    """Below 4096 values the moments stay fp32: the same update as torch's (L2 vs decoupled)."""
+    g = torch.Generator().manual_seed(0)
+    ours = [nn.Parameter(torch.randn(s, generator=g)) for s in [(30, 40), (17,)]]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    a = cls(ours, lr=1e-2, weight_decay=0.1)
+    b = ref(theirs, lr=1e-2, weight_decay=0.1)
+    for _ in range(10):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    for p, q in zip(ours, theirs):
+        assert torch.allclose(p, q, rtol=0, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_adam8bit_compiled_matches_eager() -> None:
     _, eager = _adam_trajectory(lambda ps: Adam8bit(ps, fused=False), steps=10)

@@ -65,8 +65,8 @@ def _train_tp(rank: int, world: int) -> dict:
         for i, (x, y) in enumerate(batches()):
             counter = CommCounter() if i == 0 else None  # step 0: collectives
             tracker = DTensorMemoryTracker(model=m) if i == 1 else None  # step 1: bytes saved for backward
-            # step 2: the peak, without a saved-tensors hook (under one, DTensor's detach of saved
-            # tensors takes a slow path that allocates global-shape temporaries: see the report)
+            # step 2: the peak, without a saved-tensors hook (a pack hook returning the DTensor itself
+            # made DTensor's backward take a slow path allocating global-shape temporaries)
             peak = DTensorMemoryTracker(model=m, optimizer=opt, track_saved=False) if i == 2 else None
             with contextlib.ExitStack() as stack:
                 for ctx in (counter, tracker, peak):
@@ -102,8 +102,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_qkv_permutation_keeps_heads_together():
     h, a, t = 64, 4, 2
-    perm = qkv_perm = tp.qkv_permutation(h, a, t)
-    assert sorted(qkv_perm.tolist()) == list(range(3 * h))
+    perm = tp.qkv_permutation(h, a, t)
+    assert sorted(perm.tolist()) == list(range(3 * h))
     d = h // a
     for r in range(t):
         block = perm[r * 3 * h // t:(r + 1) * 3 * h // t]

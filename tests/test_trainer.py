@@ -94,7 +94,7 @@ def test_batch_arithmetic():
 def test_default_run_beats_unigram_entropy(tmp_path):
     """`scaletrain train` with no arguments: the default job (the one `make run` runs)."""
     r = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", "--out", str(tmp_path / "d")],
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr
     assert "val_loss" in r.stdout and "unigram entropy" in r.stdout
     val = [x for x in _rows(tmp_path / "d") if "val_loss" in x][-1]["val_loss"]

@@ -65,8 +65,9 @@ def _worker(rank: int, world: int, a: dict) -> dict:
     step()  # creates the optimizer states
     with DTensorMemoryTracker(model=m, optimizer=opt) as tr:
         step(tr)  # bytes saved for backward (the saved-tensors hook classifies them)
-    # The peak is measured without the saved-tensors hook: under any such hook, DTensor's detach of
-    # a saved tensor takes a sharding-propagation slow path that allocates global-shape temporaries.
+    # The peak is also measured without the saved-tensors hook: a pack hook that returned the
+    # DTensor itself (the tracker before it detached) made DTensor's backward take a sharding-
+    # propagation slow path allocating global-shape temporaries; both peaks are in the JSON.
     with DTensorMemoryTracker(model=m, optimizer=opt, track_saved=False) as pk:
         step()
     out["peak_bytes"] = pk.peak_bytes

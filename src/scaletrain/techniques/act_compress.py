@@ -64,6 +64,16 @@ def compressed_bytes(nbytes: int, shape: tuple[int, ...] | torch.Size, *,
     return numel + 2 * 4 * channels
 
 
+def compressed_saved_bytes(saved_bytes: int, element_size: int = 4) -> int:
+    """Profile-level estimate: a block's ``saved_bytes`` (see ``BlockProfile``) once compressed.
+
+    Without the individual shapes, the per-channel scales (8 bytes per channel, typically < 2 %
+    of the codes) are left out, so this is a lower bound of :func:`compressed_bytes` summed over
+    the block's saved tensors; it assumes all of them are floating and above the threshold.
+    """
+    return -(-saved_bytes // element_size)
+
+
 @dataclass
 class CompressionStats:
     """What the pack hook saw, in bytes (numel * element_size of the tensors involved)."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -281,6 +281,7 @@ class ZeroStrategy(ShardedStrategy):
         dtype = self.param_dtype or self.entries[b.entries[0]].param.dtype
         inp = torch.empty(self.N * b.seg, dtype=dtype, device=self.device)
         view = inp.view(self.N, b.seg)
+        scale = 1.0 / self.world  # average over all data-parallel ranks (gloo has no AVG), fused in the copy
         for i, off in zip(b.entries, b.offsets):
             e = self.entries[i]
             dst = view[:, off: off + e.chunk * e.row_numel]
@@ -290,20 +291,21 @@ class ZeroStrategy(ShardedStrategy):
                 continue
             g2 = g.reshape(e.rows, e.row_numel)
             if e.rows == self.N * e.chunk:
-                dst.copy_(g2.view(self.N, -1))
+                torch.mul(g2.view(self.N, -1), scale, out=dst)
             else:
                 for q in range(self.N):
                     _, s, n = shard_rows(e.rows, self.N, q)
                     d = dst[q].view(e.chunk, e.row_numel)
-                    d[:n].copy_(g2[s: s + n])
+                    torch.mul(g2[s: s + n], scale, out=d[:n])
                     d[n:].zero_()
             if self.stage == 2:
                 e.param.grad = None  # ZeRO-2: the full gradient lives only until its bucket is sent
-        inp.div_(self.world)  # average over all data-parallel ranks (gloo has no AVG)
         out = torch.empty(b.seg, dtype=dtype, device=self.device)
         work = dist.reduce_scatter_single(out, inp, group=self.shard_group, async_op=True)
         self._inflight.append((b, inp, out, work))
         b.launched = True
+        if self.replicate_group is None:  # (HSDP's replica all-reduce blocks: only after backward)
+            self._drain(block=False)  # free the send buffers of buckets already reduced
 
     def after_backward(self, last: bool) -> None:
         if not self._sync:
@@ -311,7 +313,12 @@ class ZeroStrategy(ShardedStrategy):
         for b in self.buckets:  # buckets with unused parameters, in a fixed order on every rank
             if not b.launched:
                 self._launch(b)
-        for b, _, out, work in self._inflight:
+        self._drain(block=True)
+
+    def _drain(self, block: bool) -> None:
+        """Take the reduced shards of finished buckets, oldest first (all of them if ``block``)."""
+        while self._inflight and (block or self._inflight[0][3].is_completed()):
+            b, _, out, work = self._inflight.pop(0)
             work.wait()
             if self.replicate_group is not None:  # HSDP: average the shard across replicas
                 dist.all_reduce(out, group=self.replicate_group)
@@ -326,10 +333,9 @@ class ZeroStrategy(ShardedStrategy):
                     rows.copy_(own)
                     self.grad_shards[i] = rows
                 elif self.grad_shards[i] is None:
-                    self.grad_shards[i] = own.clone()
+                    self.grad_shards[i] = own  # a view of the bucket's output: no copy
                 else:
                     self.grad_shards[i].add_(own)  # type: ignore[union-attr]
-        self._inflight.clear()
 
     # -- the step ------------------------------------------------------------------------
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:

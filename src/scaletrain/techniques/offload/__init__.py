@@ -6,7 +6,7 @@
 - :mod:`.weights` — parameters streamed block by block (L2L / ZeRO-Infinity);
 - :mod:`.optimizer` — ZeRO-Offload: fp32 masters + Adam on the CPU, optional delayed update;
 - :mod:`.disk` — ZeRO-Infinity's disk tier for optimizer states (and masters);
-- :mod:`.probe` — what the chain saves and uses, found on the meta device;
+- :mod:`.probe` — what the chain saves and uses, found with fake tensors (no memory);
 - :mod:`.planner` — predictions and the joint keep/recompute/offload + placement planner;
 - :mod:`.runtime` — :func:`build_offload_runtime`, the trainer's entry point.
 

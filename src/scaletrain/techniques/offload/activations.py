@@ -16,8 +16,8 @@ once, by the first of them to run backward, and released after its last unpack.
 
 Cost face — :func:`offload_bytes`: the bytes moved each way are exactly the sum of the distinct
 storages saved by the offloaded blocks (excluding parameters, buffers and the step input),
-which :mod:`scaletrain.techniques.offload.probe` records per block from a run on the meta
-device. The test checks counted == predicted to the byte.
+which :mod:`scaletrain.techniques.offload.probe` records per block from a run on fake tensors
+(no memory used). The test checks counted == predicted to the byte.
 
 Why the copy happens at the block's end and not inside the pack hook: the copy then sees the
 block's final values (a saved tensor modified in place later in the same block is detected by

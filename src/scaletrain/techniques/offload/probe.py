@@ -122,7 +122,7 @@ class ChainCosts:
                 input_bytes=self.input_bytes if i == 0 else self.blocks[i - 1].out_bytes,
                 output_bytes=b.out_bytes, saved_bytes=self.saved_bytes(i), fwd_temp_bytes=b.fwd_temp_bytes,
                 bwd_temp_bytes=b.bwd_temp_bytes, flops_fwd=b.flops_fwd, flops_bwd=b.flops_bwd))
-        return Profile(out, model=model, batch=batch, measured=False, device="meta",
+        return Profile(out, model=model, batch=batch, measured=False, device="fake",
                        meta={"source": "scaletrain.techniques.offload.probe"})
 
     def apply_profile(self, profile: Profile) -> None:

@@ -10,15 +10,23 @@ nothing and hurts most. ``step`` is a Python int (no tensor bytes).
 Each step, per block (the paper's order, §2.1): dequantize m and v to fp32, apply the ordinary
 Adam update with the *fresh* fp32 moments (so the current gradient is never quantized before
 use), update the parameter, then re-quantize the moments with new per-block absmax. m uses the
-signed dynamic map, v the unsigned one (see ``quantize.py``).
+signed dynamic map, v the unsigned one (see ``quantize.py``), with one safeguard: a positive v
+is never stored as 0 (``quantize.encode(keep_nonzero=True)``: values below half the map's
+smallest entry, 10^-7 of the block maximum, round up to it). Without it, small-gradient
+elements sharing a block with large ones lose v but keep m, and the next update m/eps diverges
+(seen on GPT-2 attention weights at step 39 of benchmarks/optim/compare_8bit.py).
 
-Speed: the per-block update is one pure function of block views. ``fused=True`` runs it through
-``torch.compile`` (one loop per chunk, no fp32 moment tensors in memory; on CPU it needs a C++
-compiler), ``fused=False`` runs the same function eagerly on chunks of ``CHUNK_BLOCKS`` blocks
-(bounded temporaries). ``fused=None`` (default) compiles when the tensor is large enough to
-repay the one-off compile and falls back to eager if compilation fails. The two paths agree to
-float rounding (compiled code may contract multiply-adds), not bitwise; each is deterministic,
-so a resumed run continues bitwise-identically on the same path and device.
+Speed: the per-block update is one pure function of block views, applied chunk by chunk of
+whole blocks (the loop is over chunks of thousands of blocks, never over blocks).
+``fused=True`` runs it through ``torch.compile`` (dynamic shapes: compiled once per process,
+~10 s; on CPU it needs a C++ compiler): one fused in-place loop per chunk that reads
+p, g and the codes once and writes them once, keeping only the chunk's fp32 m and v (32 MiB per
+4 Mi-value chunk). ``fused=False`` runs the same function eagerly (about 15 fp32 temporaries of
+a 512 Ki-value chunk, ~10x slower). ``fused=None`` (default) compiles for tensors of at least
+``FUSE_MIN_NUMEL`` values and falls back to eager, with a warning, if compilation fails; under
+``FakeTensorMode`` (the estimator's dry run) it is always eager. The two paths agree to float
+rounding (compiled code may contract multiply-adds), not bitwise; each is deterministic, so a
+resumed run continues bitwise-identically on the same path and device.
 """
 
 from __future__ import annotations
@@ -37,10 +45,14 @@ MIN_8BIT_SIZE = 4096
 """Tensors with fewer elements keep fp32 moments (bitsandbytes' rule)."""
 
 CHUNK_BLOCKS = 256
-"""Blocks per call of the block update (512 Ki values): bounds temporaries to a few MiB."""
+"""Blocks per eager call of the block update (512 Ki values): ~15 fp32 temporaries of 2 MiB."""
 
-FUSE_MIN_NUMEL = 1 << 20
-"""With ``fused=None``, tensors of at least this many values use the compiled path."""
+CHUNK_BLOCKS_FUSED = 2048
+"""Blocks per compiled call (4 Mi values): the fused loop keeps fp32 m and v of the chunk
+(8 bytes/value, 32 MiB), and fewer, larger calls pay fewer thread barriers on a busy CPU."""
+
+FUSE_MIN_NUMEL = 1 << 16
+"""With ``fused=None``, tensors of at least this many values (64 Ki) use the compiled path."""
 
 
 def _block_update(
@@ -63,8 +75,21 @@ def _block_update(
     am_new = m.abs().amax(dim=1, keepdim=True)
     av_new = v.amax(dim=1, keepdim=True)  # v >= 0
     m_codes = Q.encode(m / am_new.clamp_min(1e-30), signed=True)
-    v_codes = Q.encode(v / av_new.clamp_min(1e-30), signed=False)
+    v_codes = Q.encode(v / av_new.clamp_min(1e-30), signed=False, keep_nonzero=True)
     return p_new.to(p.dtype), m_codes, v_codes, am_new, av_new
+
+
+def _block_update_(
+    p: Tensor, g: Tensor, mc: Tensor, vc: Tensor, am: Tensor, av: Tensor,
+    qs: Tensor, qu: Tensor, hp: Tensor,
+) -> None:
+    """:func:`_block_update` written back into its inputs (compiled: one fused in-place loop)."""
+    p_new, m_codes, v_codes, am_new, av_new = _block_update(p, g, mc, vc, am, av, qs, qu, hp)
+    p.copy_(p_new)
+    mc.copy_(m_codes)
+    vc.copy_(v_codes)
+    am.copy_(am_new)
+    av.copy_(av_new)
 
 
 _compiled: Callable[..., Any] | None = None
@@ -72,15 +97,15 @@ _compile_failed = False
 
 
 def _kernel(fused: bool) -> Callable[..., Any]:
-    """The block update, compiled once per process when ``fused`` (else eager)."""
-    global _compiled, _compile_failed
+    """The in-place block update, compiled once per process when ``fused`` (else eager)."""
+    global _compiled
     if not fused or _compile_failed:
-        return _block_update
+        return _block_update_
     if _compiled is None:
         # Indirect loads index a 256-entry map with uint8 codes, always in bounds, so inductor's
         # per-element bounds assertion is dropped (it costs ~2x on CPU).
         _compiled = torch.compile(
-            _block_update, dynamic=True, options={"assert_indirect_indexing": False}
+            _block_update_, dynamic=True, options={"assert_indirect_indexing": False}
         )
     return _compiled
 
@@ -98,7 +123,7 @@ class Adam8bit(DtypePreservingOptimizer):
         min_8bit_size: tensors with fewer values keep fp32 moments (default 4096).
         block_size: values per absmax scale (default 2048, as in the paper).
         fused: True = torch.compile the block update, False = eager, None = compile for tensors
-            of >= 2^20 values if compilation works here.
+            of >= 2^16 values if compilation works here.
         maximize: maximize the objective instead.
     """
 
@@ -234,27 +259,21 @@ class Adam8bit(DtypePreservingOptimizer):
         am, av = state["m_absmax"], state["v_absmax"]
         n = p.numel()
         full = n // bs
-        spans = [(b, min(b + CHUNK_BLOCKS, full)) for b in range(0, full, CHUNK_BLOCKS)]
+        chunk = CHUNK_BLOCKS_FUSED if kernel is not _block_update_ else CHUNK_BLOCKS
+        spans = [(b, min(b + chunk, full)) for b in range(0, full, chunk)]
         for b0, b1 in spans + ([(full, full + 1)] if n % bs else []):
             lo, hi = b0 * bs, min(b1 * bs, n)
             shape = (b1 - b0, -1)
+            args = (pflat[lo:hi].view(shape), g[lo:hi].view(shape), mc[lo:hi].view(shape),
+                    vc[lo:hi].view(shape), am[b0:b1].view(-1, 1), av[b0:b1].view(-1, 1), qs, qu, hp)
             try:
-                out = kernel(pflat[lo:hi].view(shape), g[lo:hi].view(shape), mc[lo:hi].view(shape),
-                             vc[lo:hi].view(shape), am[b0:b1].view(-1, 1), av[b0:b1].view(-1, 1),
-                             qs, qu, hp)
+                kernel(*args)
             except Exception as exc:  # noqa: BLE001 - compiler missing or broken: go eager
-                if kernel is _block_update:
+                if kernel is _block_update_:
                     raise
                 _disable_compile(exc)
-                kernel = _block_update
-                out = kernel(pflat[lo:hi].view(shape), g[lo:hi].view(shape), mc[lo:hi].view(shape),
-                             vc[lo:hi].view(shape), am[b0:b1].view(-1, 1), av[b0:b1].view(-1, 1),
-                             qs, qu, hp)
-            pflat[lo:hi] = out[0].view(-1)
-            mc[lo:hi] = out[1].view(-1)
-            vc[lo:hi] = out[2].view(-1)
-            am[b0:b1] = out[3].view(-1)
-            av[b0:b1] = out[4].view(-1)
+                kernel = _block_update_
+                kernel(*args)
         if not p.is_contiguous():
             p.copy_(pflat.view(p.shape))
 

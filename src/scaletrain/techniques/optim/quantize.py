@@ -127,12 +127,23 @@ def encode_magnitude(y: Tensor, levels: int) -> Tensor:
     return n - 1 + torch.minimum(torch.round(t).clamp_min(0), n)
 
 
-def encode(y: Tensor, signed: bool) -> Tensor:
-    """Codes (uint8) of the nearest map entries for normalised values ``y`` in [-1, 1]."""
+def encode(y: Tensor, signed: bool, keep_nonzero: bool = False) -> Tensor:
+    """Codes (uint8) of the nearest map entries for normalised values ``y`` in [-1, 1].
+
+    ``keep_nonzero`` (unsigned map only): a positive value is never coded as 0 — values below
+    half the smallest entry (10^-7 / 2) get the smallest entry instead. Adam's second moment
+    needs this: its log-range is twice the first moment's (v ~ m^2), so in a block of 2048 a
+    small-gradient element can have v below 10^-7 of the block maximum while m is still
+    representable; decoded as v = 0 the next update is m / eps, and training diverges
+    (observed on GPT-2 attention weights within 40 steps). Rounding up only damps that element.
+    """
     if signed:
         r = encode_magnitude(y.abs(), SIGNED_LEVELS)
         return (127 + torch.sign(y) * r).to(torch.uint8)
-    return encode_magnitude(y, UNSIGNED_LEVELS).to(torch.uint8)
+    r = encode_magnitude(y, UNSIGNED_LEVELS)
+    if keep_nonzero:
+        r = torch.where(y > 0, r.clamp_min(1), r)
+    return r.to(torch.uint8)
 
 
 def decode(codes: Tensor, qmap: Tensor) -> Tensor:
@@ -158,11 +169,12 @@ def _blocks(x: Tensor, block_size: int) -> list[Tensor]:
 
 
 def quantize_blockwise(
-    x: Tensor, signed: bool, block_size: int = BLOCK_SIZE
+    x: Tensor, signed: bool, block_size: int = BLOCK_SIZE, keep_nonzero: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Quantize ``x`` (any float dtype/shape) to (codes uint8 [numel], absmax float32 [blocks]).
 
     Vectorised over all blocks at once (at most two tensor calls: full blocks, partial tail).
+    ``keep_nonzero``: see :func:`encode`.
     """
     flat = x.detach().reshape(-1).float()
     codes = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
@@ -172,7 +184,8 @@ def quantize_blockwise(
         nb, width = xb.shape
         a = xb.abs().amax(dim=1, keepdim=True)
         absmax[start // block_size : start // block_size + nb] = a.view(-1)
-        codes[start : start + nb * width] = encode(xb / a.clamp_min(_TINY), signed).view(-1)
+        y = xb / a.clamp_min(_TINY)
+        codes[start : start + nb * width] = encode(y, signed, keep_nonzero).view(-1)
         start += nb * width
     return codes, absmax
 
