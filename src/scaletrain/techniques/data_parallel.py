@@ -291,9 +291,14 @@ def explain_comm_failure(exc: BaseException, rank: int, step: int, timeout_s: fl
 class Strategy:
     """Single process (and the interface of every data-parallel strategy).
 
-    The trainer calls, per optimizer step: ``micro_batch(last)`` around each micro-batch's
-    forward/backward, ``after_backward(last)`` after it, then ``prepare_step`` ->
-    ``clip_grad_norm`` -> optimizer step -> ``after_step`` -> ``zero_grad``.
+    The trainer calls, per optimizer step: :meth:`run_micro_batches` (by default: for each
+    micro-batch ``micro_batch(last)`` around the trainer's forward/backward, ``after_backward(last)``
+    after it), then ``prepare_step`` -> ``clip_grad_norm`` -> :meth:`optimizer_step` ->
+    ``after_step`` -> ``zero_grad``. Strategies that are not pure data parallelism (pipeline,
+    tensor/context/expert parallelism, offloading) override the hooks they need: their own
+    micro-batch loop (a pipeline schedule), their own evaluation forward (:meth:`eval_batch`),
+    their own optimizer step (a host-side optimizer), and say which slice of the data this rank
+    reads (:attr:`data_rank` of :attr:`data_world` data-parallel replicas).
     """
 
     name = "single"
@@ -302,7 +307,40 @@ class Strategy:
     def __init__(self, model: nn.Module, rank: int = 0, world: int = 1) -> None:
         self.model = model
         self.rank, self.world = rank, world
+        self.data_rank, self.data_world = rank, world
+        """This rank reads data shard ``data_rank`` of ``data_world`` (the data-parallel replicas)."""
         self.forward_module: nn.Module = model
+
+    # -- the trainer's loop, overridable as a whole ----------------------------------------
+    def run_micro_batches(self, trainer: Any, it: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Forward and backward of one optimizer step's ``trainer.accum`` micro-batches (gradients of
+        the mean loss accumulate into ``.grad``); returns this rank's mean micro-batch loss."""
+        step_loss = 0.0
+        for j in range(trainer.accum):
+            last = j == trainer.accum - 1
+            x, y = next(it)
+            x, y = x.to(trainer.device, non_blocking=True), y.to(trainer.device, non_blocking=True)
+            with self.micro_batch(last):
+                step_loss += float(trainer.forward_backward(x, y, 1.0 / trainer.accum)) / trainer.accum
+            self.after_backward(last)
+        return step_loss
+
+    def eval_batch(self, trainer: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
+        """(summed loss, correct predictions, samples) of one validation micro-batch on this rank."""
+        with trainer.autocast():
+            out = self.model(x)
+        loss = float(trainer.loss_fn(out, y)) * len(y)
+        correct = int((out.argmax(-1) == y).sum()) if trainer.task != "lm" else 0
+        return loss, correct, len(y)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        """The update (skipped by the fp16 loss scaler on inf/NaN gradients)."""
+        scaler.step(optimizer)
+        scaler.update()
+
+    def metrics(self) -> dict[str, Any]:
+        """Extra per-step figures for the metrics rows (measured next to predicted), if any."""
+        return {}
 
     # -- construction --------------------------------------------------------------------
     def build_optimizer(self, build: Callable[[nn.Module], torch.optim.Optimizer]) -> torch.optim.Optimizer:

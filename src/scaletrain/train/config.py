@@ -93,9 +93,34 @@ class RematConfig:
 
 
 @dataclass
+class OffloadConfig:
+    plan: str = opt("manual", "manual: use the keys below; auto: the joint offload + recompute planner chooses them",
+                    choices=("manual", "auto"))
+    activations: str = opt("none", "blocks whose saved tensors go to host memory: none, all, or a list like '0,3,5'")
+    recompute: str = opt("none", "blocks recomputed in backward (checkpointed): none, all, or a list")
+    prefetch: int = opt(1, "offloaded activations are fetched this many blocks ahead of their backward", "blocks",
+                        min=0)
+    params: str = opt("device", "device: parameters stay on the device; host: streamed block by block (L2L / "
+                                "ZeRO-Infinity)", choices=("device", "host"))
+    param_window: int = opt(1, "streamed weights: blocks fetched ahead of the one computing", "blocks", min=0)
+    optimizer: str = opt("device", "where optimizer states and fp32 masters live: device, host (ZeRO-Offload: Adam "
+                                   "on the CPU), disk (ZeRO-Infinity NVMe tier)", choices=("device", "host", "disk"))
+    dpu: bool = opt(False, "delayed parameter update: the host update overlaps the next step (weights 1 step stale)")
+    host_budget: str = opt("", "host memory the plan may use: bytes or '64GiB'; empty = the platform's", "bytes")
+    disk_dir: str = opt("", "directory for the disk tier's files; empty = the system temp dir", "path")
+    disk_max_bytes: str = opt("", "largest size the disk tier may use; empty = the free space", "bytes")
+    disk_chunk_bytes: str = opt("4MiB", "disk tier read/update/write chunk per state tensor", "bytes")
+    disk_masters: bool = opt(False, "keep the fp32 master weights on disk too")
+    strict: bool = opt(True, "CPU logical device: fail like a GPU would when the device budget is exceeded")
+
+
+@dataclass
 class MemoryConfig:
     remat: RematConfig = section(RematConfig, "rematerialization (activation recomputation)")
     activation_compression: bool = opt(False, "store tensors saved for backward as 8-bit per-channel (ActNN-style)")
+    device_budget: str = opt("", "device memory a plan may use (parameters, gradients, states, activations): bytes "
+                                 "or '1.5GiB'; empty = the whole device. Used by memory.offload", "bytes")
+    offload: OffloadConfig = section(OffloadConfig, "offloading of activations, weights and optimizer states")
 
 
 @dataclass
@@ -117,6 +142,18 @@ class ParallelConfig:
     bucket_mb: float = opt(25.0, "gradient bucket size for all-reduce / reduce-scatter (zero 0-2)", "MiB", min=0.0)
     timeout_s: float = opt(600.0, "collective timeout; a rank waiting longer fails with a message naming the "
                                   "collective", "seconds", min=1.0)
+    pp: int = opt(1, "pipeline-parallel stages (ranks); world = dp x pp x tp x cp", "ranks", min=1)
+    schedule: str = opt("1f1b", "pipeline schedule (parallel.pp > 1)",
+                        choices=("gpipe", "1f1b", "interleaved", "zb1p", "chimera", "pipedream", "pipedream-2bw"))
+    microbatches: int = opt(0, "pipeline micro-batches per optimizer step; 0 = global_batch / (dp x micro_batch)",
+                            "micro-batches", min=0)
+    virtual: int = opt(0, "pipeline stages per rank (interleaved); 0 = 2 for interleaved, else 1", "stages", min=0)
+    balance: str = opt("profile", "pipeline stage split: profile (memory-aware partitioner over the estimated "
+                                  "profile) or equal (equal block counts)", choices=("profile", "equal"))
+    tp: int = opt(1, "tensor-parallel ranks (Megatron column/row parallel, vocab-parallel loss)", "ranks", min=1)
+    sequence_parallel: bool = opt(False, "Megatron sequence parallelism inside the tensor-parallel group (tp > 1)")
+    cp: int = opt(1, "context-parallel ranks: ring attention over sequence chunks", "ranks", min=1)
+    ep: int = opt(1, "expert-parallel ranks for mixture-of-experts layers (divides dp)", "ranks", min=1)
 
 
 @dataclass
@@ -126,7 +163,8 @@ class Config:
     optim: OptimConfig = section(OptimConfig, "optimizer and learning-rate schedule")
     train: TrainConfig = section(TrainConfig, "the training loop")
     memory: MemoryConfig = section(MemoryConfig, "memory-saving techniques")
-    parallel: ParallelConfig = section(ParallelConfig, "data parallelism: DDP, ZeRO 1-3, gradient compression")
+    parallel: ParallelConfig = section(ParallelConfig, "parallelism: data (DDP, ZeRO 1-3, compression), "
+                                                        "pipeline, tensor/sequence/context, expert")
 
 
 # --------------------------------------------------------------------------- loading and validation

@@ -122,7 +122,7 @@ class Trainer:
         say = log or (lambda s: print(s, flush=True))
         self.log = say if self.rank == 0 else (lambda s: None)
         self._check_parallel()
-        self.micro_batch, self.accum = batch_arithmetic(cfg.train.global_batch, cfg.train.micro_batch, self.world)
+        self.micro_batch, self.accum = self._batch_arithmetic()
         torch.manual_seed(cfg.train.seed)  # the same on every rank: identical initial weights
         random.seed(cfg.train.seed)
         self.model_name = cfg.model.name if model is None else type(model).__name__
@@ -168,14 +168,44 @@ class Trainer:
         self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 1)
 
     def _make_train_loader(self, start_sample: int):
+        par = self.parallel
         return build_loader(self.train_set, self.micro_batch, shuffle=True, seed=self.cfg.train.seed,
-                            rank=self.rank, world_size=self.world, start_sample=start_sample, infinite=True)
+                            rank=par.data_rank, world_size=par.data_world, start_sample=start_sample, infinite=True)
+
+    def _batch_arithmetic(self) -> tuple[int, int]:
+        """(micro_batch, micro-batches per optimizer step) over the ``self.dp_world`` data-parallel replicas.
+
+        With a pipeline, ``parallel.microbatches`` (when given) fixes the count and the
+        micro-batch size is derived from it.
+        """
+        t, p = self.cfg.train, self.cfg.parallel
+        if p.pp > 1 and p.microbatches:
+            per = p.microbatches * self.dp_world
+            if t.global_batch % per:
+                raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by parallel.microbatches="
+                                  f"{p.microbatches} x {self.dp_world} data-parallel replicas")
+            if t.micro_batch and t.micro_batch * per != t.global_batch:
+                raise ConfigError(f"train.micro_batch={t.micro_batch} x parallel.microbatches={p.microbatches} x "
+                                  f"{self.dp_world} data-parallel replicas != train.global_batch={t.global_batch}; "
+                                  f"set train.micro_batch=0 (derived: {t.global_batch // per})")
+            return t.global_batch // per, p.microbatches
+        return batch_arithmetic(t.global_batch, t.micro_batch, self.dp_world)
 
     def _check_parallel(self) -> None:
         p, world = self.cfg.parallel, self.world
-        if p.dp and p.dp != world:
-            raise ConfigError(f"parallel.dp={p.dp} but {world} process(es) were started; launch with "
-                              f"`scaletrain train --nproc-per-node {p.dp} ...` or torchrun, or set parallel.dp=0")
+        model_ranks = p.pp * p.tp * p.cp
+        if world % model_ranks:
+            raise ConfigError(f"parallel.pp={p.pp} x parallel.tp={p.tp} x parallel.cp={p.cp} = {model_ranks} must "
+                              f"divide the {world} process(es) started; launch with `scaletrain train "
+                              f"--nproc-per-node {model_ranks * max(p.dp, 1)} ...`")
+        self.dp_world = world // model_ranks
+        """Data-parallel replicas: processes / (pp x tp x cp)."""
+        if p.dp and p.dp != self.dp_world:
+            split = (f" and pp x tp x cp = {model_ranks} leaves {self.dp_world} data-parallel replicas"
+                     if model_ranks > 1 else "")
+            raise ConfigError(f"parallel.dp={p.dp} but {world} process(es) were started{split}; launch with "
+                              f"`scaletrain train --nproc-per-node {p.dp * model_ranks} ...` or torchrun, or set "
+                              f"parallel.dp=0")
         if p.compression != "none" and p.zero != 0:
             raise ConfigError(f"parallel.compression={p.compression} needs parallel.zero=0 (it is a DDP comm hook); "
                               f"got parallel.zero={p.zero}")
@@ -189,9 +219,28 @@ class Trainer:
             self.log(f"note: one process, so parallel.zero={p.zero} / parallel.compression={p.compression} "
                      f"have no effect")
 
+    def _offload_requested(self) -> bool:
+        from scaletrain.train.config import OffloadConfig
+
+        mem = self.cfg.memory
+        return mem.offload != OffloadConfig() or bool(mem.device_budget)
+
     def _build_parallel(self) -> dp.Strategy:
-        """The data-parallel strategy for ``parallel.zero`` (the single-process no-op for one rank)."""
+        """The strategy: pipeline (``parallel.pp``), intra-layer (``parallel.tp/cp/ep``), offload
+        (``memory.offload``), else data parallelism for ``parallel.zero`` (a no-op for one rank)."""
         p, world = self.cfg.parallel, self.world
+        if p.pp > 1:
+            from scaletrain.techniques.pipeline.strategy import PipelineStrategy
+
+            return PipelineStrategy.from_trainer(self)
+        if p.tp > 1 or p.cp > 1 or p.ep > 1:
+            from scaletrain.techniques.intralayer_strategy import IntraLayerStrategy
+
+            return IntraLayerStrategy.from_trainer(self)
+        if self._offload_requested():
+            from scaletrain.techniques.offload.strategy import OffloadStrategy
+
+            return OffloadStrategy.from_trainer(self)
         if world == 1:
             return dp.Strategy(self.model)
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision)
@@ -332,19 +381,15 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         was_training = self.model.training
         self.model.eval()
-        loader = build_loader(self.val_set, self.micro_batch, shuffle=False, seed=0, rank=self.rank,
-                              world_size=self.world, drop_last=True)
+        par = self.parallel
+        loader = build_loader(self.val_set, self.micro_batch, shuffle=False, seed=0, rank=par.data_rank,
+                              world_size=par.data_world, drop_last=True)
         total, correct, count = 0.0, 0, 0
         for i, (x, y) in enumerate(loader):
             if i >= self.cfg.train.eval_batches:
                 break
-            x, y = x.to(self.device), y.to(self.device)
-            with self.autocast():
-                out = self.model(x)
-            total += float(self.loss_fn(out, y)) * len(y)
-            count += len(y)
-            if self.task != "lm":
-                correct += int((out.argmax(-1) == y).sum())
+            loss_sum, right, n = par.eval_batch(self, x.to(self.device), y.to(self.device))
+            total, correct, count = total + loss_sum, correct + right, count + n
         self.model.train(was_training)
         total, correct, count = self.parallel.sum([total, correct, count])  # over ranks' shards
         val_loss = total / max(count, 1)
@@ -366,14 +411,7 @@ class Trainer:
         """One optimizer step over ``accum`` micro-batches; returns the rank-averaged loss."""
         par = self.parallel
         dp.LEDGER.reset()
-        step_loss = 0.0
-        for j in range(self.accum):
-            last = j == self.accum - 1
-            x, y = next(it)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with par.micro_batch(last):
-                step_loss += float(self.forward_backward(x, y, 1.0 / self.accum)) / self.accum
-            par.after_backward(last)
+        step_loss = par.run_micro_batches(self, it)
         if self.step == 1 and self.world > 1:  # optimizer states exist from the first step on
             from scaletrain.techniques.zero import measure_model_state_bytes
 
@@ -382,8 +420,7 @@ class Trainer:
             self.model_state_bytes = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer}
         par.prepare_step(self.optimizer)
         self._grad_norm = self._clip()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        par.optimizer_step(self.optimizer, self.scaler)
         par.after_step()
         self.scheduler.step()
         par.zero_grad(self.optimizer)
@@ -442,6 +479,7 @@ class Trainer:
                         row["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
                     if self.scaler.is_enabled():
                         row["loss_scale"] = float(self.scaler.get_scale())
+                    row.update(self.parallel.metrics())
                     if self.world > 1:
                         row["comm_bytes"] = self.comm_bytes
                         if self.model_state_bytes:
