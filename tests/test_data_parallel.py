@@ -82,12 +82,19 @@ def test_comm_failure_message():
 
 @pytest.mark.slow
 def test_cli_nproc_per_node_equals_one_process(tmp_path):
-    """`scaletrain train --nproc-per-node 2 parallel.zero=3`: one log, one metrics file, same losses."""
+    """The issue's command, `scaletrain train --nproc-per-node 4 parallel.zero=3`, on the default model
+    (gpt2-tiny, shipped Shakespeare; only the step count shortened): one log, one metrics file, the
+    same losses and final parameters as one process."""
+    from scaletrain.train import checkpoint as ckpt
     from scaletrain.train.trainer import Trainer
 
-    one = Trainer(load_config(None, TINY), None, log=lambda s: None).fit().losses
-    r = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", "--nproc-per-node", "2", "--out",
-                        str(tmp_path / "run"), "parallel.zero=3", *TINY], capture_output=True, text=True, timeout=600)
+    short = ["train.steps=6", "train.log_every=1", "train.eval_every=0", "train.progress=off"]
+    trainer = Trainer(load_config(None, short), None, log=lambda s: None)
+    one = trainer.fit().losses
+    one_params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    trainer.close()
+    r = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", "--nproc-per-node", "4", "--out",
+                        str(tmp_path / "run"), "parallel.zero=3", *short], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("scaletrain: training") == 1 and "ZeRO stage 3" in r.stdout
     for bad in ("terminate called", "Traceback", "abort", "ProcessGroup"):
@@ -95,6 +102,9 @@ def test_cli_nproc_per_node_equals_one_process(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [x["loss"] for x in rows if "loss" in x]
     assert losses == pytest.approx(one, rel=1e-5)
+    four = ckpt.load(ckpt.latest(tmp_path / "run" / "checkpoints"))["model"]
+    for k, v in one_params.items():
+        assert torch.allclose(four[k], v, rtol=1e-5, atol=1e-6), k
     assert all(x["comm_bytes"] > 0 for x in rows if "loss" in x)
     # a config conflict is reported once, before any process starts
     r = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", "--nproc-per-node", "2", "parallel.dp=4"],

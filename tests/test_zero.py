@@ -96,6 +96,23 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+def _estimate(world, stage, *extra):
+    """`scaletrain estimate --dp world --zero stage --json` for the TINY model: its data-parallel part."""
+    import contextlib
+    import io
+    import json
+
+    from scaletrain.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["estimate", "--model", "gpt2-tiny", "--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=2",
+                   "--seq", "32", "--batch", str(8 // world), "--dp", str(world), "--zero", str(stage), "--json",
+                   *extra])
+    assert rc == 0
+    return json.loads(out.getvalue())["meta"]["data_parallel"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_stages_match_one_process_and_formulas(world):
@@ -115,6 +132,10 @@ def test_stages_match_one_process_and_formulas(world):
             for k in ("params", "grads", "optimizer"):
                 assert r["mem"][k] == pytest.approx(getattr(want, k), rel=0.05), (s, rank, k)
             assert r["comm"] == pytest.approx(zero.comm_bytes_per_step(n, s, world), rel=0.05), (s, rank)
+            est = _estimate(world, s)  # the estimator predicts what was measured
+            for k in ("params", "grads", "optimizer"):
+                assert r["mem"][k] == pytest.approx(est["model_state_bytes_per_rank"][k], rel=0.05), (s, rank, k)
+            assert r["comm"] == pytest.approx(est["comm_bytes_per_step"], rel=0.05), (s, rank)
     for s in range(4):  # mixed precision (bf16): ZeRO's 16, 4 + 12/N, 2 + 14/N, 16/N
         r = res[0][4 + s]
         want = zero.model_state_bytes(n, s, world, precision="mixed")

@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a scaletrain.platform preset (h100, a100, v100): its device, data-sheet FLOP/s "
                         "and memory; says whether the step fits")
     p.add_argument("--flops-per-s", type=float, default=None, help="FLOP/s to turn FLOPs into times")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks: adds per-rank model-state bytes and "
+                                                     "bytes communicated per step (default 1)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage with --dp (default 0)")
+    p.add_argument("--hsdp", type=int, default=0, help="with --zero >= 1: shard within groups of this many ranks")
     p.add_argument("--simulate", action="store_true",
                    help="also run a whole step on fake tensors under the tracker, as a cross-check")
 
@@ -57,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         plot_timeline(est.points, args.plot, marks=_phase_marks(est.marks),
                       title=f"{args.model} estimated step ({args.precision}, {args.optimizer}, accum {args.accum})",
                       xlabel="replayed allocation/free event")
+    if args.dp > 1 or args.zero:
+        est.meta["data_parallel"] = _data_parallel(est, args)
     if args.json:
         print(to_json(est))
         return 0
@@ -68,8 +74,31 @@ def run(args: argparse.Namespace) -> int:
         s = est.meta["simulated"]
         print(f"cross-check, whole step simulated on fake tensors: peak {s['peak'] / 2**30:.3f} GiB "
               f"({s['seconds']:.2f} s)")
+    if "data_parallel" in est.meta:
+        d = est.meta["data_parallel"]
+        m = d["model_state_bytes_per_rank"]
+        print(f"data parallel dp={d['dp']} zero={d['zero']}" + (f" hsdp={d['hsdp']}" if d["hsdp"] else "")
+              + f": per-rank model states {m['total'] / 2**30:.3f} GiB (params {m['params'] / 2**30:.3f}, grads "
+              f"{m['grads'] / 2**30:.3f}, optimizer {m['optimizer'] / 2**30:.3f}); received per rank per step "
+              f"{d['comm_bytes_per_step'] / 2**30:.3f} GiB (ring collectives)")
     print_blocks(profile_to_rows(est.profile), measured=False)
     return 0
+
+
+def _data_parallel(est, args: argparse.Namespace) -> dict:
+    """The ZeRO cost face (:func:`scaletrain.techniques.zero.data_parallel_estimate`) for this step."""
+    from scaletrain.errors import UserError
+    from scaletrain.techniques.zero import data_parallel_estimate
+
+    if args.dp < 1 or (args.hsdp and (args.zero == 0 or args.dp % args.hsdp)):
+        raise UserError(f"--dp {args.dp} --hsdp {args.hsdp}: --dp must be >= 1 and --hsdp must divide it "
+                        f"(with --zero >= 1)")
+    n = est.parameters
+    master = 4 * n if est.params_dtype != "fp32" else 0
+    k = (est.bytes["optimizer_states"] - master) / n  # optimizer bytes per parameter, masters excluded
+    storage = "fp32" if est.params_dtype == "fp32" else est.params_dtype
+    return data_parallel_estimate(n, args.zero, args.dp, precision=storage, optim_state_bytes=k, accum=args.accum,
+                                  hsdp=args.hsdp)
 
 
 def _phase_marks(marks: list[tuple[int, str]]) -> list[tuple[int, str]]:

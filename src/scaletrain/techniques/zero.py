@@ -134,6 +134,25 @@ def comm_bytes_per_step(n_params: float, stage: int, dp: int, *, grad_bytes: flo
     return accum * (ring * n * (2 * param_bytes + grad_bytes) + rep)
 
 
+def data_parallel_estimate(n_params: float, stage: int, dp: int, *, precision: str = "fp32",
+                           optim_state_bytes: float = 8.0, accum: int = 1, hsdp: int = 0) -> dict[str, Any]:
+    """What ``scaletrain estimate --dp N --zero S`` adds: per-rank model-state bytes (sharded over
+    the ``hsdp`` group when given, else all ``dp`` ranks) and bytes received per rank per step.
+
+    ``precision`` is the *storage* precision of parameters/gradients ("fp32", or "bf16"/"fp16" =
+    mixed with fp32 masters); ``optim_state_bytes`` is K of the optimizer (bytes per parameter).
+    """
+    shard = hsdp or dp
+    ms = model_state_bytes(n_params, stage, shard, precision=precision, optim_state_bytes=optim_state_bytes)
+    b = bytes_per_param(precision, optim_state_bytes)
+    comm = comm_bytes_per_step(n_params, stage, dp, grad_bytes=b["grad"], param_bytes=b["param"], accum=accum,
+                               hsdp=hsdp)
+    return {"dp": dp, "zero": stage, "hsdp": hsdp, "optim_state_bytes_per_param": optim_state_bytes,
+            "model_state_bytes_per_rank": {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer,
+                                           "total": ms.total},
+            "comm_bytes_per_step": comm}
+
+
 def shard_numel(shapes: Iterable[tuple[int, ...]], dp: int, rank: int) -> int:
     """Exact parameter count rank ``rank`` owns when every tensor is row-sharded over ``dp``."""
     total = 0
@@ -237,6 +256,8 @@ class ZeroStrategy(ShardedStrategy):
         self._where = {id(self.entries[i].param): b for b in self.buckets for i in b.entries}
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.entries)
         self._sync = True
+        self._expected: dict[int, int] = {}  # id(param) -> gradient accumulations per micro-batch (default 1)
+        self._fired: dict[int, int] = {}
         self._inflight: list[tuple[_Bucket, torch.Tensor, torch.Tensor, Any]] = []
         self._hooks = [e.param.register_post_accumulate_grad_hook(self._on_grad) for e in self.entries]
 
@@ -262,8 +283,16 @@ class ZeroStrategy(ShardedStrategy):
         return out
 
     # -- backward ------------------------------------------------------------------------
+    def expect_accumulations(self, counts: dict[int, int]) -> None:
+        """Declare how many times each parameter's gradient is accumulated per micro-batch
+        (``id(param) -> count``). One ``backward`` accumulates a parameter once however often it is
+        used; a rematerialization schedule runs one backward per block, so a parameter shared by k
+        blocks (GPT-2's tied embedding) accumulates k times and its bucket may launch only after the last."""
+        self._expected = {k: v for k, v in counts.items() if v != 1}
+
     def micro_batch(self, last: bool) -> Any:
         self._sync = self.stage == 2 or last
+        self._fired.clear()
         for b in self.buckets:
             b.ready, b.launched = 0, False
         return super().micro_batch(last)
@@ -271,6 +300,11 @@ class ZeroStrategy(ShardedStrategy):
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._sync:
             return
+        need = self._expected.get(id(p), 1)
+        if need != 1:
+            self._fired[id(p)] = self._fired.get(id(p), 0) + 1
+            if self._fired[id(p)] < need:
+                return
         b = self._where[id(p)]
         b.ready += 1
         if b.ready == len(b.entries):

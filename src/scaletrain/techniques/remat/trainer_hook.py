@@ -28,11 +28,20 @@ def remat_forward_backward(trainer: "Trainer") -> Callable[[torch.Tensor, torch.
     if cfg.method not in METHODS:
         raise ConfigError(f"memory.remat.method={cfg.method!r}; allowed: {', '.join(METHODS)}")
     budget = parse_bytes(cfg.budget)
-    if getattr(trainer, "world", 1) > 1:
-        # The executor runs the plain model's blocks, outside the data-parallel wrapper whose
-        # backward hooks synchronise gradients: refuse rather than train unsynchronised.
-        raise ConfigError("memory.remat is not supported with data parallelism yet (world size > 1)")
+    strategy = getattr(trainer, "parallel", None)
+    if strategy is not None and strategy.name not in ("single", "zero"):
+        # The executor runs the plain model's blocks, outside a wrapper (DDP, FSDP) whose forward
+        # and backward hooks synchronise gradients: refuse rather than train unsynchronised. ZeRO 1/2
+        # reduce from per-parameter gradient hooks, which fire under any schedule.
+        raise ConfigError(f"memory.remat.method={cfg.method} runs with one process or parallel.zero=1/2, not "
+                          f"with the {strategy.name} strategy")
     chain = to_chain(trainer.model)
+    if strategy is not None and strategy.name == "zero":  # one backward per block: shared parameters
+        counts: dict[int, int] = {}                      # accumulate once per block using them
+        for block in chain.blocks:
+            for q in {id(q) for q in block.parameters()}:
+                counts[q] = counts.get(q, 0) + 1
+        strategy.expect_accumulations(counts)
     schedules: dict = {}
 
     def fb(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
