@@ -53,9 +53,10 @@ def _relaunch(args: argparse.Namespace) -> int:
     if args.resume and config_path is None and (Path(args.out) / "config.toml").is_file():
         config_path = Path(args.out) / "config.toml"
     cfg = load_config(config_path, args.overrides)  # bad keys fail here, once, before any process starts
-    if cfg.parallel.dp and cfg.parallel.dp != args.nproc_per_node:
+    model_ranks = cfg.parallel.pp * cfg.parallel.tp * cfg.parallel.cp  # dp = processes / model_ranks
+    if cfg.parallel.dp and cfg.parallel.dp * model_ranks != args.nproc_per_node:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} conflicts with --nproc-per-node {args.nproc_per_node}; "
-                          f"give one of them (or equal values)")
+                          f"give one of them (or dp x pp x tp x cp = --nproc-per-node)")
     out = args.out or str(_default_out())  # chosen once, so every rank writes/reads the same directory
     argv = ["train", "--out", out]
     argv += ["--config", str(args.config)] if args.config else []

@@ -212,6 +212,13 @@ class CommLedger:
             self.bytes.clear()
             self.calls.clear()
 
+    def add(self, name: str, nbytes: float, calls: int = 1) -> None:
+        """Count traffic measured elsewhere (collectives the wrappers cannot see: DTensor's
+        functional collectives, point-to-point rings), in this ledger's convention."""
+        with self._lock:
+            self.bytes[name] = self.bytes.get(name, 0.0) + nbytes
+            self.calls[name] = self.calls.get(name, 0) + calls
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         with self._lock:

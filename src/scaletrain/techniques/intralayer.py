@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from scaletrain.errors import UserError
+from scaletrain.errors import ConfigError, UserError
 
 MESH_DIMS = ("dp_rep", "ep", "cp", "tp")
 
@@ -203,3 +205,137 @@ def describe(il: IntraLayer) -> str:
     if il.sequence_parallel:
         parts.append("sequence parallel")
     return "mesh " + " x ".join(parts)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def check_config(cfg: Any, model: nn.Module, world: int) -> None:
+    """Every conflict of ``parallel.tp/sequence_parallel/cp/ep`` with the rest of the config, as
+    one-line ConfigErrors naming the key and what is allowed (before any group is built)."""
+    p = cfg.parallel
+    tp, cp, ep = p.tp, p.cp, p.ep
+    if p.sequence_parallel and tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; allowed with tp=1: false")
+    if tp > 1 and (cp > 1 or ep > 1):
+        raise ConfigError(f"parallel.tp={tp} cannot be combined with parallel.cp={cp} / parallel.ep={ep} yet; "
+                          f"allowed: tp with dp, or cp and/or ep with dp")
+    if p.zero not in (0, 1, 2):
+        raise ConfigError(f"parallel.zero={p.zero} is not supported with parallel.tp/cp/ep; allowed: 0, 1, 2")
+    if p.hsdp or p.compression != "none":
+        raise ConfigError(f"parallel.hsdp={p.hsdp} / parallel.compression={p.compression} are not supported with "
+                          f"parallel.tp/cp/ep; allowed: hsdp=0, compression=none")
+    if cfg.train.precision not in ("fp32", "bf16"):
+        raise ConfigError(f"train.precision={cfg.train.precision} is not supported with parallel.tp/cp/ep (the fp16 "
+                          f"loss scaler is not sharding-aware); allowed: fp32, bf16")
+    mem = cfg.memory
+    if mem.remat.method != "none" or mem.activation_compression:
+        raise ConfigError(f"memory.remat.method={mem.remat.method} / memory.activation_compression="
+                          f"{str(mem.activation_compression).lower()} are not supported with parallel.tp/cp/ep yet; "
+                          f"allowed: none / false")
+    from scaletrain.train.config import OffloadConfig
+
+    if mem.offload != OffloadConfig() or mem.device_budget:
+        raise ConfigError("memory.offload / memory.device_budget are not supported with parallel.tp/cp/ep yet; "
+                          "allowed: the defaults")
+    if getattr(model, "task", "lm") != "lm" or not hasattr(model, "config") or not hasattr(model, "h"):
+        raise ConfigError(f"parallel.tp/cp/ep need a GPT-2-style language model (e.g. model.name=gpt2-tiny or "
+                          f"gpt2-moe); got {type(model).__name__}")
+    moe = _has_moe(model)
+    if ep > 1 and not moe:
+        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model (model.name=gpt2-moe); "
+                          f"{type(model).__name__} has no experts")
+    if tp > 1 and moe:
+        raise ConfigError(f"parallel.tp={tp} splits dense MLPs; {type(model).__name__} has mixture-of-experts "
+                          f"layers: use parallel.ep instead")
+    c = model.config
+    if tp > 1:
+        for key, v in (("n_head", c.n_head), ("vocab_size", c.vocab_size)):
+            if v % tp:
+                raise ConfigError(f"parallel.tp={tp} must divide the model's {key}={v}; allowed tp: "
+                                  f"{', '.join(str(d) for d in range(1, v + 1) if v % d == 0 and d <= world)}")
+    if cp > 1:
+        seq = cfg.data.seq_len
+        if seq % (2 * cp):
+            raise ConfigError(f"parallel.cp={cp} needs data.seq_len={seq} to be a multiple of 2 x cp = {2 * cp} "
+                              f"(the balanced causal layout cuts it into 2 x cp chunks)")
+        if getattr(c, "dropout", 0.0) > 0:
+            raise ConfigError(f"parallel.cp={cp} (ring attention) does not implement dropout; model dropout="
+                              f"{c.dropout}, allowed: 0 (model.overrides.dropout=0)")
+    dp = world // (tp * cp)
+    if dp % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide the data-parallel size {dp} (= {world} processes / "
+                          f"(tp={tp} x cp={cp}))")
+    if moe and ep > 1:
+        n_exp = c.n_experts
+        if n_exp % ep:
+            raise ConfigError(f"parallel.ep={ep} must divide the number of experts ({n_exp}, "
+                              f"model.overrides.n_experts)")
+
+
+# --------------------------------------------------------------------------- cost face
+
+
+def local_param_counts(model: nn.Module, *, tp: int = 1, ep: int = 1) -> dict[str, int]:
+    """Parameter elements one rank holds, split into dense (replicated over dp x cp) and expert
+    ones (over dp/ep x cp), from the cost faces: ``tp_param_elements`` / ``ep_param_elements``.
+    Call on the unsharded model."""
+    if tp > 1:
+        from scaletrain.techniques.tensor_parallel import tp_param_elements
+
+        return {"dense": tp_param_elements(model.config, tp)["total"], "expert": 0}
+    if _has_moe(model):
+        from scaletrain.techniques.experts import ep_param_elements
+
+        n = ep_param_elements(model, ep)
+        return {"dense": n["other"], "expert": n["experts"]}
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and p.requires_grad:
+            seen.add(id(p))
+            n += p.numel()
+    return {"dense": n, "expert": 0}
+
+
+def predict(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: int, seq: int, counts: dict[str, int],
+            grad_clip: bool, world: int, optim: tuple[str, list[tuple[int, ...]], dict[str, Any]] | None = None,
+            act_bytes: int = 4) -> dict[str, float]:
+    """Bytes received per rank per optimizer step and per-rank model-state bytes (fp32), from the
+    cost faces (module docstring). ``micro_batch``: samples per data-parallel rank and micro-batch."""
+    from scaletrain.techniques import zero as zero_mod
+
+    intra = 0.0
+    if il.tp > 1:
+        from scaletrain.techniques.tensor_parallel import tp_comm_bytes_per_step
+
+        intra += tp_comm_bytes_per_step(cfg, il.tp, micro_batch, seq, sequence_parallel=il.sequence_parallel,
+                                        act_bytes=act_bytes, micro_batches=accum)["wire_bytes"]
+    if il.cp > 1:
+        from scaletrain.techniques.sequence_parallel import cp_comm_bytes_per_step
+
+        intra += cp_comm_bytes_per_step(cfg, il.cp, micro_batch, seq, act_bytes=act_bytes,
+                                        micro_batches=accum)["total"]
+    n_moe = cfg.n_layer // cfg.moe_every if hasattr(cfg, "moe_every") else 0
+    if n_moe and (il.ep > 1 or il.cp > 1):
+        from scaletrain.techniques.experts import ep_comm_bytes_per_step
+
+        e = ep_comm_bytes_per_step(n_moe, micro_batch * (seq // il.cp), cfg.n_embd, cfg.n_experts, cfg.top_k,
+                                   cfg.capacity_factor, il.ep, act_bytes=act_bytes)
+        a2a = (il.ep - 1) / il.ep * e["all_to_all"]["payload_bytes"]
+        G = il.dp * il.cp  # the load-balancing statistics are shared by all dp x cp ranks
+        intra += accum * (a2a + 2 * (G - 1) / G * e["all_reduce"]["payload_bytes"])
+    D, E = il.dp * il.cp, il.dp // il.ep * il.cp
+    grads = (zero_mod.comm_bytes_per_step(counts["dense"], stage, D, accum=accum)
+             + (zero_mod.comm_bytes_per_step(counts["expert"], stage, E, accum=accum) if counts["expert"] else 0.0))
+    norm = 2 * (world - 1) / world * 8 if grad_clip else 0.0
+    out = {"predicted_comm_bytes": intra + grads + norm, "predicted_comm_bytes_intra_layer": intra,
+           "predicted_comm_bytes_gradients": grads}
+    if optim is not None:
+        from scaletrain.techniques.optim import state_bytes
+
+        name, shapes, hyper = optim
+        ms_d = zero_mod.model_state_bytes(counts["dense"], stage, D, optim_state_bytes=0.0)
+        ms_e = zero_mod.model_state_bytes(counts["expert"], stage, E, optim_state_bytes=0.0)
+        opt = float(state_bytes(name, shapes, **hyper))
+        out["predicted_model_state_bytes"] = ms_d.params + ms_d.grads + ms_e.params + ms_e.grads + opt
+    return out

@@ -28,6 +28,15 @@ from scaletrain.errors import ConfigError
 from scaletrain.techniques.data_parallel import Strategy
 
 
+def check_state_keys(model: nn.Module, state: dict[str, Any]) -> None:
+    """Raise as ``load_state_dict(strict=True)`` would when ``state``'s keys are not the model's."""
+    expected = set(model.state_dict().keys())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise RuntimeError(f"Error(s) in loading state_dict: missing keys {missing[:3]}, unexpected keys "
+                           f"{unexpected[:3]}")
+
+
 def shard_rows(rows: int, n: int, r: int) -> tuple[int, int, int]:
     """(chunk, start, length) of rank ``r``'s rows: torch.chunk / DTensor ``Shard(0)`` layout."""
     chunk = max(1, math.ceil(rows / n))
@@ -166,11 +175,7 @@ class ShardedStrategy(Strategy):
         raise NotImplementedError
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        expected = set(self.model.state_dict().keys())
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise RuntimeError(f"Error(s) in loading state_dict: missing keys {missing[:3]}, unexpected keys "
-                               f"{unexpected[:3]}")
+        check_state_keys(self.model, state)
         with torch.no_grad():
             for name, i in self.names.items():
                 e = self.entries[i]

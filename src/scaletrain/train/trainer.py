@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain import models as model_registry
-from scaletrain.chain import to_chain
 from scaletrain.data import build_loader, get_dataset
 from scaletrain.errors import ConfigError
 from scaletrain.techniques import data_parallel as dp
@@ -211,7 +210,7 @@ class Trainer:
                               f"got parallel.zero={p.zero}")
         if p.hsdp and (p.zero == 0 or world % p.hsdp):
             raise ConfigError(f"parallel.hsdp={p.hsdp} needs parallel.zero>=1 and must divide the {world} ranks")
-        if world > 1 and p.zero in (0, 3) and self.cfg.memory.remat.method != "none":
+        if world > 1 and p.pp == 1 and p.zero in (0, 3) and self.cfg.memory.remat.method != "none":
             raise ConfigError(f"memory.remat.method={self.cfg.memory.remat.method} with parallel.zero={p.zero} on "
                               f"{world} ranks is not supported yet (the schedule bypasses the DDP/FSDP forward); "
                               f"use parallel.zero=1 or 2")
@@ -233,7 +232,7 @@ class Trainer:
             from scaletrain.techniques.pipeline.strategy import PipelineStrategy
 
             return PipelineStrategy.from_trainer(self)
-        if p.tp > 1 or p.cp > 1 or p.ep > 1:
+        if p.tp > 1 or p.cp > 1 or p.ep > 1 or p.sequence_parallel:
             from scaletrain.techniques.intralayer_strategy import IntraLayerStrategy
 
             return IntraLayerStrategy.from_trainer(self)
@@ -266,10 +265,18 @@ class Trainer:
 
         from scaletrain.techniques.optim import OPTIMIZERS
 
+        import inspect
+
         o = self.cfg.optim
+        spec = OPTIMIZERS[o.name]
+        defaults = {k: v.default for k, v in inspect.signature(spec.cls.__init__).parameters.items()}
         given = dict(lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps, momentum=o.momentum)
+        if isinstance(defaults.get("eps"), tuple):  # Adafactor/CAME: (eps1, eps2) of their own, not Adam's eps
+            given.pop("eps")
+        if isinstance(defaults.get("betas"), tuple) and len(defaults["betas"]) > 2:  # CAME's third beta stays
+            given["betas"] = (o.beta1, o.beta2, *defaults["betas"][2:])
         # Each optimizer takes only its own hyperparameters; the config carries all of them.
-        kwargs = {k: v for k, v in given.items() if k in OPTIMIZERS[o.name].common}
+        kwargs = {k: v for k, v in given.items() if k in spec.common}
         return build_optimizer(o.name, module if module is not None else self.model, **kwargs)
 
     def _lr_lambda(self, step: int) -> float:
@@ -301,6 +308,9 @@ class Trainer:
     def plain_forward_backward(self, x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
         with self.autocast():
             loss = self.loss_fn(self.forward_module(x), y)
+            aux = getattr(self.model, "aux_loss", None)
+            if callable(aux):  # mixture of experts: the load-balancing loss trains the routers
+                loss = loss + aux()
         self.scaler.scale(loss * weight).backward()
         return loss.detach()
 

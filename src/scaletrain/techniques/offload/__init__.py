@@ -8,7 +8,8 @@
 - :mod:`.disk` — ZeRO-Infinity's disk tier for optimizer states (and masters);
 - :mod:`.probe` — what the chain saves and uses, found with fake tensors (no memory);
 - :mod:`.planner` — predictions and the joint keep/recompute/offload + placement planner;
-- :mod:`.runtime` — :func:`build_offload_runtime`, the trainer's entry point.
+- :mod:`.runtime` — :class:`OffloadRuntime` / :func:`build_offload_runtime`: one step as the options place things;
+- :mod:`.strategy` — :class:`~.strategy.OffloadStrategy`, how ``scaletrain train`` runs it (``memory.offload.*``).
 
 Each module keeps its cost face next to its apply face.
 """

@@ -9,6 +9,10 @@ Apply face:
   them out) and all have a gradient, the whole group is **one** kernel call over the flat
   buffer; per-tensor calls otherwise. Same kernel and arguments as
   ``torch.optim.AdamW(fused=True)``, so the update is the same elementwise arithmetic.
+  ``impl="torch"`` instead runs torch's own (foreach or for-loop) Adam per parameter view, the
+  code a non-fused ``torch.optim.AdamW`` runs: :class:`HostOptimizer` picks it when the user's
+  optimizer is not fused, so offloaded training equals the plain run bitwise (fused and foreach
+  Adam differ in the last bits).
 - :class:`HostOptimizer` — owns the host copies: per optimizer group one flat fp32 master
   buffer, one (or, with DPU, two) flat gradient buffers; gradients arrive from the device
   as soon as each parameter's gradient is accumulated (post-accumulate-grad hooks, installed by
@@ -37,6 +41,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.optim.adam import adam as _torch_adam
 
 from scaletrain.errors import UserError
 from scaletrain.techniques.offload.pools import Pools
@@ -48,9 +53,14 @@ class CPUAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
                  flat: list[torch.Tensor | None] | None = None,
-                 alloc: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw)
+                 alloc: Callable[[torch.Tensor], torch.Tensor] | None = None, impl: str = "fused",
+                 foreach: bool | None = None):
+        if impl not in ("fused", "torch"):
+            raise ValueError(f"CPUAdam impl={impl!r}; allowed: fused, torch")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw, foreach=foreach)
         super().__init__(params, defaults)
+        self.impl = impl
+        """fused: one fused kernel (per flat group); torch: torch.optim.adam.adam per parameter (foreach/for-loop)."""
         self._flat = list(flat) if flat is not None else [None] * len(self.param_groups)
         self._flat_state: dict[int, dict[str, torch.Tensor]] = {}
         """Per flat group: the whole m / v buffers (the per-parameter states are views of them)."""
@@ -113,6 +123,14 @@ class CPUAdam(torch.optim.Optimizer):
             if fg is not None and self._views_of(flat, params):
                 self._state_for(gi, params)
                 steps = [self.state[p]["step"] for p in params]
+                if self.impl == "torch":  # per parameter view, as torch's non-fused Adam does
+                    views, off = [], 0
+                    for p in params:
+                        views.append(fg[off:off + p.numel()].view_as(p))
+                        off += p.numel()
+                    self._torch_kernel(group, lr, list(params), views, [self.state[p]["exp_avg"] for p in params],
+                                       [self.state[p]["exp_avg_sq"] for p in params], steps)
+                    continue
                 if all(float(s) == float(steps[0]) for s in steps):
                     torch._foreach_add_(steps, 1.0)
                     st = self._flat_state[gi]
@@ -123,9 +141,13 @@ class CPUAdam(torch.optim.Optimizer):
                 continue
             self._state_for(gi, params)
             steps = [self.state[p]["step"] for p in live]
+            args = (group, lr, live, [p.grad for p in live], [self.state[p]["exp_avg"] for p in live],
+                    [self.state[p]["exp_avg_sq"] for p in live], steps)
+            if self.impl == "torch":
+                self._torch_kernel(*args)
+                continue
             torch._foreach_add_(steps, 1.0)
-            self._kernel(group, lr, live, [p.grad for p in live], [self.state[p]["exp_avg"] for p in live],
-                         [self.state[p]["exp_avg_sq"] for p in live], steps)
+            self._kernel(*args)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch-format Adam state *into* the existing (flat-viewed) state tensors."""
@@ -142,8 +164,16 @@ class CPUAdam(torch.optim.Optimizer):
                 if "step" in got:
                     st["step"].copy_(torch.as_tensor(float(got["step"]), dtype=torch.float32))
                 self.state[p] = st
-        for g in self.param_groups:
-            g.setdefault("adamw", True)
+        for g in self.param_groups:  # a torch Adam/AdamW state dict says so in decoupled_weight_decay
+            g.setdefault("adamw", bool(g.get("decoupled_weight_decay", True)))
+
+    @staticmethod
+    def _torch_kernel(group, lr, params, grads, m, v, steps) -> None:
+        """torch's own Adam (it increments ``steps`` itself), with the group's foreach choice."""
+        b1, b2 = group["betas"]
+        _torch_adam(params, grads, m, v, [], steps, foreach=group.get("foreach"), fused=None,
+                    decoupled_weight_decay=bool(group.get("adamw", True)), amsgrad=False, beta1=b1, beta2=b2,
+                    lr=lr, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
     @staticmethod
     def _kernel(group, lr, params, grads, m, v, steps) -> None:
@@ -259,13 +289,17 @@ class HostOptimizer:
         self._error: BaseException | None = None
         hps = [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"],
                     adamw=adamw_flag(proto, g)) for g, _ in groups] if self.cpu_adam else []
+        # A fused optimizer is run by the fused kernel over flat buffers; a foreach / for-loop one by
+        # torch's own code per parameter view, so the update is bitwise the one the user configured.
+        impl = "fused" if any(g.get("fused") for g, _ in groups) else "torch"
         if disk is not None:
             disk.attach(None if masters_on_disk else self.flat_master, hps,
                         device_params=[ps for _, ps in groups])
             self.optimizer = disk.optimizer
         elif self.cpu_adam:
-            pg = [dict(params=[self.master[id(p)] for p in ps], **hp) for (_, ps), hp in zip(groups, hps)]
-            self.optimizer = CPUAdam(pg, flat=self.flat_master, alloc=self._host_zeros)
+            pg = [dict(params=[self.master[id(p)] for p in ps], foreach=g.get("foreach"), **hp)
+                  for (g, ps), hp in zip(groups, hps)]
+            self.optimizer = CPUAdam(pg, flat=self.flat_master, alloc=self._host_zeros, impl=impl)
         else:
             for g, ps in groups:
                 g["params"] = [self.master[id(p)] for p in ps]

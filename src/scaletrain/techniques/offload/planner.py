@@ -410,6 +410,12 @@ def plan_offload(costs: ChainCosts, platform: Platform, options, accum: int = 1)
                     modes = choose_modes(costs, platform, o, budget)
                     row = {"params": params, "optimizer": opt, "disk_masters": masters, "prefetch": prefetch,
                            "param_window": window, "fits": modes is not None}
+                    if modes is None:  # this placement's floor: every block offloaded
+                        o.modes = ["offload"] * len(costs)
+                        low = predict(costs, o, platform, accum)
+                        if low.host_peak_bytes <= host_budget:
+                            row["min_device_budget_bytes"] = low.device_peak_bytes
+                        o.modes = None
                     if modes is not None:
                         o.modes = modes
                         pred = predict(costs, o, platform, accum)
@@ -421,6 +427,11 @@ def plan_offload(costs: ChainCosts, platform: Platform, options, accum: int = 1)
                             best = (pred.step_time_s, o, pred)
                     cands.append(row)
     if best is None:
-        raise UserError(f"no offload plan fits memory.device_budget={budget} B and host budget {host_budget} B; "
-                        "the smallest device need is every block offloaded with streamed weights — raise a budget")
+        floors = [r["min_device_budget_bytes"] for r in cands if "min_device_budget_bytes" in r]
+        if floors:
+            raise UserError(f"no offload plan fits memory.device_budget={budget} B; the smallest device budget that "
+                            f"works for this model and batch is {min(floors)} B ({min(floors) / 2**20:.2f} MiB): "
+                            f"raise memory.device_budget or lower train.micro_batch")
+        raise UserError(f"no offload plan fits memory.device_budget={budget} B and host budget {host_budget} B: "
+                        f"every placement needs more host memory; raise memory.offload.host_budget")
     return OffloadPlan(best[1], best[2], cands)

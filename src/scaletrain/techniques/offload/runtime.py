@@ -214,6 +214,10 @@ class OffloadRuntime:
         self._marks: list | None = None
         self._want_times = options.measure_times and self.pools.device.type == "cpu"
         self.times_measured = False
+        self._host_steps = 0
+        self.host_update_rate: float | None = None
+        """Parameters per second of the host update as measured in the second step (the first one
+        allocates the states); replaces the platform's CPU-Adam rate in the predictions from then on."""
 
     # ------------------------------------------------------------------ one micro-batch
     def _persistent(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
@@ -329,7 +333,11 @@ class OffloadRuntime:
                 self.device_opt.step()
                 self.device_opt.zero_grad(set_to_none=True)
         else:  # host compute: outside any device phase (nothing is allocated on the device)
+            t0, c0 = time.perf_counter(), self._copy_s()
             self.host_opt.step()
+            self._host_steps += 1
+            if self.options.measure_times and self._host_steps == 2 and not self.options.dpu and self.disk is None:
+                self._measured_update(time.perf_counter() - t0 - (self._copy_s() - c0))
         self.pools.synchronize()
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
         self._t0 = None
@@ -348,6 +356,16 @@ class OffloadRuntime:
         }
         st.reset()
         self.pools.reset_peak()
+
+    def _measured_update(self, seconds: float) -> None:
+        """Predict with the host update rate just measured (the optimizer actually run: fused, foreach...)."""
+        if seconds <= 0 or self.platform is None:
+            return
+        from scaletrain.techniques.offload.planner import predict
+
+        self.host_update_rate = self.costs.total_params / seconds
+        self.platform = self.platform.with_(cpu_adam_params_per_s=self.host_update_rate)
+        self.prediction = predict(self.costs, self.options, self.platform, accum=self.accum)
 
     def last_stats(self) -> dict[str, Any]:
         """Measured and predicted figures of the last optimizer step (for metrics.jsonl)."""
@@ -374,33 +392,53 @@ class OffloadRuntime:
     def state_dict(self) -> dict[str, Any]:
         """``{"model": like model.state_dict(), "optimizer": ...}`` with full (host) copies of streamed
         weights; the optimizer part is torch's format except for the disk tier (its files' contents)."""
+        return {"model": self.model_state_dict(), "optimizer": self.optimizer_state_dict()}
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Like ``model.state_dict()`` (same keys), streamed weights taken from their host masters."""
         self.flush()
         src = getattr(self.chain, "source", None) or self.model
         masters = self.host_opt.master if self.host_opt is not None and self.streamer is not None else {}
-        model = {k: (masters.get(id(v), v)).detach().clone() for k, v in src.state_dict(keep_vars=True).items()}
+        return {k: (masters.get(id(v), v)).detach().clone() for k, v in src.state_dict(keep_vars=True).items()}
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state: torch's format (the disk tier: its files' contents, steps and lrs)."""
+        self.flush()
         if self.disk is not None:
-            opt = {"disk": [self.disk.state_tensors(g) for g in range(len(self.disk.files))],
-                   "steps": list(self.disk.steps), "lr": [g["lr"] for g in self.optimizer.param_groups]}
-        else:
-            opt = self.optimizer.state_dict()
-        return {"model": model, "optimizer": opt}
+            return {"disk": [self.disk.state_tensors(g) for g in range(len(self.disk.files))],
+                    "steps": list(self.disk.steps), "lr": [g["lr"] for g in self.optimizer.param_groups]}
+        return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned (the model part also accepts a plain model.state_dict())."""
+        self.load_model_state_dict(state["model"])
+        self.load_optimizer_state_dict(state["optimizer"])
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a ``model.state_dict()`` (strict: the same keys and shapes, else RuntimeError)."""
         self.flush()
         src = getattr(self.chain, "source", None) or self.model
         own = src.state_dict(keep_vars=True)
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise RuntimeError(f"Error(s) in loading state_dict: missing keys {missing[:3]}, unexpected keys "
+                               f"{unexpected[:3]}")
         master = self.host_opt.master if self.host_opt is not None else {}
         with torch.no_grad():
-            for k, v in state["model"].items():
+            for k, v in state.items():
                 t = own[k]
+                if tuple(v.shape) != tuple(t.shape):
+                    raise RuntimeError(f"size mismatch for {k}: checkpoint {tuple(v.shape)}, model {tuple(t.shape)}")
                 if self.streamer is not None and id(t) in master:
                     master[id(t)].copy_(v)
                 else:
                     t.copy_(v)
                     if id(t) in master:
                         master[id(t)].copy_(t)
-        opt = state["optimizer"]
+
+    def load_optimizer_state_dict(self, opt: dict[str, Any]) -> None:
+        """Load what :meth:`optimizer_state_dict` returned."""
+        self.flush()
         if self.disk is not None:
             for g, tensors in enumerate(opt["disk"]):
                 self.disk.load_state_tensors(g, tensors, opt["steps"][g])

@@ -9,6 +9,10 @@
 * :mod:`.partition` — memory-aware DP splitting a Profile's blocks into stages.
 * :mod:`.runtime` — executes the lists with ``torch.distributed`` (:class:`~.runtime.PipelineRuntime`;
   stage replicas in :mod:`.stage`, transfers and timeouts in :mod:`.p2p`).
+* :mod:`.apply` — config values → a :class:`~.runtime.PipelineRuntime` (stage split included);
+  :mod:`.strategy` — :class:`~.strategy.PipelineStrategy`, what ``scaletrain train parallel.pp=N``
+  runs: the trainer's loop, evaluation, global clipping and single-process-layout checkpoints
+  over the runtime.
 """
 
 from .schedules import SCHEDULES, Action, Schedule, build

@@ -1,0 +1,325 @@
+"""The pipeline as a trainer strategy: ``parallel.pp > 1`` runs the training loop through
+:class:`~.runtime.PipelineRuntime`.
+
+Layout. ``world = pp × dp`` processes (pp outermost, :mod:`.runtime`); every process holds the
+whole model (built from the same seed) but computes and updates only its stage(s). The
+``dp`` replicas of the pipeline read data shards ``data_rank`` of ``data_world = dp``; every
+stage of one replica opens the same shard (only the first stage reads inputs, the last targets).
+
+One optimizer step = one schedule step over ``trainer.accum`` (= ``parallel.microbatches``)
+micro-batches of ``trainer.micro_batch`` samples, each loss weighted 1/M, so ``.grad`` holds the
+gradient of the global batch's mean loss (tied parameters summed across stages, replicas
+averaged); then the trainer clips (the *global* norm: squared norms all-reduced over the
+stages, tied parameters counted once) and steps this rank's optimizer, built over this rank's
+blocks only. The logged loss is the runtime's mean over all micro-batches and replicas, the same
+on every rank, so it equals one process's loss on the same global batch (fp32, dropout 0).
+
+Evaluation runs the stages forward only, micro-batch by micro-batch, and broadcasts the last
+stage's (loss sum, correct, samples) to the whole pipeline.
+
+Checkpoints are in the single-process layout: ``model_state_dict`` first broadcasts every
+stage's current parameters to all ranks of the replica; ``optimizer_state_dict`` gathers every
+stage's optimizer state and renumbers it as the one-process optimizer (``build(model)``) would.
+So a pipeline checkpoint resumes at any ``parallel.pp`` (or on one process), and a one-process
+checkpoint loads into a pipeline. Optimizer states must be per-parameter (every optimizer of
+:mod:`scaletrain.techniques.optim`); ZeRO-sharded states are refused with one line.
+
+Supported: the synchronous schedules (gpipe, 1f1b, interleaved, zb1p, chimera), fp32 and bf16.
+Refused with a one-line :class:`~scaletrain.errors.ConfigError` naming the key (see
+:func:`check_config`): the asynchronous schedules (their weight stashing is not one-process
+training), fp16 (per-stage loss scaling would skip steps on some stages only), ZeRO > 0 and
+gradient compression, tensor/context/expert parallelism, rematerialization, offloading and
+activation compression inside the stages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletrain.errors import ConfigError, UserError
+from scaletrain.techniques.data_parallel import LEDGER, Strategy
+
+from .apply import default_virtual, example_input, pipeline_runtime
+from .runtime import PipelineRuntime
+from .schedules import ASYNC_SCHEDULES, SCHEDULES, build
+from .simulate import simulate
+
+SYNC_SCHEDULES = tuple(s for s in SCHEDULES if s not in ASYNC_SCHEDULES)
+
+
+def check_config(cfg: Any, microbatches: int, *, offload: bool = False) -> None:
+    """Raise a one-line ConfigError for what the pipeline cannot combine with (``cfg.parallel.pp > 1``);
+    ``microbatches`` is the resolved count per step, ``offload`` whether memory.offload is requested."""
+    p, mem = cfg.parallel, cfg.memory
+    head = f"parallel.pp={p.pp}"
+    for key in ("tp", "cp", "ep"):
+        if getattr(p, key) > 1:
+            raise ConfigError(f"{head} with parallel.{key}={getattr(p, key)} is not supported yet; allowed with a "
+                              f"pipeline: parallel.tp=1, parallel.cp=1, parallel.ep=1")
+    if getattr(p, "sequence_parallel", False):
+        raise ConfigError(f"{head} with parallel.sequence_parallel=true is not supported yet; allowed: false")
+    if p.zero:
+        raise ConfigError(f"{head} with parallel.zero={p.zero} is not supported; allowed: parallel.zero=0 (the "
+                          f"pipeline averages each stage's gradients over its data-parallel replicas itself)")
+    if p.compression != "none":
+        raise ConfigError(f"{head} with parallel.compression={p.compression} is not supported; allowed: "
+                          f"parallel.compression=none")
+    if mem.remat.method != "none":
+        raise ConfigError(f"memory.remat.method={mem.remat.method} with {head} is not supported yet; allowed: "
+                          f"memory.remat.method=none")
+    if offload:
+        raise ConfigError(f"memory.offload / memory.device_budget with {head} is not supported yet; allowed: "
+                          f"the default memory.offload settings and an empty memory.device_budget")
+    if mem.activation_compression:
+        raise ConfigError(f"memory.activation_compression=true with {head} is not supported yet; allowed: false")
+    if cfg.train.precision == "fp16":
+        raise ConfigError(f"train.precision=fp16 with {head} is not supported (the loss scaler would skip steps "
+                          f"on some stages only); allowed: fp32, bf16")
+    s, M = p.schedule, microbatches
+    if s in ASYNC_SCHEDULES:
+        raise ConfigError(f"parallel.schedule={s} is asynchronous (weight stashing, not equivalent to one-process "
+                          f"training) and the trainer does not run it; allowed: {', '.join(SYNC_SCHEDULES)}")
+    if p.virtual > 1 and s != "interleaved":
+        raise ConfigError(f"parallel.virtual={p.virtual} only applies to parallel.schedule=interleaved (got {s}); "
+                          f"allowed: 0 or 1")
+    if s == "interleaved" and M % p.pp:
+        raise ConfigError(f"parallel.microbatches={M} must be a multiple of parallel.pp={p.pp} for "
+                          f"parallel.schedule=interleaved")
+    if s == "chimera" and (p.pp % 2 or M % 2):
+        raise ConfigError(f"parallel.schedule=chimera needs an even parallel.pp and parallel.microbatches "
+                          f"(got {p.pp} and {M})")
+    try:
+        build(s, p.pp, M, default_virtual(s, p.virtual))
+    except UserError as e:
+        raise ConfigError(f"parallel.schedule={s} with parallel.pp={p.pp}, parallel.microbatches={M}: {e}") from None
+
+
+class PipelineStrategy(Strategy):
+    """The trainer's hooks over a :class:`PipelineRuntime` (see the module docstring)."""
+
+    name = "pipeline"
+
+    def __init__(self, model: nn.Module, runtime: PipelineRuntime, rank: int, world: int) -> None:
+        super().__init__(model, rank, world)
+        self.runtime = runtime
+        self.data_rank, self.data_world = runtime.dp_rank, runtime.dp
+        sched = runtime.schedule_for(1)
+        self.sched = sched
+        self.bubble_predicted = simulate(sched).bubble_fraction
+        """Bubble fraction of the schedule under equal stage costs (the simulator's)."""
+        self._sent_before = 0
+        self._p2p_bytes = 0
+        # the one-process optimizer's parameter numbering (build(model) groups parameters by
+        # scaletrain.techniques.optim.registry.param_groups): the checkpoint layout
+        from scaletrain.techniques.optim.registry import param_groups
+
+        groups = param_groups(model, None)
+        self._full_index: dict[int, int] = {}
+        self._full_group: dict[int, int] = {}
+        for g, group in enumerate(groups):
+            for p in group["params"]:
+                self._full_group[len(self._full_index)] = g
+                self._full_index[id(p)] = len(self._full_index)
+        self._full_groups = len(groups)
+
+    @classmethod
+    def from_trainer(cls, trainer: Any) -> "PipelineStrategy":
+        cfg = trainer.cfg
+        p = cfg.parallel
+        check_config(cfg, trainer.accum, offload=trainer._offload_requested())
+        v = default_virtual(p.schedule, p.virtual)
+        seq = cfg.data.seq_len if trainer.task == "lm" else None
+        try:
+            from scaletrain.chain import to_chain
+
+            n_blocks = len(to_chain(trainer.model))
+            example_input(trainer.model, trainer.micro_batch, seq)
+        except ConfigError:
+            raise
+        except UserError as e:
+            raise ConfigError(f"parallel.pp={p.pp} needs a model cut into blocks with an input_spec: {e}") from None
+        if callable(getattr(trainer.model, "aux_loss", None)):
+            raise ConfigError(f"parallel.pp={p.pp} with {trainer.model_name}, whose auxiliary loss (mixture-of-experts "
+                              f"load balancing) spans all stages, is not supported yet; allowed: parallel.pp=1")
+        if n_blocks < p.pp * v:
+            raise ConfigError(f"parallel.pp={p.pp} x {v} stage(s) per rank = {p.pp * v} stages, but "
+                              f"{trainer.model_name} has {n_blocks} blocks; allowed: parallel.pp <= {n_blocks // v}")
+        try:
+            rt = pipeline_runtime(trainer.model, pp=p.pp, dp=trainer.dp_world, schedule=p.schedule,
+                                  microbatches=trainer.accum, micro_batch=trainer.micro_batch,
+                                  loss_fn=trainer.loss_fn, seq_len=seq, virtual=v, device=trainer.device,
+                                  timeout_s=p.timeout_s, balance=p.balance, forward_context=trainer.autocast)
+        except ConfigError:
+            raise
+        except UserError as e:
+            if type(e) is not UserError:  # a communication failure: not a configuration problem
+                raise
+            raise ConfigError(f"parallel.pp={p.pp} parallel.schedule={p.schedule}: {e}") from None
+        strategy = cls(trainer.model, rt, trainer.rank, trainer.world)
+        if trainer.accum < p.pp:
+            trainer.log(f"note: {trainer.accum} micro-batch(es) per step over parallel.pp={p.pp} stages leaves the "
+                        f"pipeline idle {strategy.bubble_predicted:.0%} of the time (predicted); set "
+                        f"parallel.microbatches to a multiple of {p.pp} (e.g. {4 * p.pp})")
+        return strategy
+
+    # ------------------------------------------------------------------ the step
+    def run_micro_batches(self, trainer: Any, it: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One schedule step over ``trainer.accum`` micro-batches; returns the mean loss over all
+        micro-batches of all replicas (the same value on every rank)."""
+        rt = self.runtime
+        loss = rt.train_step(itertools.islice(it, trainer.accum))
+        sent = rt.transport.bytes_sent
+        self._p2p_bytes, self._sent_before = sent - self._sent_before, sent
+        return loss
+
+    def build_optimizer(self, build: Callable[[nn.Module], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        """The optimizer over this rank's blocks only."""
+        return build(self.runtime.module)
+
+    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        """Clip the global norm (all stages; gradients already averaged over replicas)."""
+        return self.runtime.clip_grad_norm_(max_norm)
+
+    def _dp_reduce(self, values: list[float], average: bool) -> list[float]:
+        rt = self.runtime
+        if rt.dp == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=rt.device)
+        with LEDGER.paused():
+            rt.transport.all_reduce(t, rt.plan.group(rt.plan.dp_ranks), "data-parallel reduction of logged values")
+        return (t / rt.dp if average else t).cpu().tolist()
+
+    def mean(self, values: list[float]) -> list[float]:
+        """Average over the data-parallel replicas (values are already equal across the stages)."""
+        return self._dp_reduce(values, average=True)
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Sum over the data-parallel replicas (values are already equal across the stages)."""
+        return self._dp_reduce(values, average=False)
+
+    @torch.no_grad()
+    def eval_batch(self, trainer: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
+        """Forward only, stage by stage (pipe 0); the last stage's (loss sum, correct, samples) is
+        broadcast to every rank of this pipeline replica."""
+        rt, sched = self.runtime, self.sched
+        S = rt.n_stages
+        h: torch.Tensor | None = None
+        result = torch.zeros(3, dtype=torch.float64, device=rt.device)
+        for s in range(S):
+            holder = sched.rank_of(s, 0)
+            if holder != rt.pp_rank:
+                h = None
+                continue
+            if s == 0:
+                h = x
+            elif h is None:  # the previous stage lives on another rank
+                spec = rt.specs[s]
+                h = rt.transport.recv(torch.Size((x.shape[0], *spec.shape[1:])), spec.dtype,
+                                      rt._global(sched.rank_of(s - 1, 0)), _eval_tag(s),
+                                      f"evaluation activation into stage {s}")
+            with trainer.autocast():
+                h = rt.replicas[(0, s)].module(h)
+            if s == S - 1:
+                loss = float(trainer.loss_fn(h, y)) * len(y)
+                correct = int((h.argmax(-1) == y).sum()) if trainer.task != "lm" else 0
+                result = torch.tensor([loss, correct, len(y)], dtype=torch.float64, device=rt.device)
+            else:
+                h = h.to(rt.specs[s + 1].dtype)
+                nxt = sched.rank_of(s + 1, 0)
+                if nxt != rt.pp_rank:
+                    rt.transport.send(h, rt._global(nxt), _eval_tag(s + 1), f"evaluation activation of stage {s}")
+        rt.transport.drain()
+        self._sent_before = rt.transport.bytes_sent  # p2p_bytes counts training traffic only
+        if rt.pp > 1:
+            with LEDGER.paused():
+                last = rt._global(sched.rank_of(S - 1, 0))
+                rt.transport.broadcast(result, last, rt.plan.group(rt.plan.replica_ranks),
+                                       "broadcast of the evaluation loss from the last stage")
+        loss, correct, n = result.tolist()
+        return loss, int(correct), int(n)
+
+    # ------------------------------------------------------------------ state
+    def model_state_dict(self) -> dict[str, Any]:
+        """The whole model (single-process layout), current on every rank. Collective."""
+        self.runtime.sync_full_model()
+        return self.model.state_dict()
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state)  # every rank loads the whole model; stages share its tensors
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Every stage's states renumbered as the one-process optimizer's, on every rank. Collective."""
+        rt = self.runtime
+        mine: dict[str, Any] | None = None
+        if rt.dp_rank == 0:  # replicas hold equal states: one copy per stage suffices
+            sd = optimizer.state_dict()
+            local = [p for g in optimizer.param_groups for p in g["params"]]
+            state = {self._full_index[id(local[i])]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+                     for i, st in sd["state"].items()}
+            hyper = {self._full_group[self._full_index[id(g["params"][0])]]:
+                     {k: v for k, v in gsd.items() if k != "params"}
+                     for g, gsd in zip(optimizer.param_groups, sd["param_groups"]) if g["params"]}
+            mine = {"state": state, "hyper": hyper}
+        parts: list[Any] = [None] * self.world
+        with LEDGER.paused():
+            dist.all_gather_object(parts, mine)
+        state, hyper = {}, {}
+        for part in parts:
+            if part is not None:
+                state.update(part["state"])
+                hyper.update(part["hyper"])
+        members: list[list[int]] = [[] for _ in range(self._full_groups)]
+        for i in range(len(self._full_index)):
+            members[self._full_group[i]].append(i)
+        return {"state": dict(sorted(state.items())),
+                "param_groups": [{**hyper[g], "params": members[g]} for g in range(self._full_groups)]}
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a single-process-layout optimizer state (from a pipeline run at any pp, or one process)."""
+        if state.get("sharded"):
+            super().load_optimizer_state_dict(optimizer, state)  # raises its one-line ConfigError
+        groups = state["param_groups"]
+        n = sum(len(g["params"]) for g in groups)
+        if n != len(self._full_index):
+            raise ConfigError(f"the checkpoint's optimizer has {n} parameters, this model {len(self._full_index)}; "
+                              f"resume with the same model and optimizer")
+        group_of = {i: g for g in groups for i in g["params"]}
+        sd = optimizer.state_dict()
+        new_state: dict[int, Any] = {}
+        new_groups = []
+        for g, gsd in zip(optimizer.param_groups, sd["param_groups"]):
+            full = [self._full_index[id(p)] for p in g["params"]]
+            src = group_of[full[0]] if full else {}
+            new_groups.append({**{k: v for k, v in src.items() if k != "params"}, "params": gsd["params"]})
+            for li, fi in zip(gsd["params"], full):
+                if fi in state["state"]:
+                    new_state[li] = state["state"][fi]
+        optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+
+    # ------------------------------------------------------------------ reporting
+    def metrics(self) -> dict[str, Any]:
+        """Predicted bubble fraction (equal stage costs) and bytes this rank sent to other stages in the
+        last step (point-to-point; the ledger's ``comm_bytes`` counts only the collectives)."""
+        return {"pipeline_bubble_predicted": self.bubble_predicted, "p2p_bytes": self._p2p_bytes}
+
+    def describe(self) -> str:
+        rt = self.runtime
+        virt = f" ({rt.virtual} per rank, {rt.n_stages} in all)" if rt.virtual > 1 else ""
+        return (f"pipeline {rt.name} over {rt.pp} stages{virt} x {rt.dp} dp, {rt.M} micro-batches, "
+                f"block bounds {list(rt.bounds)}")
+
+    def close(self) -> None:
+        super().close()
+        if self.runtime is not None:
+            self.runtime.close()
+        self.runtime = None  # type: ignore[assignment]
+
+
+def _eval_tag(stage: int) -> int:
+    """gloo tag of evaluation activations into ``stage`` (above every training tag of a step)."""
+    return 2**30 + stage
