@@ -115,7 +115,8 @@ def test_cli_train_with_auto_offload(plain, tmp_path):
     rows = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows if "loss" in r] == base.losses
     assert all(r["offload_h2d_bytes"] == r["offload_h2d_pred_bytes"] for r in rows if "loss" in r)
-    assert all(r["offload_device_peak_bytes"] <= BUDGET for r in rows if "loss" in r)
+    assert all(r["offload_bytes"] == r["offload_pred_bytes"] > 0 for r in rows if "loss" in r)
+    assert all(r["offload_device_peak_bytes"] == r["device_peak_bytes"] <= BUDGET for r in rows if "loss" in r)
     assert_same_state(ckpt.load(ckpt.latest(out / "checkpoints"))["model"], base_state)
 
 

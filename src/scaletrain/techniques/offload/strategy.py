@@ -183,6 +183,12 @@ class OffloadStrategy(Strategy):
         for key in ("device_peak", "h2d", "d2h", "disk_read", "disk_write", "host_peak"):
             row[f"offload_{key}_bytes"] = int(st[f"{key}_bytes"])
             row[f"offload_{key}_pred_bytes"] = int(st[f"predicted_{key}_bytes"])
+        # The names: the device peak (the logical pool's on CPU) and all bytes moved between tiers.
+        moved = ("h2d", "d2h", "disk_read", "disk_write")
+        row["device_peak_bytes"] = row["offload_device_peak_bytes"]
+        row["device_peak_pred_bytes"] = row["offload_device_peak_pred_bytes"]
+        row["offload_bytes"] = sum(row[f"offload_{k}_bytes"] for k in moved)
+        row["offload_pred_bytes"] = sum(row[f"offload_{k}_pred_bytes"] for k in moved)
         row["offload_step_time_s"] = st["step_time_s"]
         row["offload_step_time_pred_s"] = st["predicted_step_time_s"]
         row["offload_transfer_s"] = st["transfer_s"]
