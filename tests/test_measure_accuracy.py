@@ -8,19 +8,12 @@ must be within 5% of the measured peak and every category at the peak within 5% 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from scaletrain.measure.estimate import estimate_step
 from scaletrain.measure.profiler import measure_step
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Bytes do not depend on the thread count; one thread keeps these tests quick on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MIB = 2**20
 

@@ -5,18 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from scaletrain.cli import main
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Bytes do not depend on the thread count; one thread keeps these tests quick on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _json(capsys, argv: list[str]) -> dict:

@@ -18,13 +18,7 @@ from scaletrain.measure.estimate import estimate_chain, estimate_step, fake_copy
 from scaletrain.measure.step import lm_loss, make_batch
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Bytes do not depend on the thread count; one thread keeps these tests quick on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SHAPES = [((1000, 64), torch.float32), ((64,), torch.float32), ((300, 300), torch.float32), ((5,), torch.float32),
           ((40, 40), torch.bfloat16)]

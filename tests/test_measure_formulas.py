@@ -18,13 +18,7 @@ from scaletrain.measure.blocks import flop_counter
 from scaletrain.measure.estimate import estimate_chain, estimate_step
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Bytes do not depend on the thread count; one thread keeps these tests quick on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_zero_paper_figures() -> None:

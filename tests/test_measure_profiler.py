@@ -14,13 +14,7 @@ from scaletrain.measure.profiler import profile_chain
 from scaletrain.measure.step import make_batch
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Bytes do not depend on the thread count; one thread keeps these tests quick on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BYTES = ("param_bytes", "param_count", "input_bytes", "output_bytes", "saved_bytes", "fwd_temp_bytes",
          "bwd_temp_bytes", "flops_fwd", "flops_bwd")

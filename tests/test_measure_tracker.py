@@ -14,13 +14,7 @@ from scaletrain.measure.step import make_batch, train_step
 from scaletrain.measure.tracker import CATEGORIES, MemoryTracker
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Bytes do not depend on the thread count; one thread keeps these tests quick on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_views_share_one_storage_and_frees_are_recorded() -> None:

@@ -65,6 +65,9 @@ class OptimConfig:
     schedule: str = opt("cosine", "learning-rate schedule after warm-up", choices=("cosine", "constant", "linear"))
     min_lr_ratio: float = opt(0.1, "final lr as a fraction of lr (cosine/linear)", min=0.0, max=1.0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off", min=0.0)
+    options: dict = opt({}, "optimizer-specific options passed to its constructor, e.g. "
+                            "optim.options.trust_coefficient=0.02 (lars), optim.options.fused=false (adam8bit), "
+                            "optim.options.beta1=0.9 (adafactor); `scaletrain optimizers` lists them")
 
 
 @dataclass

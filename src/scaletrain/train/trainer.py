@@ -277,7 +277,7 @@ class Trainer:
             given["betas"] = (o.beta1, o.beta2, *defaults["betas"][2:])
         # Each optimizer takes only its own hyperparameters; the config carries all of them.
         kwargs = {k: v for k, v in given.items() if k in spec.common}
-        return build_optimizer(o.name, module if module is not None else self.model, **kwargs)
+        return build_optimizer(o.name, module if module is not None else self.model, **kwargs, **o.options)
 
     def _lr_lambda(self, step: int) -> float:
         o = self.cfg.optim

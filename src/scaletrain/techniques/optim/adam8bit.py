@@ -24,9 +24,12 @@ p, g and the codes once and writes them once, keeping only the chunk's fp32 m an
 4 Mi-value chunk). ``fused=False`` runs the same function eagerly (about 15 fp32 temporaries of
 a 512 Ki-value chunk, ~10x slower). ``fused=None`` (default) compiles for tensors of at least
 ``FUSE_MIN_NUMEL`` values and falls back to eager, with a warning, if compilation fails; under
-``FakeTensorMode`` (the estimator's dry run) it is always eager. The two paths agree to float
-rounding (compiled code may contract multiply-adds), not bitwise; each is deterministic, so a
-resumed run continues bitwise-identically on the same path and device.
+``FakeTensorMode`` (the estimator's dry run) or another ``TorchDispatchMode`` (the memory
+tracker, where Dynamo would not compile anyway) it is always eager. Temporary bytes of a step:
+:meth:`Adam8bit.step_transient_nbytes` (57 per value of a chunk eager, 8 compiled, which with
+the larger compiled chunk is 32 MiB against 28.5 MiB). The two paths agree to float rounding
+(compiled code may contract multiply-adds), not bitwise; each is deterministic, so a resumed run
+continues bitwise-identically on the same path and device.
 """
 
 from __future__ import annotations
@@ -90,6 +93,21 @@ def _block_update_(
     vc.copy_(v_codes)
     am.copy_(am_new)
     av.copy_(av_new)
+
+
+def _dynamo_would_skip() -> bool:
+    """True under a non-infra ``TorchDispatchMode`` (e.g. ``MemoryTracker``), where Dynamo does not
+    compile ("non-infra torch dispatch mode present", torch/_dynamo/convert_frame.py) and
+    remembers that for the function's code: one call of the compiled kernel there would leave it
+    eager — on ``CHUNK_BLOCKS_FUSED`` chunks, 57 bytes of temporaries per value of a 4 Mi-value
+    chunk — for the rest of the process. Such steps take the eager path (``CHUNK_BLOCKS``)."""
+    from torch.utils import _python_dispatch as pd
+
+    checks = [getattr(pd, n, None) for n in ("any_torch_dispatch_mode_on_stack",
+                                              "is_in_any_mode_without_ignore_compile_internals")]
+    if not any(checks):  # older torch: any Python dispatch mode
+        return pd.is_in_torch_dispatch_mode(include_infra_modes=False)
+    return any(c() for c in checks if c is not None)
 
 
 _compiled: Callable[..., Any] | None = None
@@ -162,6 +180,91 @@ class Adam8bit(DtypePreservingOptimizer):
         if numel >= min_8bit_size:
             return 2 * numel + 2 * 4 * Q.num_blocks(numel, block_size)
         return 2 * 4 * numel  # fp32 exp_avg + exp_avg_sq
+
+    @staticmethod
+    def step_transient_nbytes(
+        shapes_and_dtypes: Iterable[tuple[Iterable[int], torch.dtype]],
+        *,
+        min_8bit_size: int = MIN_8BIT_SIZE,
+        block_size: int = Q.BLOCK_SIZE,
+        fused: bool | None = None,
+        compiled: bool | None = None,
+        decoupled: bool = True,
+        weight_decay: float = 0.0,
+        maximize: bool = False,
+        granularity: int = 1,
+    ) -> int:
+        """Peak bytes one ``step()`` allocates above params + grads + states (one param group).
+
+        Derived from the code below, checked against measured steps by
+        ``tests/test_optim_transients.py`` (MemoryTracker for eager, the profiler's allocator
+        events for compiled). ``shapes_and_dtypes``: (shape, dtype) of each parameter (its grad
+        has the same dtype), contiguous. ``decoupled``: AdamW8bit (True) or Adam8bit (False,
+        whose ``weight_decay`` != 0 makes the small-tensor path copy the gradient).
+        ``granularity``: each allocation rounded up to it (512 on CUDA). Which block-update path
+        each 8-bit tensor takes follows :meth:`_step_8bit`: ``fused`` False = eager, True =
+        compiled, None = compiled for >= ``FUSE_MIN_NUMEL`` values; ``compiled`` False (default:
+        False once compilation failed in this process) models the eager fallback. The compiled
+        figures are torch 2.13's inductor CPU kernel; on CUDA (triton) they are unverified.
+
+        Peaks, in the order ``step()`` runs (4 = bytes of an fp32 value, Ψ = numel):
+
+        - small tensors (< ``min_8bit_size``), :meth:`_step_fp32`, all at once (foreach lists):
+          fp32 copies of non-fp32 params (``p32``) and grads, a new gradient list for
+          ``maximize`` (``_foreach_neg``) and for Adam's L2 term (``_foreach_add``), each while
+          the previous list is alive, then ``denom = _foreach_sqrt(v)``: 4ΣΨ.
+        - each 8-bit tensor, :meth:`_step_8bit`: ``hp`` (8 fp32 = 32 B), ``-g`` under
+          ``maximize``, and the largest chunk (r blocks, c values) of its block update:
+
+          - eager :func:`_block_update`, peak inside the signed ``Q.encode`` of m (its
+            ``encode_magnitude`` at ``torch.round(t).clamp_min(0)``): g, m, v, p_new (4 × 4c),
+            ``m / am_new`` and its ``abs`` (2 × 4c), ``k``, ``scale``, ``f``, ``n``, ``t``,
+            ``n - 1``, ``round``, ``clamp_min`` (8 × 4c) and the last ``below`` mask (bool, c):
+            57c bytes, + am_new, av_new (2 × 4r), + ``pf = p.float()`` (4c) for non-fp32
+            params. The unsigned encode of v comes later with less alive (54c).
+          - compiled (``torch.compile`` of :func:`_block_update_`, one fused loop): the chunk's
+            fp32 m and v buffers and the two block maxima: 8c + 8r.
+
+          Chunks are ``CHUNK_BLOCKS`` (eager) or ``CHUNK_BLOCKS_FUSED`` (compiled) full blocks,
+          then the partial tail block (r = 1) alone; each chunk's temporaries die before the next.
+        - the two 256-entry fp32 dynamic maps (2 KiB) are cached across steps but first touched
+          at the first 8-bit tensor, so a tracker that counts pre-existing storages from their
+          first use (MemoryTracker) sees them join there; they are included.
+
+        A step under a ``TorchDispatchMode`` (MemoryTracker, hence ``scaletrain profile``) is
+        never compiled (see :func:`_dynamo_would_skip`): it is modelled by ``compiled=False``.
+        """
+        if compiled is None:
+            compiled = not _compile_failed
+
+        def rnd(nbytes: int) -> int:
+            return -(-nbytes // granularity) * granularity if nbytes > 0 else 0
+
+        small: list[tuple[int, int]] = []  # (numel, element size)
+        large_peak = -1
+        for shape, dtype in shapes_and_dtypes:
+            n = math.prod(int(s) for s in shape)
+            esize = torch.empty((), dtype=dtype, device="meta").element_size()
+            if n < min_8bit_size:
+                small.append((n, esize))
+                continue
+            fp32 = dtype == torch.float32
+            use_compiled = compiled and (fused if fused is not None else n >= FUSE_MIN_NUMEL)
+            peak = rnd(32) + (rnd(n * esize) if maximize else 0)  # hp, -g
+            peak += _chunk_peak(n, block_size, use_compiled, fp32, rnd)
+            large_peak = max(large_peak, peak)
+        # small tensors: one foreach pass (see the list above)
+        copies = sum(rnd(4 * n) for n, e in small if e != 4)
+        lists = sum(rnd(4 * n) for n, _ in small)
+        g = copies  # fp32 gradient copies of non-fp32 grads (fp32 ones are used in place)
+        small_peak = copies + g
+        for new_list in (maximize, not decoupled and weight_decay != 0):
+            if new_list:
+                small_peak = max(small_peak, copies + g + lists)
+                g = lists
+        small_peak = max(small_peak, copies + g + lists) if small else 0  # denom
+        maps = 2 * rnd(256 * 4)
+        return max(small_peak, maps + large_peak if large_peak >= 0 else 0)
 
     # ---- apply face --------------------------------------------------------------------
     @torch.no_grad()
@@ -244,8 +347,8 @@ class Adam8bit(DtypePreservingOptimizer):
         fused = group["fused"]
         if fused is None:
             fused = p.numel() >= FUSE_MIN_NUMEL
-        if fused and Q.in_fake_mode():
-            fused = False  # fake tensors (the estimator's dry run): eager ops, nothing compiled
+        if fused and (Q.in_fake_mode() or _dynamo_would_skip()):
+            fused = False  # fake tensors (the estimator's dry run), a tracker: eager, nothing compiled
         kernel = _kernel(fused)
         hp = torch.tensor(self._hyper(group, state["step"]), dtype=torch.float32, device=p.device)
         qs = Q.dynamic_map(True, p.device)
@@ -276,6 +379,20 @@ class Adam8bit(DtypePreservingOptimizer):
                 kernel(*args)
         if not p.is_contiguous():
             p.copy_(pflat.view(p.shape))
+
+
+def _chunk_peak(n: int, block_size: int, compiled: bool, fp32: bool, rnd: Callable[[int], int]) -> int:
+    """Largest per-chunk temporary bytes of one 8-bit tensor's block update (see
+    :meth:`Adam8bit.step_transient_nbytes`); chunks as :meth:`Adam8bit._step_8bit` cuts them."""
+    full = n // block_size
+    chunk = CHUNK_BLOCKS_FUSED if compiled else CHUNK_BLOCKS
+    spans = [(min(chunk, full - b) * block_size, min(chunk, full - b)) for b in range(0, full, chunk)]
+    if n % block_size:
+        spans.append((n % block_size, 1))  # the partial tail block, alone
+    if compiled:  # fp32 m and v of the chunk, block maxima of m and v
+        return max(2 * rnd(4 * c) + 2 * rnd(4 * r) for c, r in spans)
+    # eager: 14 fp32 chunk-sized tensors + one bool mask + 2 block maxima (+ pf for non-fp32 p)
+    return max((14 + (0 if fp32 else 1)) * rnd(4 * c) + rnd(c) + 2 * rnd(4 * r) for c, r in spans)
 
 
 def _disable_compile(exc: BaseException) -> None:

@@ -1,5 +1,6 @@
 """Optimizers by name (``optim.name`` in the config): apply face ``build_optimizer`` and cost face
-``state_bytes`` / ``state_bytes_per_param`` (exact bytes of the state each optimizer allocates).
+``state_bytes`` / ``state_bytes_per_param`` (exact bytes of the state each optimizer allocates)
+and ``step_transient_bytes`` (temporary bytes of a step, in closed form for the 8-bit ones).
 
 | name       | class                      | state bytes per parameter (fp32 params)          |
 |------------|----------------------------|--------------------------------------------------|
@@ -217,6 +218,33 @@ def state_bytes(name: str, shapes: Iterable[Any], dtype: torch.dtype = torch.flo
             mom = hyper.get("momentum")
             total += LARS.state_nbytes(n, 0.9 if mom is None else mom)
     return total
+
+
+def step_transient_bytes(name: str, shapes: Iterable[Any], dtype: torch.dtype = torch.float32, *,
+                         device_type: str = "cpu", **hyper: Any) -> int | None:
+    """Peak bytes one ``step()`` allocates above params + grads + states, in closed form (cost face).
+
+    Given for adam8bit / adamw8bit (:meth:`Adam8bit.step_transient_nbytes`: ``fused``,
+    ``min_8bit_size``, ``block_size``, ``weight_decay`` and ``maximize`` in ``hyper`` matter; on
+    CUDA every allocation is rounded to 512 bytes). None for the others: torch's own are modelled
+    by :mod:`scaletrain.measure.optimizers`, and adafactor, came, lamb and lars are plain torch ops
+    that run on fake tensors, so the estimator measures their step exactly instead.
+    """
+    _spec(name)
+    key = name.lower()
+    if key not in ("adam8bit", "adamw8bit"):
+        return None
+    wd = hyper.get("weight_decay")
+    return Adam8bit.step_transient_nbytes(
+        _shape_dtype_pairs(shapes, dtype),
+        min_8bit_size=hyper.get("min_8bit_size") or 4096,
+        block_size=hyper.get("block_size") or BLOCK_SIZE,
+        fused=hyper.get("fused"),
+        decoupled=key == "adamw8bit",
+        weight_decay=0.0 if wd is None else wd,
+        maximize=bool(hyper.get("maximize")),
+        granularity=512 if device_type == "cuda" else 1,
+    )
 
 
 def state_bytes_per_param(name: str, shape: Iterable[int], dtype: torch.dtype = torch.float32,
