@@ -83,6 +83,29 @@ def test_low_precision_runs(tmp_path, precision):
     assert all(torch.isfinite(torch.tensor(r.losses)))
 
 
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
+    """An inf gradient at step 2 (forced by a hook): that update is skipped — every parameter unchanged —
+    and the loss scale halves (GradScaler backoff); the steps around it update and keep the scale."""
+    t = Trainer(load_config(None, TINY + ["train.precision=fp16", "train.steps=3", "train.eval_every=0"]), None,
+                log=lambda s: None)
+    first = next(t.model.parameters())
+    first.register_hook(lambda g: torch.full_like(g, float("inf")) if t.step == 1 else g)
+    seen, inner = [], t.parallel.optimizer_step
+
+    def step(optimizer, scaler):
+        before = [q.detach().clone() for q in t.model.parameters()]
+        scale = scaler.get_scale()
+        inner(optimizer, scaler)
+        unchanged = all(torch.equal(a, q) for a, q in zip(before, t.model.parameters()))
+        seen.append((unchanged, scaler.get_scale() / scale))
+
+    t.parallel.optimizer_step = step
+    r = t.fit()
+    t.close()
+    assert seen == [(False, 1.0), (True, 0.5), (False, 1.0)]
+    assert all(torch.isfinite(torch.tensor(r.losses)))
+
+
 def test_batch_arithmetic():
     assert batch_arithmetic(16, 0, 1) == (16, 1)
     assert batch_arithmetic(16, 4, 2) == (4, 2)

@@ -78,6 +78,9 @@ class TrainConfig:
                            "samples", min=0)
     precision: str = opt("fp32", "compute precision: fp32, bf16 (autocast), fp16 (autocast + dynamic loss scaling)",
                          choices=("fp32", "bf16", "fp16"))
+    params_dtype: str = opt("fp32", "storage dtype of parameters and gradients: fp32, or bf16/fp16 with fp32 master "
+                                    "weights kept by the optimizer (2 + 2 + 4 + K bytes per parameter; one process or "
+                                    "parallel.zero=1/2)", choices=("fp32", "bf16", "fp16"))
     eval_every: int = opt(200, "validate every N steps (and at the end); 0 = only at the end", "steps", min=0)
     eval_batches: int = opt(8, "validation micro-batches per evaluation", "batches", min=1)
     log_every: int = opt(10, "write a metrics row every N steps", "steps", min=1)
@@ -92,7 +95,8 @@ class TrainConfig:
 class RematConfig:
     method: str = opt("none", "rematerialization schedule",
                       choices=("none", "periodic", "revolve", "optimal", "ilp", "dtr"))
-    budget: str = opt("", "memory budget for activations of a step: bytes or a string like '1.5GiB'; empty = none")
+    budget: str = opt("", "memory budget for activations of a step (with parallel.pp > 1: of one micro-batch in "
+                          "one stage): bytes or a string like '1.5GiB'; empty = none")
 
 
 @dataclass

@@ -228,6 +228,11 @@ class Trainer:
         """The strategy: pipeline (``parallel.pp``), intra-layer (``parallel.tp/cp/ep``), offload
         (``memory.offload``), else data parallelism for ``parallel.zero`` (a no-op for one rank)."""
         p, world = self.cfg.parallel, self.world
+        if self.cfg.train.params_dtype != "fp32" and (p.pp > 1 or p.tp > 1 or p.cp > 1 or p.ep > 1
+                                                      or self._offload_requested()):
+            raise ConfigError(f"train.params_dtype={self.cfg.train.params_dtype} runs with one process or "
+                              f"parallel.zero=1/2, not with pipeline, tensor/context/expert parallelism or offload; "
+                              f"use train.params_dtype=fp32 with train.precision=bf16 there")
         if p.pp > 1:
             from scaletrain.techniques.pipeline.strategy import PipelineStrategy
 
@@ -240,9 +245,15 @@ class Trainer:
             from scaletrain.techniques.offload.strategy import OffloadStrategy
 
             return OffloadStrategy.from_trainer(self)
+        from scaletrain.techniques.precision import MasterWeightsStrategy, param_dtype
+
+        stored = param_dtype(self.cfg.train.params_dtype)
         if world == 1:
-            return dp.Strategy(self.model)
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision)
+            return MasterWeightsStrategy(self.model, stored) if stored is not None else dp.Strategy(self.model)
+        if stored is not None and p.zero not in (1, 2):
+            raise ConfigError(f"train.params_dtype={self.cfg.train.params_dtype} with {world} processes needs "
+                              f"parallel.zero=1 or 2 (they keep the fp32 masters sharded); got parallel.zero={p.zero}")
+        half = stored or {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision)
         if p.zero == 0:
             return dp.DDPStrategy(self.model, self.rank, world, self.device, bucket_mb=p.bucket_mb,
                                   compression=p.compression, compression_rank=p.compression_rank,
