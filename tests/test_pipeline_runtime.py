@@ -148,7 +148,7 @@ def test_summarise_of_simulated_events_reproduces_the_simulation():
 
 
 def test_only_overtaken_microbatches_stash_weights():
-    from scaletrain.techniques.pipeline.runtime import _overtaken
+    from scaletrain.techniques.pipeline.schedules import overtaken as _overtaken
 
     pd = build("pipedream", 2, 2, steps=3)  # an update after every micro-batch's backward
     assert _overtaken(pd.actions[1], 0, 1) == set()  # last stage: F then B then update

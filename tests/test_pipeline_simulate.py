@@ -120,7 +120,11 @@ def test_peak_memory_counts_stashes_replicas_and_activations():
     assert f.peak_memory_bytes == [wb[r] + 1 + 10 * (P - r) for r in range(P)]
     pd = build("pipedream", P, M)
     r = simulate(pd, costs(pd))
-    assert r.peak_memory_bytes == [wb[k] * (P - k) + 1 + 10 * (P - k) for k in range(P)]
+    # the runtime's copies: P - k snapshots (one per in-flight micro-batch, each overtaken by an
+    # update) plus the live weights; the last rank updates between F and B, so it never stashes
+    copies = [P - k + 1 for k in range(P - 1)] + [1]
+    assert r.peak_weight_versions == [P - k for k in range(P)]
+    assert r.peak_memory_bytes == [wb[k] * copies[k] + 1 + 10 * (P - k) for k in range(P)]
     ch = build("chimera", P, M)
     r = simulate(ch, costs(ch))
     for k in range(P):  # two stage replicas per rank: stage k (down) and P−1−k (up)
@@ -173,3 +177,35 @@ def test_cli_json_and_errors(capsys, tmp_path):
     assert err.count("\n") == 1 and "even number of ranks" in err
     assert main(["pipeline", "--schedule", "interleaved", "--ranks", "4", "--microbatches", "6"]) == 2
     assert "divisible" in capsys.readouterr().err
+
+
+def test_peak_memory_counts_transients_gradients_and_held_sends():
+    # 1F1B, P = 2, M = 4. Rank 0 holds 2 activation sets before its first backward; rank 1 (last
+    # stage) one at a time, plus the input gradients it sent: gradient m is released once
+    # activation m + 2 arrives (rank 0 sent m + 1 before receiving gradient m).
+    s = build("1f1b", 2, 4)
+
+    def costs(opt_temp: float) -> StageCosts:
+        return StageCosts(fwd_s=[1.0] * 2, bwd_s=[2.0] * 2, act_bytes=[10.0] * 2, boundary_bytes=[4.0, 0.0],
+                          bwd_temp_bytes=[0.0, 3.0], weight_bytes=[100.0] * 2, state_bytes=[1.0] * 2,
+                          grad_bytes=[50.0] * 2, opt_temp_bytes=[opt_temp] * 2)
+
+    # rank 0: weights + state + gradients (from its first backward on) + 2 sets, at F2
+    # rank 1: weights + state + gradients + 1 held gradient send + 1 set + backward transient, at B1
+    assert simulate(s, costs(7.0)).peak_memory_bytes == [100 + 1 + 50 + 2 * 10, 100 + 1 + 50 + 4 + 10 + 3]
+    # a large optimizer transient makes the update the peak; rank 1 still holds its last 2 sends then
+    assert simulate(s, costs(100.0)).peak_memory_bytes == [100 + 1 + 50 + 100, 100 + 1 + 50 + 2 * 4 + 100]
+    # without grad_bytes, gradients are part of state_bytes and always counted
+    c = costs(0.0)
+    c.grad_bytes = None
+    assert simulate(s, c).peak_memory_bytes == [100 + 1 + 2 * 10, 100 + 1 + 4 + 10 + 3]
+
+
+def test_chimera_gradient_all_reduce_takes_its_given_time():
+    # each rank all-reduces its two stage replicas' gradients with the other replica's holder,
+    # one after the other, at the end of the step: both add to the step and count as idle
+    s = build("chimera", 2, 2)
+    base = simulate(s, StageCosts(fwd_s=[1.0] * 2, bwd_s=[2.0] * 2))
+    slow = simulate(s, StageCosts(fwd_s=[1.0] * 2, bwd_s=[2.0] * 2, sync_s=[5.0, 5.0]))
+    assert slow.step_time_s == base.step_time_s + 2 * 5.0
+    assert slow.busy_s == base.busy_s

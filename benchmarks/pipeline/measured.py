@@ -8,17 +8,20 @@ GPT-2 tiny (6 layers) with AdamW on M = 8 micro-batches and records its compute 
   time of posting a send (gloo's ``isend``: milliseconds on a loaded machine) is charged to the
   pass that produced the tensor, in the measurement and in the costs alike;
 * the prediction is :func:`~scaletrain.techniques.pipeline.simulate` of the same schedule with
-  the per-stage costs of the same measured step (median F, B, I, W, optimizer time) and a link
+  the per-stage costs of the same measured step (median F, B, I, W, optimizer time; Chimera's
+  gradient all-reduce: the later-arriving rank's duration, i.e. without the wait) and a link
   fitted to a ping-pong between ranks (latency + bytes / bandwidth): it tests the simulator's
   *composition* of costs into a step, not the cost estimates. The shortest measured step is
   reported (the least disturbed by other processes on a shared machine), with medians over steps;
 * memory: the peak of every rank (:class:`scaletrain.measure.tracker.MemoryTracker`: weights,
   gradients, AdamW states, activations, temporaries) versus the simulator's
-  ``peak_memory_bytes`` with per-stage bytes from the cost face — parameters counted from the
-  stage modules, gradients + AdamW states = 3 × parameter bytes, and activation bytes per
-  in-flight micro-batch from the fake-tensor estimate (:func:`scaletrain.measure.estimate.
-  estimate_chain`): Σ over the stage's blocks of (input + saved-for-backward bytes), plus the
-  stage's output (kept for its backward and the send) or, on the last stage, the loss's bytes.
+  ``peak_memory_bytes`` with per-stage bytes from the cost face
+  :func:`scaletrain.techniques.pipeline.memory.stage_memory` (fake-tensor estimate): weights,
+  gradients with their lifetime (from a stage's first backward until ``zero_grad``), AdamW's
+  states and the for-loop step's transient, the activation set of an in-flight micro-batch, the
+  forward and backward transients of a stage (temporaries, the received output gradient, the
+  input gradient), and, replayed over the action lists, sent tensors until the runtime
+  releases them and PipeDream's weight snapshots as the runtime takes them.
 
 Run: ``python benchmarks/pipeline/measured.py [--ranks 2 4] [--steps 5]``; writes
 ``benchmarks/results/pipeline_measured.json`` and measured timelines
@@ -118,28 +121,19 @@ def _fit_link(samples: dict[int, float]) -> Link:
     return Link(bandwidth_Bps=1.0 / slope, latency_s=max(my - slope * mx, 0.0))
 
 
-def _act_bytes(bounds: list[int], n_stages: int) -> list[float]:
-    """Activation bytes one in-flight micro-batch keeps on each stage (see the module doc)."""
-    from scaletrain.chain import to_chain
-    from scaletrain.measure.estimate import estimate_chain
+def _memory_costs(bounds: list[int]) -> dict[str, list[float]]:
+    """Per-stage memory cost face (see the module doc); torch's AdamW runs its for-loop on CPU."""
+    from scaletrain.techniques.pipeline.memory import stage_memory
 
-    chain = to_chain(make_model())
-    prof = estimate_chain(chain, example_input(), target=torch.zeros(MB, SEQ, dtype=torch.long), loss_fn=lm_loss)
-    blocks, loss = prof.blocks, prof.meta["loss"]
-    acts = []
-    for s in range(n_stages):
-        seg = blocks[bounds[s]:bounds[s + 1]]
-        a = sum(b.input_bytes + b.saved_bytes for b in seg)
-        a += (loss["input_bytes"] + loss["saved_bytes"]) if s == n_stages - 1 else seg[-1].output_bytes
-        acts.append(float(a))
-    return acts
+    return stage_memory(make_model(), bounds, example_input(), target=torch.zeros(MB, SEQ, dtype=torch.long),
+                        loss_fn=lm_loss, optimizer="adamw", foreach=False)
 
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def _costs(sched, run: list, wbytes: list[float], acts: list[float], boundary: list[float]) -> StageCosts:
+def _costs(sched, run: list, mem: dict[str, list[float]], boundary: list[float]) -> StageCosts:
     """Per-stage costs of one measured step: median F, B (or I and W) and optimizer time."""
     S, P = sched.n_stages, sched.n_ranks
     dur: dict[tuple[str, int], list[float]] = {}
@@ -158,9 +152,16 @@ def _costs(sched, run: list, wbytes: list[float], acts: list[float], boundary: l
         c = _median(d) / (1 if sched.asynchronous else len(local))
         for _, s in local:
             opt_cost.setdefault(s, []).append(c)
-    return StageCosts(fwd_s=f, bwd_s=b, igrad_s=i if sched.split_backward else None,
+    # Chimera's gradient all-reduce: each pair of events starts when its rank arrives and ends
+    # together, so the later arrival's duration is the all-reduce itself (the earlier one waited)
+    syncs: dict[tuple[int, int], list[float]] = {}
+    for e in run:
+        if e[1] == "GRAD_SYNC":
+            syncs.setdefault((e[5], e[2]), []).append(e[4] - e[3])
+    sync = [_median([min(d) for (st, _), d in syncs.items() if st == s]) for s in range(S)] if syncs else None
+    return StageCosts(fwd_s=f, bwd_s=b, igrad_s=i if sched.split_backward else None, sync_s=sync,
                       opt_s=[statistics.fmean(opt_cost[s]) for s in range(S)], boundary_bytes=boundary,
-                      act_bytes=acts, weight_bytes=wbytes, state_bytes=[3.0 * x for x in wbytes])
+                      **{k: v for k, v in mem.items() if k != "boundary_bytes"})
 
 
 def _charge_sends(run: list, comm: list) -> list:
@@ -190,16 +191,12 @@ def analyse(P: int, name: str, rec: dict, link: Link) -> dict:
     per-stage costs; the least-disturbed step (shortest) is reported, with the median over steps."""
     v = 2 if name == "interleaved" else 1
     sched = build(name, P, M, v, steps=ASYNC_WINDOWS if name in ("pipedream", "pipedream-2bw") else None)
-    S = sched.n_stages
-    wbytes = [0.0] * S
-    for key, nb in rec["stage_param_bytes"].items():
-        wbytes[int(key.split(":")[1])] = float(nb)
-    acts = _act_bytes(rec["bounds"], S)
+    mem = _memory_costs(rec["bounds"])
     boundary = [float(x) for x in rec["boundary_bytes"][1:]]
     steps = []
     for run, comm in zip(rec["runs"], rec["comms"]):
         run = _charge_sends(run, comm)
-        costs = _costs(sched, run, wbytes, acts, boundary)
+        costs = _costs(sched, run, mem, boundary)
         steps.append((summarise(sched, run, costs), simulate(sched, costs, link), costs))
     best = min(range(len(steps)), key=lambda k: steps[k][0].step_time_s)
     meas, sim, costs = steps[best]
@@ -228,7 +225,7 @@ def analyse(P: int, name: str, rec: dict, link: Link) -> dict:
                          "bubble_per_rank": [d <= 0.1 for d in diff],
                          "peak_memory_per_rank": [abs(m / s - 1) <= 0.1 for m, s in zip(peaks, sim.peak_memory_bytes)]},
         "stage_costs": {"fwd_s": costs.fwd_s, "bwd_s": costs.bwd_s, "igrad_s": costs.igrad_s, "opt_s": costs.opt_s,
-                        "act_bytes": acts, "weight_bytes": wbytes},
+                        "memory": mem},
         "n_steps_measured": len(steps),
     }
 

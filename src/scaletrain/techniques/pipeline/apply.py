@@ -56,11 +56,14 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
                      loss_fn: LossFn, seq_len: int | None = None, virtual: int | None = None,
                      device: torch.device | str | None = None, timeout_s: float = 300.0, balance: str = "profile",
                      forward_context: Callable[[], ContextManager] | None = None,
-                     record_events: bool = False) -> PipelineRuntime:
+                     record_events: bool = False, remat: str = "none", remat_budget: int | str | None = None,
+                     remat_precision: str = "fp32") -> PipelineRuntime:
     """Build the :class:`PipelineRuntime` for this process (call on every process of the job).
 
     ``micro_batch`` is samples per micro-batch: ``global_batch = dp × microbatches × micro_batch``.
     Events are off by default (recording adds a barrier per step and, on CUDA, a synchronize per pass).
+    ``remat``, ``remat_budget``, ``remat_precision``: rematerialization inside every stage
+    (``memory.remat.*``; see :class:`PipelineRuntime`).
     """
     v = default_virtual(schedule, virtual)
     example = example_input(model, micro_batch, seq_len)
@@ -68,4 +71,5 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
                           loss_fn=loss_fn, balance=balance)
     return PipelineRuntime(model, schedule, microbatches, pp=pp, dp=dp, virtual=v, bounds=bounds, loss_fn=loss_fn,
                            example_input=example, device=device, timeout_s=timeout_s, forward_context=forward_context,
-                           record_events=record_events)
+                           record_events=record_events, remat=remat, remat_budget=remat_budget,
+                           remat_precision=remat_precision)

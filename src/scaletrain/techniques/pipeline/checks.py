@@ -194,3 +194,44 @@ def rendezvous_safe(schedule: Schedule) -> Schedule:
         _, q, j = best
         acts[q].insert(ptr[q], acts[q].pop(j))
     return dataclasses.replace(schedule, actions=acts)
+
+
+def send_releases(schedule: Schedule) -> list[dict[int, list[int]]]:
+    """When a rank may drop each tensor it sent: per rank, {index of a RECV: [indices of the
+    SENDs known delivered once that receive completes]}.
+
+    A posted send holds its tensor until the transfer completes, and gloo's ``isend`` reports
+    completion only when waited on, so the runtime must decide when to wait. Waiting right away
+    would turn eager sends into blocking ones; waiting at the step's end keeps every sent
+    tensor of the step (of the whole stream, for the asynchronous schedules) alive. A send to
+    peer q is delivered once q has received it; this rank learns that when it receives a
+    message q sent *after* that receive (list order on q). The send is released right after
+    the first such receive in this rank's list, where waiting on it cannot block. Sends with no
+    such receive later in the list are released when the step drains. Only direct causality
+    (a message back from the same peer) is used; it depends on the lists, not on timing.
+    """
+    from .simulate import _match  # local import: simulate imports this module's users
+
+    recv_at: dict[tuple, int] = {}  # matching key -> index of the receive on its rank
+    send_at: dict[tuple, int] = {}  # matching key -> index of the send on its rank
+    for acts in schedule.actions:
+        for i, a in enumerate(acts):
+            if a.kind in (RECV_F, RECV_B):
+                recv_at[_match(a)] = i
+            elif a.kind in (SEND_F, SEND_B):
+                send_at[_match(a)] = i
+    out: list[dict[int, list[int]]] = []
+    for acts in schedule.actions:
+        # receives on this rank, in order: (index, peer, index of the matching send on the peer)
+        recvs = [(i, a.peer, send_at[_match(a)]) for i, a in enumerate(acts) if a.kind in (RECV_F, RECV_B)]
+        rel: dict[int, list[int]] = {}
+        for i, a in enumerate(acts):
+            if a.kind not in (SEND_F, SEND_B):
+                continue
+            got = recv_at[_match(a)]  # the peer's receive of this message
+            for ri, q, sj in recvs:
+                if ri > i and q == a.peer and sj > got:
+                    rel.setdefault(ri, []).append(i)
+                    break
+        out.append(rel)
+    return out

@@ -6,8 +6,10 @@ timeout (seconds) and, when it expires or the peer vanishes, raises one line nam
 the operation (kind, micro-batch, stage), the peer and the timeout — a
 :class:`~scaletrain.techniques.data_parallel.CommFailure`, which the CLI prints on one line.
 
-Matching. Sends are posted with ``isend`` and never waited for until the step ends (the eager
-model of :mod:`.schedules`); a receive posts ``irecv`` and waits. On gloo every message carries
+Matching. Sends are posted with ``isend`` and never block (the eager model of :mod:`.schedules`):
+each is waited for (and its tensor dropped) once the rank knows it was delivered
+(:func:`.checks.send_releases`), the rest when the step drains; a receive posts ``irecv`` and
+waits. On gloo every message carries
 a tag unique to (direction, pipe, stage, micro-batch), so messages between one pair of ranks are
 matched by tag, whatever order the two ranks post them in (interleaved and Chimera send both
 activations and gradients over one pair). NCCL ignores tags and matches by posting order, so
@@ -69,7 +71,7 @@ class Transport:
         self.use_tags = use_tags
         self.label = label
         """Prefix of error messages, e.g. "pipeline 1f1b"."""
-        self._sends: list[tuple[Any, torch.Tensor, str, int]] = []
+        self._sends: dict[Any, tuple[Any, torch.Tensor, str, int]] = {}
         self.bytes_sent = 0
 
     # ------------------------------------------------------------------ errors
@@ -90,13 +92,22 @@ class Transport:
             raise self._fail(what, peer, None)
 
     # ------------------------------------------------------------------ point to point
-    def send(self, t: torch.Tensor, peer: int, tag_: int, what: str) -> None:
-        """Post a non-blocking send of ``t`` (kept alive until it completes)."""
+    def send(self, t: torch.Tensor, peer: int, tag_: int, what: str, key: Any = None) -> None:
+        """Post a non-blocking send of ``t``, kept alive until :meth:`release` of ``key`` (default:
+        the tag) or :meth:`drain`. Gloo's ``isend`` work reports completion only once waited on,
+        so polling cannot free finished sends: the caller says when a send is surely delivered
+        (:func:`.checks.send_releases`)."""
         t = t.detach().contiguous()
-        self._sends.append((dist.isend(t, peer, tag=tag_ if self.use_tags else 0), t, what, peer))
+        self._sends[tag_ if key is None else key] = (dist.isend(t, peer, tag=tag_ if self.use_tags else 0), t, what,
+                                                     peer)
         self.bytes_sent += t.numel() * t.element_size()
-        if len(self._sends) > 16:  # release buffers of finished sends
-            self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+    def release(self, keys: Sequence[Any]) -> None:
+        """Wait for (delivered) sends ``keys`` and drop their tensors."""
+        for k in keys:
+            ent = self._sends.pop(k, None)
+            if ent is not None:
+                self.wait(ent[0], ent[2], ent[3])
 
     def recv(self, shape: torch.Size, dtype: torch.dtype, peer: int, tag_: int, what: str) -> torch.Tensor:
         """Receive a tensor from ``peer`` (blocks, bounded by the timeout)."""
@@ -104,10 +115,14 @@ class Transport:
         self.wait(dist.irecv(buf, peer, tag=tag_ if self.use_tags else 0), what, peer)
         return buf
 
+    def forget(self) -> None:
+        """Drop every posted send without waiting (abandoning a paused stream)."""
+        self._sends = {}
+
     def drain(self) -> None:
         """Wait for every send posted so far (end of a step)."""
-        sends, self._sends = self._sends, []
-        for work, _, what, peer in sends:
+        sends, self._sends = self._sends, {}
+        for work, _, what, peer in sends.values():
             self.wait(work, what, peer)
 
     # ------------------------------------------------------------------ collectives

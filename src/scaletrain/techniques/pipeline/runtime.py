@@ -6,7 +6,9 @@ executed here, in order, on each rank (gloo on CPU, NCCL on GPU):
 * ``F`` / ``B`` run a stage replica's forward / backward (:mod:`.stage`); ``I`` / ``W`` split the
   backward for ``zb1p`` (input gradient now, weight-gradient GEMMs deferred);
 * ``SEND_*`` post ``isend``, ``RECV_*`` post ``irecv`` and wait (:mod:`.p2p`, every wait bounded
-  by ``timeout_s`` and reported in one line naming the rank, the op and the peer);
+  by ``timeout_s`` and reported in one line naming the rank, the op and the peer); a sent
+  tensor is dropped right after the receive that proves its delivery
+  (:func:`.checks.send_releases`), so a rank never holds the step's (or stream's) sends;
 * ``GRAD_SYNC`` (Chimera) all-reduces one stage's gradients between its two replicas;
 * ``OPT`` — at the first of a window on a rank: finish the gradients (sum over ranks holding a
   shared parameter — GPT-2's tied ``wte`` on the first and last stage, as Megatron all-reduces
@@ -23,7 +25,8 @@ Every replica runs the same schedule on its own micro-batches; gradients of a st
 all-reduced across its dp replicas at ``OPT``.
 
 Asynchronous schedules (``pipedream``, ``pipedream-2bw``) run as one stream without flushes
-over :meth:`PipelineRuntime.train`'s ``n_steps`` windows, with weight stashing (each
+over :meth:`PipelineRuntime.train`'s ``n_steps`` windows (or window by window,
+:meth:`PipelineRuntime.stream`, as the trainer runs them), with weight stashing (each
 micro-batch's backward uses the weights its forward used) — a documented approximation of
 one-process training, not an equivalent.
 
@@ -45,12 +48,13 @@ from scaletrain.chain import Chain, to_chain
 from scaletrain.errors import UserError
 
 from . import p2p
-from .checks import rendezvous_safe, validate
+from .checks import rendezvous_safe, send_releases, validate
 from .grads import ParamPlan
 from .partition import equal_bounds
-from .schedules import (ASYNC_SCHEDULES, GRAD_SYNC, OPT, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, build)
+from .schedules import (ASYNC_SCHEDULES, GRAD_SYNC, OPT, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, build,
+                        overtaken)
 from .simulate import Event
-from .stage import Replica, TensorSpec, boundary_specs, check_bounds
+from .stage import Replica, TensorSpec, boundary_specs, check_bounds, stage_remat
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -106,13 +110,19 @@ class PipelineRuntime:
     dtype (the fake-tensor/meta pass's) before they are sent, so both sides agree on sizes.
     ``record_events``: keep per-pass timings in :attr:`events` (and align the ranks' clocks
     with a barrier at each step's start).
+    ``remat``: a rematerialization method (:data:`scaletrain.techniques.remat.METHODS`) run
+    inside every stage, one schedule per stage (:func:`.stage.stage_remat`, planned on the
+    fake-tensor estimate at ``remat_precision`` with ``example_target``, under ``remat_budget``
+    per micro-batch and stage); not with split backward (zb1p) or weight stashing.
     """
 
     def __init__(self, chain: Chain | nn.Module, schedule: str, microbatches: int, *, pp: int, dp: int = 1,
                  virtual: int = 1, bounds: Sequence[int] | None = None, loss_fn: LossFn,
                  example_input: torch.Tensor, device: torch.device | str | None = None,
                  ranks: Sequence[int] | None = None, timeout_s: float = 300.0, p2p_mode: str = "auto",
-                 record_events: bool = True, forward_context: Callable[[], ContextManager] | None = None):
+                 record_events: bool = True, forward_context: Callable[[], ContextManager] | None = None,
+                 remat: str = "none", remat_budget: int | str | None = None, remat_precision: str = "fp32",
+                 example_target: torch.Tensor | None = None):
         if not dist.is_initialized():
             raise UserError("the pipeline runtime needs torch.distributed initialised (run under torchrun)")
         self.chain = to_chain(chain)
@@ -143,6 +153,7 @@ class PipelineRuntime:
             raise UserError(f"p2p_mode must be auto, eager or rendezvous (got {p2p_mode!r})")
         self.p2p_mode = p2p_mode
         self._schedules: dict[int, Schedule] = {}
+        self._releases: dict[int, dict[int, list[int]]] = {}  # per schedule: recv index -> sends it releases
         sched = self.schedule_for(1 if not self.asynchronous else 3)  # validates P, M, v
         self.n_stages = sched.n_stages
         self.bounds = check_bounds(list(bounds) if bounds is not None else equal_bounds(len(self.chain), self.n_stages),
@@ -155,6 +166,20 @@ class PipelineRuntime:
             mod = nn.Sequential(*self.chain.blocks[self.bounds[s]:self.bounds[s + 1]])
             self.replicas[(pipe, s)] = Replica(pipe, s, mod, s == 0, s == self.n_stages - 1,
                                                defer_weight_grads=sched.split_backward, stash_weights=self.asynchronous)
+        self.remat_schedules: dict[int, object] = {}
+        """Stage → its rematerialization schedule (``remat`` given)."""
+        if remat != "none":
+            if sched.split_backward or self.asynchronous:
+                raise UserError(f"rematerialization inside the stages runs with the synchronous, unsplit schedules; "
+                                f"not with {schedule}")
+            from scaletrain.chain import Chain
+            from scaletrain.techniques.remat import RematChain
+
+            plans = stage_remat(self.chain, self.bounds, example_input, remat, remat_budget,
+                                target=example_target, loss_fn=loss_fn, precision=remat_precision)
+            for (pipe, s), rep in self.replicas.items():
+                self.remat_schedules[s] = plans[s]
+                rep.remat = RematChain(Chain(list(rep.module)), plans[s])
         self.plan = ParamPlan(self.chain.blocks, self.bounds, sched, self.ranks, self.pp_rank, self.dp_rank,
                               self.dp, self.transport, self.timeout_s)
         self.plan.broadcast_replicated()
@@ -178,6 +203,7 @@ class PipelineRuntime:
                 s = rendezvous_safe(s)
             validate(s, p2p="rendezvous" if self.p2p_mode == "rendezvous" else "eager")
             self._schedules[key] = s
+            self._releases[key] = send_releases(s)[self.pp_rank]
         return self._schedules[key]
 
     def _global(self, pp_rank: int) -> int:
@@ -233,8 +259,13 @@ class PipelineRuntime:
         self.plan.sync_full_model()
 
     def close(self) -> None:
-        """Wait for outstanding sends and drop in-flight tensors."""
-        self.transport.drain()
+        """Wait for outstanding sends and drop in-flight tensors (a stream left paused mid-way, e.g.
+        by an error, is dropped without waiting: its peers may never receive what it sent)."""
+        if getattr(self, "_streaming", False):
+            self.transport.forget()
+            self._streaming = False
+        else:
+            self.transport.drain()
         for rep in self.replicas.values():
             for d in (rep.inputs, rep.outputs, rep.grad_out, rep.grad_in, rep.wqueue):
                 d.clear()
@@ -252,6 +283,30 @@ class PipelineRuntime:
 
     def _run(self, sched: Schedule, microbatches: Iterable[Batch] | Iterator[Batch] | None,
              update: Callable[[], None] | None) -> list[float]:
+        return next(self._execute(sched, microbatches, update, pause=False))
+
+    def stream(self, n_steps: int, microbatches: Iterable[Batch] | None,
+               update: Callable[[], None]) -> Iterator[float]:
+        """An asynchronous schedule's stream of ``n_steps`` windows, one window per ``next()``.
+
+        Each ``next()`` runs this rank's list up to (and with) its update closing the next window
+        and returns that window's mean loss (all-reduced over the mesh: every process of the job
+        must advance the stream in step). Between two calls the stream is paused, micro-batches
+        of later windows possibly in flight — a consistent cut: every message a rank's prefix
+        receives is sent in its peer's prefix, so collectives (loss all-reduce, evaluation,
+        checkpoint gathering) may run between calls. The last window drains the stream. This is
+        how the trainer runs ``pipedream`` / ``pipedream-2bw`` without flushing at its steps.
+        """
+        if not self.asynchronous:
+            raise UserError(f"stream() runs the asynchronous schedules; {self.name} is synchronous (use train_step)")
+        if n_steps < 1:
+            raise UserError(f"n_steps must be >= 1 (got {n_steps})")
+        return self._execute(self.schedule_for(n_steps), microbatches, update, pause=True)
+
+    def _execute(self, sched: Schedule, microbatches: Iterable[Batch] | Iterator[Batch] | None,
+                 update: Callable[[], None] | None, pause: bool) -> Iterator:
+        """Run this rank's list. ``pause=False``: yield once, the list of every window's mean loss.
+        ``pause=True`` (asynchronous): yield each window's mean loss after the update closing it."""
         acts = sched.actions[self.pp_rank]
         S, total = self.n_stages, sched.total_microbatches
         every = sched.update_every or self.M
@@ -263,7 +318,13 @@ class PipelineRuntime:
         it = iter(microbatches) if microbatches is not None else None
         if sched.asynchronous:  # stash weights only for micro-batches that an update overtakes
             for rep in self.replicas.values():
-                rep.stash_mbs = _overtaken(acts, rep.pipe, rep.stage)
+                rep.stash_mbs = overtaken(acts, rep.pipe, rep.stage)
+        releases = self._releases[sched.n_steps if sched.asynchronous else 1]
+        # the first update of a window's last micro-batch closes the window (summarise's rule)
+        closes: dict[int, int] = {}
+        for i, a in enumerate(acts):
+            if a.kind == OPT and (a.mb + 1) % self.M == 0 and a.mb // self.M not in closes.values():
+                closes[i] = a.mb // self.M
         feed = _Feed(it if uses else None, uses, self.device)
         self._losses = torch.zeros(sched.n_steps, dtype=torch.float64, device=self.device)  # NCCL: on device
         self._opt_mb = -1
@@ -274,16 +335,26 @@ class PipelineRuntime:
         if self.record_events and len(mesh) > 1:  # a common time origin for the timeline
             self.transport.barrier(self.plan.group(mesh), "barrier at the start of a pipeline step")
         self._t0 = time.perf_counter()
-        for a in acts:
-            self._do(a, sched, feed, update)
+        self._streaming = pause
+        for i, a in enumerate(acts):
+            self._do(a, sched, feed, update, i)
+            if i in releases:  # sends the peer has surely received: drop their tensors now
+                self.transport.release(releases[i])
+            if pause and closes.get(i, sched.n_steps - 1) < sched.n_steps - 1:
+                yield self._window_losses(closes[i], mesh)[0]
         self.transport.drain()
+        self._streaming = False
         feed.finish(total)
-        losses = self._losses
+        yield self._window_losses(sched.n_steps - 1, mesh)[0] if pause else self._window_losses(None, mesh)
+
+    def _window_losses(self, k: int | None, mesh: list[int]) -> list[float]:
+        """Mean loss of window ``k`` (None: of every window), all-reduced over the mesh."""
+        losses = self._losses.clone() if k is None else self._losses[k:k + 1].clone()
         if len(mesh) > 1:
             self.transport.all_reduce(losses, self.plan.group(mesh), "loss all-reduce")
         return (losses / (self.M * self.dp)).cpu().tolist()
 
-    def _do(self, a: Action, sched: Schedule, feed: _Feed, update: Callable[[], None] | None) -> None:
+    def _do(self, a: Action, sched: Schedule, feed: _Feed, update: Callable[[], None] | None, index: int) -> None:
         k = a.kind
         S = self.n_stages
         if k == RECV_F or k == RECV_B:
@@ -305,13 +376,13 @@ class PipelineRuntime:
             rep = self.replicas[(a.pipe, a.stage)]
             t0 = self._now()
             self.transport.send(rep.outputs[a.mb], self._global(a.peer), p2p.tag(0, a.pipe, a.stage + 1, a.mb, S),
-                                f"SEND_F of micro-batch {a.mb} (activation of stage {a.stage})")
+                                f"SEND_F of micro-batch {a.mb} (activation of stage {a.stage})", key=index)
             self._record(k, a, t0, comm=True)
         elif k == SEND_B:
             rep = self.replicas[(a.pipe, a.stage)]
             t0 = self._now()
             self.transport.send(rep.grad_in.pop(a.mb), self._global(a.peer), p2p.tag(1, a.pipe, a.stage - 1, a.mb, S),
-                                f"SEND_B of micro-batch {a.mb} (gradient of stage {a.stage}'s input)")
+                                f"SEND_B of micro-batch {a.mb} (gradient of stage {a.stage}'s input)", key=index)
             self._record(k, a, t0, comm=True)
         elif k == "F":
             self._forward(a, feed)
@@ -394,19 +465,3 @@ def split_microbatches(x: torch.Tensor, y: torch.Tensor, m: int) -> list[Batch]:
         raise UserError(f"a batch of {x.shape[0]} samples does not split into {m} equal micro-batches; use a "
                         f"batch that is a multiple of parallel.microbatches={m}")
     return list(zip(x.chunk(m), y.chunk(m)))
-
-
-def _overtaken(acts: list[Action], pipe: int, stage: int) -> set[int]:
-    """Micro-batches of (pipe, stage) with an optimizer update between their forward and their
-    backward in this rank's list: the ones whose forward weights must be stashed."""
-    fwd_at: dict[int, int] = {}
-    opts: list[int] = []
-    out: set[int] = set()
-    for i, a in enumerate(acts):
-        if a.kind == OPT:
-            opts.append(i)
-        elif a.pipe == pipe and a.stage == stage and a.kind == "F":
-            fwd_at[a.mb] = i
-        elif a.pipe == pipe and a.stage == stage and a.kind in ("B", "I") and opts and opts[-1] > fwd_at[a.mb]:
-            out.add(a.mb)
-    return out

@@ -344,5 +344,22 @@ def _with_comm(sched: Schedule, orders: list[list[tuple]]) -> list[list[Action]]
     return out
 
 
+def overtaken(acts: list[Action], pipe: int, stage: int) -> set[int]:
+    """Micro-batches of (pipe, stage) with an optimizer update between their forward and their
+    backward in one rank's list ``acts``: the ones whose forward weights must be stashed
+    (the runtime's weight stashing and the simulator's memory model both use this)."""
+    fwd_at: dict[int, int] = {}
+    opts: list[int] = []
+    out: set[int] = set()
+    for i, a in enumerate(acts):
+        if a.kind == OPT:
+            opts.append(i)
+        elif a.pipe == pipe and a.stage == stage and a.kind == F:
+            fwd_at[a.mb] = i
+        elif a.pipe == pipe and a.stage == stage and a.kind in (B, I) and opts and opts[-1] > fwd_at[a.mb]:
+            out.add(a.mb)
+    return out
+
+
 # validation lives in .checks; re-exported here for callers of schedules.validate
 from .checks import ScheduleError, rendezvous_safe, validate  # noqa: E402,F401

@@ -23,11 +23,13 @@ Definitions used in every report (units: seconds, bytes):
   set (one micro-batch on one stage) is alive from the start of its F until the end of its
   last backward piece (B, or W when the backward is split — W still reads part of it).
   Because a rank executes sequentially, the peak depends only on the order, not on costs.
-* **peak memory** of a rank — max over time of Σ(stage weights × live weight versions) +
-  Σ(stage grad/optimizer state) + live activation bytes (+ W-stash bytes between I and W).
-  A weight version is live while it is the newest or some in-flight micro-batch was
-  forwarded with it (PipeDream weight stashing; 2BW's double buffer; 1 for flushed schedules).
-  Chimera ranks hold two stage replicas, each counted.
+* **peak memory** of a rank — max over its action list of Σ(stage weight copies) +
+  Σ(optimizer state) + live gradients + live activation bytes (+ W-stash bytes between I and
+  W) + sent tensors not yet released + the running pass's transient (see :func:`_memory`:
+  what the runtime holds, copy for copy). A weight version is live while it is the newest or
+  some in-flight micro-batch was forwarded with it (PipeDream weight stashing; 2BW's double
+  buffer; 1 for flushed schedules); the runtime keeps one copy per stashed version plus the
+  live weights. Chimera ranks hold two stage replicas, each counted.
 """
 
 from __future__ import annotations
@@ -76,8 +78,22 @@ class StageCosts:
     weight_bytes: list[float] | None = None
     """Bytes of the parameters a weight version holds (stashed per version)."""
     state_bytes: list[float] | None = None
-    """Bytes of gradients + optimizer state per stage replica (not versioned)."""
+    """Bytes of optimizer state per stage replica (not versioned), gradients included when
+    ``grad_bytes`` is None."""
     opt_s: list[float] | None = None
+    grad_bytes: list[float] | None = None
+    """Bytes of a stage replica's gradients, modelled with their lifetime (first backward after
+    an update until the update); None: counted in ``state_bytes``, always alive."""
+    fwd_temp_bytes: list[float] | None = None
+    """Transient bytes during a forward pass, above the micro-batch's activation set."""
+    bwd_temp_bytes: list[float] | None = None
+    """Transient bytes during a backward (B or I) pass, above the micro-batch's activation set
+    and the gradients: the received output gradient, backward temporaries, the input gradient."""
+    opt_temp_bytes: list[float] | None = None
+    """Transient bytes of the optimizer step over the stage's parameters."""
+    sync_s: list[float] | None = None
+    """Time of the all-reduce of a stage's gradients between its two replicas (Chimera's
+    GRAD_SYNC) once both have arrived; None: ``weight_bytes`` over the link."""
 
     @classmethod
     def unit(cls, schedule: Schedule) -> "StageCosts":
@@ -93,7 +109,8 @@ class StageCosts:
 
     def check(self, n_stages: int) -> None:
         for name in ("fwd_s", "bwd_s", "igrad_s", "boundary_bytes", "act_bytes", "wstash_bytes",
-                     "weight_bytes", "state_bytes", "opt_s"):
+                     "weight_bytes", "state_bytes", "opt_s", "grad_bytes", "fwd_temp_bytes", "bwd_temp_bytes",
+                     "opt_temp_bytes", "sync_s"):
             vals = getattr(self, name)
             if vals is not None and len(vals) != n_stages:
                 raise UserError(f"StageCosts.{name} has {len(vals)} entries; the schedule has {n_stages} stages")
@@ -243,7 +260,9 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
             clock[r] = max(start, arrival.pop(_match(a)))
         elif a.kind == GRAD_SYNC:  # 2-rank all-reduce of one stage's gradients
             q = a.peer
-            end = start + link.time(costs._get("weight_bytes", a.stage))
+            sync = costs._get("sync_s", a.stage) if costs.sync_s is not None else \
+                link.time(costs._get("weight_bytes", a.stage))
+            end = start + sync
             events.append(Event(r, GRAD_SYNC, a.mb, start, end, a.stage, a.pipe))
             events.append(Event(q, GRAD_SYNC, a.mb, start, end, a.stage, 1 - a.pipe))
             clock[r] = clock[q] = end
@@ -286,7 +305,7 @@ def _summarise(schedule: Schedule, costs: StageCosts, events: list[Event]) -> Si
         step = makespan / schedule.n_steps
         busy = [sum(e.end_s - e.start_s for e in by_rank[r] if e.kind in work) / schedule.n_steps for r in range(P)]
     per_rank = [max(step - b, 0.0) / step if step > 0 else 0.0 for b in busy]
-    inflight, inflight_stage, versions, memory = _memory(schedule, costs, by_rank)
+    inflight, inflight_stage, versions, memory = _memory(schedule, costs)
     equiv = [n * P / schedule.n_stages for n in inflight]  # sets on a rank are all 1/v-size
     return SimResult(schedule.name, P, schedule.n_microbatches, step, makespan, busy, per_rank,
                      sum(per_rank) / P, inflight, equiv, inflight_stage, versions, memory, events)
@@ -296,54 +315,133 @@ def _overlap(e: Event, lo: float, hi: float) -> float:
     return max(0.0, min(e.end_s, hi) - max(e.start_s, lo))
 
 
-def _memory(schedule: Schedule, costs: StageCosts, by_rank: Sequence[list[Event]]):
-    """Replay each rank's events in execution order (= time order: a rank runs one pass at a
-    time) and track live activation sets, live weight versions and bytes."""
+def _memory(schedule: Schedule, costs: StageCosts):
+    """Replay each rank's action list (its execution order, so the result does not depend on
+    timing) and track live activation sets, weight versions and copies, gradients, held sends
+    and the transients of each pass, as the runtime (:mod:`.runtime`, :mod:`.stage`) holds them:
+
+    * activations: ``act_bytes`` of a (pipe, stage, micro-batch) from its F to its last
+      backward piece (``wstash_bytes`` from I to W when the backward is split);
+    * weights: one live copy per stage replica, plus — asynchronous schedules — the runtime's
+      weight snapshots: a snapshot of the current version is taken at the first forward of a
+      micro-batch an update will overtake (:func:`.schedules.overtaken`) and dropped once its
+      last such backward ran and the live weights moved on. ``peak_weight_versions`` counts
+      distinct versions in use (the PipeDream paper's figure), the bytes count copies;
+    * gradients (``grad_bytes`` given): alive from the end of a stage's first backward piece
+      (W when split) after an update — the pass frees the micro-batch's activations as it
+      makes them — until the rank's next update (``zero_grad(set_to_none=True)``);
+      a backward with stashed weights allocates the snapshot's gradients (``weight_bytes``)
+      and adds them to live ones, so they coexist at the end of that pass;
+    * held sends: a sent tensor lives until :func:`.checks.send_releases` lets the rank drop
+      it — an input gradient from its SEND_B, a stage output beyond its activation set when its
+      release comes after the set's last backward piece;
+    * transients: ``fwd_temp_bytes`` during F, ``bwd_temp_bytes`` during B or I (on top of the
+      micro-batch's activation set), ``opt_temp_bytes`` (max over the rank's stages) during
+      its update.
+    """
+    from .checks import send_releases
+    from .schedules import overtaken
+
     g = costs._get
     P = schedule.n_ranks
     peak_n, peak_v, peak_b = [0] * P, [0] * P, [0.0] * P
     peak_stage: dict[tuple[int, int], int] = {}
     last_piece = W if schedule.split_backward else B
+    grad_piece = W if schedule.split_backward else B
+    model_grads = costs.grad_bytes is not None
+    releases = send_releases(schedule)
     for r in range(P):
+        acts = schedule.actions[r]
         local = schedule.local_stages(r)
+        stash = {ps: overtaken(acts, *ps) if schedule.asynchronous else set() for ps in local}
         current = {ps: 0 for ps in local}               # newest weight version per stage replica
         refs: dict[tuple, dict[int, int]] = {ps: {} for ps in local}  # version -> live micro-batches
         tag: dict[tuple, int] = {}                      # (pipe, stage, mb) -> version it was forwarded with
+        snaps: dict[tuple, dict[int, int]] = {ps: {} for ps in local}  # snapshot version -> stashed mbs alive
+        snap_of: dict[tuple, int] = {}                  # (pipe, stage, mb) -> snapshot version it uses
+        grads = {ps: False for ps in local}
         live_stage = {ps: 0 for ps in local}
-        act = 0.0
+        act = held = 0.0
+        sent_f: dict[int, tuple] = {}                   # SEND_F index -> (pipe, stage, mb), not yet released
+        held_f: dict[tuple, float] = {}                 # (pipe, stage, mb) -> output bytes held past its set
+        held_b: dict[int, float] = {}                   # SEND_B index -> input-gradient bytes
+        last_opt = None
         static = sum(g("state_bytes", s) for _, s in local)
+        opt_temp = max((g("opt_temp_bytes", s) for _, s in local), default=0.0)
 
         def weights() -> tuple[int, float]:
             nv, wb = 0, 0.0
             for ps in local:
                 alive = {current[ps]} | {v for v, c in refs[ps].items() if c > 0}
                 nv = max(nv, len(alive))
-                wb += len(alive) * g("weight_bytes", ps[1])
+                wb += (1 + len(snaps[ps])) * g("weight_bytes", ps[1])
             return nv, wb
 
-        peak_b[r] = static + weights()[1]
-        for e in by_rank[r]:
-            ps, key = (e.pipe, e.stage), (e.pipe, e.stage, e.mb)
-            a_bytes = g("act_bytes", e.stage)
-            w_bytes = g("wstash_bytes", e.stage, a_bytes)  # kept from I to W; default: all of it
-            if e.kind == F:
+        def base() -> float:
+            gb = sum(g("grad_bytes", ps[1]) for ps in local if grads[ps]) if model_grads else 0.0
+            return static + weights()[1] + gb + held + act
+
+        peak_b[r] = base()
+        for i, a in enumerate(acts):
+            ps, key = (a.pipe, a.stage), (a.pipe, a.stage, a.mb)
+            a_bytes = g("act_bytes", a.stage)
+            w_bytes = g("wstash_bytes", a.stage, a_bytes)  # kept from I to W; default: all of it
+            extra = 0.0  # transient bytes of this pass, on top of base()
+            if a.kind == F:
                 live_stage[ps] += 1
                 peak_stage[ps] = max(peak_stage.get(ps, 0), live_stage[ps])
                 act += a_bytes
                 tag[key] = current[ps]
                 refs[ps][current[ps]] = refs[ps].get(current[ps], 0) + 1
-            elif e.kind == I:
+                if a.mb in stash[ps]:
+                    v = current[ps]
+                    snaps[ps][v] = snaps[ps].get(v, 0) + 1
+                    snap_of[key] = v
+                extra = g("fwd_temp_bytes", a.stage)
+            elif a.kind in (B, I):
+                extra = g("bwd_temp_bytes", a.stage)
+                if key in snap_of and model_grads and grads[ps]:
+                    extra += g("weight_bytes", a.stage)  # the snapshot's gradients, added to the live ones
+            elif a.kind == OPT:
+                if a.mb != last_opt:  # one update per rank and window (the runtime's first OPT)
+                    last_opt = a.mb
+                    peak_b[r] = max(peak_b[r], base() + opt_temp)
+                    for q in local:
+                        old = current[q]
+                        current[q] += 1
+                        if snaps[q].get(old) == 0:
+                            del snaps[q][old]
+                        grads[q] = False
+            elif a.kind == SEND_F:
+                sent_f[i] = key
+            elif a.kind == SEND_B:
+                held_b[i] = g("boundary_bytes", a.stage - 1)
+                held += held_b[i]
+            if a.kind in COMPUTE_KINDS:  # gradients made by this pass count from its end, when the set is freed
+                peak_b[r] = max(peak_b[r], base() + extra)
+            if a.kind == grad_piece:
+                grads[ps] = True
+            if a.kind == I:
                 act += w_bytes - a_bytes
-            elif e.kind == OPT:
-                current[ps] += 1
-            if e.kind == last_piece:  # the bytes were live during the pass; freed at its end
-                nv, wb = weights()
-                peak_b[r] = max(peak_b[r], static + wb + act)
+            if a.kind == last_piece:  # the bytes were live during the pass; freed at its end
                 live_stage[ps] -= 1
                 act -= w_bytes if schedule.split_backward else a_bytes
                 refs[ps][tag.pop(key)] -= 1
-            nv, wb = weights()
+                if key in snap_of:
+                    v = snap_of.pop(key)
+                    snaps[ps][v] -= 1
+                    if snaps[ps][v] == 0 and v != current[ps]:
+                        del snaps[ps][v]
+                if key in sent_f.values():  # the output outlives its set until the send is released
+                    held_f[key] = g("boundary_bytes", a.stage)
+                    held += held_f[key]
+            for j in releases[r].get(i, ()):  # a receive completed: sends it proves delivered are dropped
+                if j in held_b:
+                    held -= held_b.pop(j)
+                elif j in sent_f:
+                    held -= held_f.pop(sent_f.pop(j), 0.0)
+            nv, _ = weights()
             peak_n[r] = max(peak_n[r], sum(live_stage.values()))
             peak_v[r] = max(peak_v[r], nv)
-            peak_b[r] = max(peak_b[r], static + wb + act)
+            peak_b[r] = max(peak_b[r], base())
     return peak_n, peak_stage, peak_v, peak_b

@@ -6,9 +6,14 @@ stage P-1-r of the up pipe). Replicas *share* the rank's model modules (nothing 
 parameter used by two local replicas (GPT-2's tied ``wte``) accumulates both gradients in one
 ``.grad``, exactly as in the single-process model.
 
-Three ways to run a replica's forward and backward:
+Ways to run a replica's forward and backward:
 
 * plain — ``out = blocks(x)``; ``backward`` accumulates into ``.grad``;
+* rematerialized — ``out = RematChain(blocks, schedule)(x)`` (:mod:`scaletrain.techniques.remat`,
+  one schedule per stage from :func:`stage_remat`): the forward keeps only what the stage's
+  schedule keeps (e.g. √n checkpoints) and the backward recomputes the rest, so each in-flight
+  micro-batch holds less; gradients are bitwise those of the plain stage on CPU fp32
+  (randomness replayed);
 * split backward (``zb1p``, Qi et al. 2024) — the forward runs under :class:`DeferWeightGrad`,
   which routes every ``F.linear`` whose weight needs a gradient through :class:`_DeferredLinear`:
   its backward computes the input gradient (and the bias gradient, a cheap sum) and queues
@@ -23,8 +28,9 @@ Three ways to run a replica's forward and backward:
   are added to the live parameters' ``.grad``. Other micro-batches use the live weights. A
   snapshot is taken at the first such forward of a version and dropped once no in-flight
   micro-batch uses it. Because the copy must exist before the update that makes it necessary,
-  a rank holds one weight copy more than the simulator's ``peak_weight_versions`` between
-  that forward and the update.
+  a rank holds one weight copy more than the distinct versions in use
+  (``peak_weight_versions``) between that forward and the update; the simulator's memory
+  model counts the copies as taken here.
 """
 
 from __future__ import annotations
@@ -188,6 +194,9 @@ class Replica:
     snapshots: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     snap_refs: dict[int, int] = field(default_factory=dict)
     mb_version: dict[int, int] = field(default_factory=dict)
+    remat: nn.Module | None = None
+    """The stage's blocks under a rematerialization schedule (:func:`stage_remat`): its training
+    forward keeps what the schedule keeps and recomputes the rest inside the backward."""
 
     def __post_init__(self) -> None:
         self.live = dict(self.module.named_parameters())
@@ -207,7 +216,7 @@ class Replica:
             q = self.wqueue.setdefault(mb, [])
             with DeferWeightGrad(q):
                 return self.module(x)
-        return self.module(x)
+        return (self.remat or self.module)(x)
 
     # ------------------------------------------------------------------ backward
     def backward(self, mb: int, out: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -244,3 +253,49 @@ class Replica:
 
     def stashed_versions(self) -> int:
         return len(self.snapshots)
+
+
+def stage_graphs(chain: nn.Module, bounds: list[int], example_input: torch.Tensor, *,
+                 target: torch.Tensor | None = None, loss_fn: Any = None, precision: str = "fp32") -> list[Any]:
+    """The rematerialization cost graph of every stage (:mod:`scaletrain.techniques.remat`).
+
+    Estimated once for the whole chain on fake tensors (nothing allocated) and cut at
+    ``bounds``: stage s gets its blocks' nodes, its input (the previous stage's output, held by
+    the runtime) and, except on the last stage, the received output gradient in place of the
+    loss. ``chain``: the whole model's :class:`~scaletrain.chain.Chain` (or the model);
+    ``target`` / ``loss_fn``: one micro-batch's target and the loss (default: the model's task).
+    """
+    from scaletrain.chain import to_chain
+    from scaletrain.techniques.remat.fromtrace import estimate_graph
+    from scaletrain.techniques.remat.schedule import Graph
+
+    graph, _ = estimate_graph(to_chain(chain), example_input, target=target, loss_fn=loss_fn, precision=precision)
+    S = len(bounds) - 1
+    out = []
+    for s in range(S):
+        b0, b1 = bounds[s], bounds[s + 1]
+        nodes = graph.nodes[b0:b1]
+        inp = graph.input_bytes if s == 0 else graph.nodes[b0 - 1].out_bytes
+        tail = graph.loss_bytes if s == S - 1 else nodes[-1].out_bytes
+        out.append(Graph.chain(nodes, inp, tail))
+    return out
+
+
+def stage_remat(chain: nn.Module, bounds: list[int], example_input: torch.Tensor, method: str,
+                budget: int | str | None = None, *, target: torch.Tensor | None = None, loss_fn: Any = None,
+                precision: str = "fp32") -> list[Any]:
+    """One rematerialization schedule per stage (:func:`scaletrain.techniques.remat.solve`) over
+    :func:`stage_graphs`. ``budget`` (bytes or a size string; None: the method's default, e.g.
+    √n segments for ``periodic``) bounds the peak of *one* micro-batch's forward + backward of
+    a stage."""
+    from scaletrain.techniques.remat import parse_bytes, solve
+
+    out = []
+    for s, g in enumerate(stage_graphs(chain, bounds, example_input, target=target, loss_fn=loss_fn,
+                                       precision=precision)):
+        try:
+            out.append(solve(g, parse_bytes(budget), method))
+        except UserError as e:
+            raise UserError(f"rematerialization of pipeline stage {s} (blocks {bounds[s]}..{bounds[s + 1] - 1}): "
+                            f"{e}") from None
+    return out

@@ -24,12 +24,24 @@ So a pipeline checkpoint resumes at any ``parallel.pp`` (or on one process), and
 checkpoint loads into a pipeline. Optimizer states must be per-parameter (every optimizer of
 :mod:`scaletrain.techniques.optim`); ZeRO-sharded states are refused with one line.
 
-Supported: the synchronous schedules (gpipe, 1f1b, interleaved, zb1p, chimera), fp32 and bf16.
-Refused with a one-line :class:`~scaletrain.errors.ConfigError` naming the key (see
-:func:`check_config`): the asynchronous schedules (their weight stashing is not one-process
-training), fp16 (per-stage loss scaling would skip steps on some stages only), ZeRO > 0 and
-gradient compression, tensor/context/expert parallelism, rematerialization, offloading and
-activation compression inside the stages.
+Asynchronous schedules (``pipedream``, ``pipedream-2bw``) run as *one* stream over the run's
+remaining steps (:meth:`.runtime.PipelineRuntime.stream`): a trainer step is one window of M
+micro-batches, the stream pauses after each rank's update closing it (logging, evaluation and
+checkpoints run at that consistent cut) and resumes at the next step, with no flush in between.
+The stream calls the update — the trainer's clipping and optimizer step — after every
+micro-batch (pipedream) or window (2BW); the learning-rate schedule steps once per window. Their
+losses differ from one process's by design (weight stashing: a micro-batch's backward uses the
+weights its forward used, older than the latest). A checkpoint holds the live weights and
+optimizer state; micro-batches in flight at the cut are not in it, so a resumed run restarts the
+stream (warm-up) from the checkpoint.
+
+Supported: every schedule, fp32 and bf16;
+``memory.remat.method`` / ``memory.remat.budget`` run a rematerialization schedule inside every
+stage (:func:`.stage.stage_remat`; the budget is per stage and micro-batch) with the unsplit
+synchronous schedules. Refused with a one-line :class:`~scaletrain.errors.ConfigError` naming
+the key (see :func:`check_config`): fp16 (per-stage loss scaling would skip steps on some stages only),
+ZeRO > 0 and gradient compression, tensor/context/expert parallelism, rematerialization with
+zb1p or the asynchronous schedules, offloading and activation compression inside the stages.
 """
 
 from __future__ import annotations
@@ -46,15 +58,14 @@ from scaletrain.techniques.data_parallel import LEDGER, Strategy
 
 from .apply import default_virtual, example_input, pipeline_runtime
 from .runtime import PipelineRuntime
-from .schedules import ASYNC_SCHEDULES, SCHEDULES, build
+from .schedules import ASYNC_SCHEDULES, build
 from .simulate import simulate
 
-SYNC_SCHEDULES = tuple(s for s in SCHEDULES if s not in ASYNC_SCHEDULES)
 
-
-def check_config(cfg: Any, microbatches: int, *, offload: bool = False) -> None:
+def check_config(cfg: Any, microbatches: int, *, offload: bool = False, device_type: str = "cpu") -> None:
     """Raise a one-line ConfigError for what the pipeline cannot combine with (``cfg.parallel.pp > 1``);
-    ``microbatches`` is the resolved count per step, ``offload`` whether memory.offload is requested."""
+    ``microbatches`` is the resolved count per step, ``offload`` whether memory.offload is requested,
+    ``device_type`` the training device's ("cuda": NCCL, whose point-to-point ignores tags)."""
     p, mem = cfg.parallel, cfg.memory
     head = f"parallel.pp={p.pp}"
     for key in ("tp", "cp", "ep"):
@@ -69,9 +80,10 @@ def check_config(cfg: Any, microbatches: int, *, offload: bool = False) -> None:
     if p.compression != "none":
         raise ConfigError(f"{head} with parallel.compression={p.compression} is not supported; allowed: "
                           f"parallel.compression=none")
-    if mem.remat.method != "none":
-        raise ConfigError(f"memory.remat.method={mem.remat.method} with {head} is not supported yet; allowed: "
-                          f"memory.remat.method=none")
+    if mem.remat.method != "none" and (p.schedule == "zb1p" or p.schedule in ASYNC_SCHEDULES):
+        raise ConfigError(f"memory.remat.method={mem.remat.method} with {head} parallel.schedule={p.schedule} is not "
+                          f"supported (recomputation would undo zb1p's deferred weight gradients / ignore weight "
+                          f"stashing); allowed with remat: parallel.schedule=gpipe, 1f1b, interleaved, chimera")
     if offload:
         raise ConfigError(f"memory.offload / memory.device_budget with {head} is not supported yet; allowed: "
                           f"the default memory.offload settings and an empty memory.device_budget")
@@ -81,9 +93,11 @@ def check_config(cfg: Any, microbatches: int, *, offload: bool = False) -> None:
         raise ConfigError(f"train.precision=fp16 with {head} is not supported (the loss scaler would skip steps "
                           f"on some stages only); allowed: fp32, bf16")
     s, M = p.schedule, microbatches
-    if s in ASYNC_SCHEDULES:
-        raise ConfigError(f"parallel.schedule={s} is asynchronous (weight stashing, not equivalent to one-process "
-                          f"training) and the trainer does not run it; allowed: {', '.join(SYNC_SCHEDULES)}")
+    if s in ASYNC_SCHEDULES and device_type == "cuda" and cfg.train.eval_every:
+        # NCCL matches point-to-point messages by order, not tag: evaluation's transfers between
+        # two windows would meet the stream's in-flight ones (gloo's tags keep them apart)
+        raise ConfigError(f"parallel.schedule={s} on CUDA evaluates only at the end of its stream; set "
+                          f"train.eval_every=0 (got {cfg.train.eval_every})")
     if p.virtual > 1 and s != "interleaved":
         raise ConfigError(f"parallel.virtual={p.virtual} only applies to parallel.schedule=interleaved (got {s}); "
                           f"allowed: 0 or 1")
@@ -114,6 +128,9 @@ class PipelineStrategy(Strategy):
         """Bubble fraction of the schedule under equal stage costs (the simulator's)."""
         self._sent_before = 0
         self._p2p_bytes = 0
+        self._stream: Iterator[float] | None = None
+        """The asynchronous schedules' stream over the run (created at the first step)."""
+        self._last_norm = float("nan")
         # the one-process optimizer's parameter numbering (build(model) groups parameters by
         # scaletrain.techniques.optim.registry.param_groups): the checkpoint layout
         from scaletrain.techniques.optim.registry import param_groups
@@ -131,7 +148,8 @@ class PipelineStrategy(Strategy):
     def from_trainer(cls, trainer: Any) -> "PipelineStrategy":
         cfg = trainer.cfg
         p = cfg.parallel
-        check_config(cfg, trainer.accum, offload=trainer._offload_requested())
+        check_config(cfg, trainer.accum, offload=trainer._offload_requested(),
+                     device_type=torch.device(trainer.device).type)
         v = default_virtual(p.schedule, p.virtual)
         seq = cfg.data.seq_len if trainer.task == "lm" else None
         try:
@@ -153,7 +171,9 @@ class PipelineStrategy(Strategy):
             rt = pipeline_runtime(trainer.model, pp=p.pp, dp=trainer.dp_world, schedule=p.schedule,
                                   microbatches=trainer.accum, micro_batch=trainer.micro_batch,
                                   loss_fn=trainer.loss_fn, seq_len=seq, virtual=v, device=trainer.device,
-                                  timeout_s=p.timeout_s, balance=p.balance, forward_context=trainer.autocast)
+                                  timeout_s=p.timeout_s, balance=p.balance, forward_context=trainer.autocast,
+                                  remat=cfg.memory.remat.method, remat_budget=cfg.memory.remat.budget or None,
+                                  remat_precision=cfg.train.precision)
         except ConfigError:
             raise
         except UserError as e:
@@ -170,19 +190,44 @@ class PipelineStrategy(Strategy):
     # ------------------------------------------------------------------ the step
     def run_micro_batches(self, trainer: Any, it: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One schedule step over ``trainer.accum`` micro-batches; returns the mean loss over all
-        micro-batches of all replicas (the same value on every rank)."""
+        micro-batches of all replicas (the same value on every rank). Asynchronous schedules:
+        the next window of one stream over the run's remaining steps (see the module doc)."""
         rt = self.runtime
-        loss = rt.train_step(itertools.islice(it, trainer.accum))
+        if rt.asynchronous:
+            if self._stream is None:
+                self._stream = rt.stream(trainer.cfg.train.steps - trainer.step, it, self._async_update(trainer))
+            loss = next(self._stream)
+        else:
+            loss = rt.train_step(itertools.islice(it, trainer.accum))
         sent = rt.transport.bytes_sent
         self._p2p_bytes, self._sent_before = sent - self._sent_before, sent
         return loss
+
+    def _async_update(self, trainer: Any) -> Callable[[], None]:
+        """The update the stream calls (after every micro-batch for pipedream, every window for
+        2BW): the trainer's clipping and optimizer step; the trainer's own step after a window is
+        then a no-op (:meth:`optimizer_step`) and its clipping reports this update's norm."""
+        def update() -> None:
+            clip = trainer.cfg.optim.grad_clip
+            self._last_norm = self.runtime.clip_grad_norm_(clip) if clip > 0 else float("nan")
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+
+        return update
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        if not self.runtime.asynchronous:  # asynchronous: the stream updated inside the window
+            super().optimizer_step(optimizer, scaler)
 
     def build_optimizer(self, build: Callable[[nn.Module], torch.optim.Optimizer]) -> torch.optim.Optimizer:
         """The optimizer over this rank's blocks only."""
         return build(self.runtime.module)
 
     def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-        """Clip the global norm (all stages; gradients already averaged over replicas)."""
+        """Clip the global norm (all stages; gradients already averaged over replicas).
+        Asynchronous schedules clipped inside the stream: the last update's norm."""
+        if self.runtime.asynchronous:
+            return self._last_norm
         return self.runtime.clip_grad_norm_(max_norm)
 
     def _dp_reduce(self, values: list[float], average: bool) -> list[float]:
@@ -209,6 +254,7 @@ class PipelineStrategy(Strategy):
         rt, sched = self.runtime, self.sched
         S = rt.n_stages
         h: torch.Tensor | None = None
+        sent: list[int] = []
         result = torch.zeros(3, dtype=torch.float64, device=rt.device)
         for s in range(S):
             holder = sched.rank_of(s, 0)
@@ -233,7 +279,8 @@ class PipelineStrategy(Strategy):
                 nxt = sched.rank_of(s + 1, 0)
                 if nxt != rt.pp_rank:
                     rt.transport.send(h, rt._global(nxt), _eval_tag(s + 1), f"evaluation activation of stage {s}")
-        rt.transport.drain()
+                    sent.append(_eval_tag(s + 1))
+        rt.transport.release(sent)  # not drain(): a paused asynchronous stream may have sends in flight
         self._sent_before = rt.transport.bytes_sent  # p2p_bytes counts training traffic only
         if rt.pp > 1:
             with LEDGER.paused():

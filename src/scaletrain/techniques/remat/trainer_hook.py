@@ -29,6 +29,10 @@ def remat_forward_backward(trainer: "Trainer") -> Callable[[torch.Tensor, torch.
         raise ConfigError(f"memory.remat.method={cfg.method!r}; allowed: {', '.join(METHODS)}")
     budget = parse_bytes(cfg.budget)
     strategy = getattr(trainer, "parallel", None)
+    if strategy is not None and strategy.name == "pipeline":
+        # the pipeline runs a schedule inside each of its stages (PipelineRuntime's remat) and
+        # never calls the per-micro-batch function
+        return trainer.plain_forward_backward
     if strategy is not None and strategy.name not in ("single", "zero"):
         # The executor runs the plain model's blocks, outside a wrapper (DDP, FSDP) whose forward
         # and backward hooks synchronise gradients: refuse rather than train unsynchronised. ZeRO 1/2

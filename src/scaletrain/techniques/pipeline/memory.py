@@ -1,0 +1,144 @@
+"""The memory cost face of pipeline stages: what :func:`.simulate.simulate` needs to predict a
+rank's peak as the runtime holds it.
+
+:func:`stage_memory` turns the fake-tensor estimate of a Chain
+(:func:`scaletrain.measure.estimate.estimate_chain`'s traces, per block: input, output,
+saved-for-backward, whether the input and output are saved, forward and backward
+temporaries) and the stage split into per-stage bytes for :class:`~.simulate.StageCosts`:
+
+* ``weight_bytes`` / ``grad_bytes``: the stage modules' parameters (a parameter shared by two
+  blocks of the stage counted once; GPT-2's tied ``wte`` counts on the first *and* the last
+  stage, which both hold it), their gradients;
+* ``state_bytes`` / ``opt_temp_bytes``: the optimizer's state and the transient of its step
+  (:mod:`scaletrain.measure.optimizers`);
+* ``act_bytes``: one in-flight micro-batch — Σ over the stage's blocks (and the loss, on the
+  last stage) of the bytes saved for backward, plus each input that something keeps (the stage
+  input, which the runtime holds for its gradient; a later block's input when that block saves
+  it and the previous block did not save it as its output), plus the stage's output (kept
+  for its backward) unless saved already;
+* ``fwd_temp_bytes``: the forward's peak above the activation set: at block k, the sets of
+  blocks ≤ k, k's output and its forward temporaries;
+* ``bwd_temp_bytes``: the backward's peak above the set (the blocks run in reverse, the loss
+  first on the last stage): at block k, the sets of blocks ≤ k (later ones are freed), the
+  gradient of k's output, k's backward temporaries (the larger of a first backward and one
+  accumulating into existing gradients) and its input gradient, plus — not on the
+  last stage — the received output gradient and the stage output, which the runtime holds for
+  the whole pass;
+* ``boundary_bytes``: each stage's output (what a send holds).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from scaletrain.chain import Chain, to_chain
+
+from .stage import stage_graphs
+
+
+def _stage_params(blocks: Sequence[nn.Module]) -> list[nn.Parameter]:
+    return list({id(p): p for b in blocks for p in b.parameters()}.values())
+
+
+def _bwd_temp(tr: Any) -> float:
+    """Backward transient of a block trace: the larger of its first backward (gradients made;
+    ``bwd_temp_bytes``) and a backward into existing gradients, where each parameter gradient
+    is a temporary until AccumulateGrad adds it (the input gradient excluded in both)."""
+    first = float(tr.bwd_temp_bytes)
+    ev = tr.accum_bwd_events
+    if not ev:
+        return first
+    cur = peak = 0
+    for _, _, d in ev:
+        cur += d
+        peak = max(peak, cur)
+    gin = sum(d for k, _, d in ev if k == "gin" and d > 0)
+    return max(first, float(peak - gin))
+
+
+def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input: torch.Tensor, *,
+                 target: torch.Tensor | None = None, loss_fn: Callable | None = None, optimizer: str = "adamw",
+                 foreach: bool | None = None, precision: str = "fp32", remat: Sequence[Any] | None = None,
+                 **optimizer_kw: Any) -> dict[str, list[float]]:
+    """Per-stage memory costs (bytes) for :class:`~.simulate.StageCosts` (see the module doc).
+
+    ``bounds``: the S + 1 block boundaries of the stages; ``example_input`` / ``target``: one
+    micro-batch (only shapes and dtypes are read); ``optimizer`` a name from
+    :func:`scaletrain.measure.optimizers.names` with ``foreach`` as the runtime builds it (torch's
+    own default on CPU: the for-loop). Returns a dict of lists, one entry per stage, with keys
+    ``weight_bytes``, ``grad_bytes``, ``state_bytes``, ``opt_temp_bytes``, ``act_bytes``,
+    ``fwd_temp_bytes``, ``bwd_temp_bytes``, ``boundary_bytes``. ``remat``: the stages'
+    rematerialization schedules (:func:`.stage.stage_remat`) when the runtime runs them; the
+    activation set and transients of each stage then come from replaying its schedule
+    (:func:`_remat_stage`).
+    """
+    from scaletrain.measure import optimizers
+    from scaletrain.measure.estimate import estimate_chain
+
+    chain = to_chain(chain)
+    # accum=2: also trace each block's backward into existing gradients (later micro-batches)
+    _, traces = estimate_chain(chain, example_input, target=target, loss_fn=loss_fn, precision=precision, accum=2,
+                               _return_traces=True)
+    S = len(bounds) - 1
+    graphs = None
+    out: dict[str, list[float]] = {k: [] for k in ("weight_bytes", "grad_bytes", "state_bytes", "opt_temp_bytes",
+                                                   "act_bytes", "fwd_temp_bytes", "bwd_temp_bytes", "boundary_bytes")}
+    for s in range(S):
+        b0, b1 = bounds[s], bounds[s + 1]
+        params = _stage_params(chain.blocks[b0:b1])
+        shapes = [(tuple(p.shape), p.dtype) for p in params]
+        out["weight_bytes"].append(float(sum(p.numel() * p.element_size() for p in params)))
+        out["grad_bytes"].append(float(sum(p.numel() * p.element_size() for p in params if p.requires_grad)))
+        out["state_bytes"].append(float(optimizers.state_bytes(optimizer, shapes, **optimizer_kw)))
+        out["opt_temp_bytes"].append(float(optimizers.step_transient_bytes(optimizer, shapes, foreach=foreach,
+                                                                           **optimizer_kw)))
+        last = s == S - 1
+        items = list(traces[b0:b1]) + ([traces[-1]] if last else [])  # the loss's trace comes last
+        # activation set of each item: what it saves (its output included when saved) and its
+        # input when something keeps it — the stage input always (the runtime holds it for its
+        # gradient), a later input when the item saves it and the previous one did not
+        acts = []
+        for k, tr in enumerate(items):
+            keep_x = k == 0 or (tr.x_saved and not items[k - 1].y_saved)
+            acts.append(float(tr.saved_bytes + (tr.x_bytes if keep_x else 0)))
+        y = float(items[-1].y_bytes)
+        held = 0.0 if last or items[-1].y_saved else y  # the stage output, kept until its backward ends
+        total = sum(acts) + held
+        out["act_bytes"].append(total)
+        out["boundary_bytes"].append(0.0 if last else y)
+        fwd = bwd = 0.0
+        for k, tr in enumerate(items):
+            below = sum(acts[:k + 1])
+            fwd = max(fwd, below + (0.0 if tr.y_saved else tr.y_bytes) + tr.fwd_temp_bytes)
+            # the gradient of k's output: the received buffer for the stage's last block (counted
+            # in `recv`), a fresh tensor otherwise; the loss's output gradient is a scalar
+            g_out = 0.0 if k == len(items) - 1 else float(tr.y_bytes)
+            recv = 0.0 if last else y  # the received output gradient lives all pass
+            gin = float(tr.x_bytes) if tr.x_grad else 0.0
+            bwd = max(bwd, below + held + recv + g_out + _bwd_temp(tr) + gin)
+        out["fwd_temp_bytes"].append(max(0.0, fwd - total))
+        out["bwd_temp_bytes"].append(max(0.0, bwd - total))
+        if remat is not None:
+            if graphs is None:
+                graphs = stage_graphs(chain, list(bounds), example_input, target=target, loss_fn=loss_fn,
+                                      precision=precision)
+            kept, f_extra, b_extra = _remat_stage(graphs[s], remat[s].ops)
+            if last:  # the runtime's loss (outside the schedule) saves its tensors until the backward
+                kept += float(items[-1].saved_bytes)
+            out["act_bytes"][-1], out["fwd_temp_bytes"][-1], out["bwd_temp_bytes"][-1] = kept, f_extra, b_extra
+    return out
+
+
+def _remat_stage(graph: Any, ops: Sequence[Any]) -> tuple[float, float, float]:
+    """(bytes kept from a stage's forward to its backward, the forward's and the backward's peak
+    above them) when the stage runs ``ops``: the remat simulator's replay
+    (:mod:`scaletrain.techniques.remat.simulate`) up to the first backward op and after it."""
+    from scaletrain.techniques.remat.simulate import simulate as replay
+
+    rep = replay(graph, ops)
+    first_b = next(k for k, op in enumerate(ops) if op.kind == "B")
+    kept = float(rep.after[first_b - 1])
+    return kept, max(0.0, max(rep.during[:first_b]) - kept), max(0.0, max(rep.during[first_b:]) - kept)
