@@ -3,7 +3,7 @@ with its documented hyperparameters (:mod:`scaletrain.techniques.optim.recipes`)
 8x the batch, at equal samples seen, against small-batch AdamW.
 
 Measured (2026-11-22, 2-core CPU): AdamW 2.479 at batch 16 x 200 steps; adam 2.479, adam8bit
-2.479, adamw8bit 2.479, adafactor 2.501, came 2.469, lamb 2.442, lars 2.525. Small-batch AdamW
+2.479, adamw8bit 2.479, adafactor 2.470, came 2.469, lamb 2.442, lars 2.525. Small-batch AdamW
 (batch 2 x 1600 steps) 2.432; at 8x batch (16 x 200) LAMB 2.442 (+0.4 %), LARS 2.525 (+3.8 %:
 it misses the 3 % target; see the recipes module — LARS trails Adam-type methods on
 transformers, which LAMB was made to fix). The LARS large-batch bound below is therefore 5 %.
