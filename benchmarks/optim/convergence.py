@@ -52,16 +52,19 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--out", type=Path, default=RESULTS / "optim_convergence.json")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="rerun only these optimizers (after a recipe change) and keep the other runs of --out")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     S = args.steps
     large = ["train.global_batch=16", f"train.steps={S}", f"optim.warmup_steps={S // 10}"]
-    runs = {}
-    for name in RECIPES:
+    runs = json.loads(args.out.read_text())["runs"] if args.only else {}
+    for name in args.only or RECIPES:
         runs[name] = run(large + recipe(name), args.eval_every)
         print(name, round(runs[name]["final_val_loss"], 4), round(runs[name]["seconds"], 1), flush=True)
-    small = ["train.global_batch=2", f"train.steps={8 * S}", f"optim.warmup_steps={8 * S // 20}"]
-    runs["adamw (batch 2)"] = run(small + recipe("adamw"), 8 * args.eval_every)
+    if not args.only:
+        small = ["train.global_batch=2", f"train.steps={8 * S}", f"optim.warmup_steps={8 * S // 20}"]
+        runs["adamw (batch 2)"] = run(small + recipe("adamw"), 8 * args.eval_every)
     ref, ref_small = runs["adamw"]["final_val_loss"], runs["adamw (batch 2)"]["final_val_loss"]
     summary = {name: {"final_val_loss": r["final_val_loss"], "vs_adamw": r["final_val_loss"] / ref - 1,
                       "vs_small_batch_adamw": r["final_val_loss"] / ref_small - 1, "seconds": r["seconds"]}
