@@ -14,6 +14,11 @@ Methods (``METHODS``):
 - ``ilp``: Checkmate's MILP (Jain et al. 2020) on any graph, HiGHS with a time limit;
 - ``dtr``: dynamic tensor rematerialization's eviction heuristic (Kirisame et al. 2021).
 
+Inside one block, :mod:`.intrablock` traces the block's aten ops, chooses the ops whose
+outputs to keep under a byte budget with Checkmate's MILP restricted to the two-stage schedules
+PyTorch's selective activation checkpointing runs, and applies the plan with SAC
+(``plan_block`` / ``apply_block_plan``).
+
 Example::
 
     from scaletrain.techniques import remat
