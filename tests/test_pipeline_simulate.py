@@ -209,3 +209,22 @@ def test_chimera_gradient_all_reduce_takes_its_given_time():
     slow = simulate(s, StageCosts(fwd_s=[1.0] * 2, bwd_s=[2.0] * 2, sync_s=[5.0, 5.0]))
     assert slow.step_time_s == base.step_time_s + 2 * 5.0
     assert slow.busy_s == base.busy_s
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb1p", "chimera"])
+def test_per_pass_durations_replay_a_trace(name):
+    """``durations`` overrides single passes: the mean of the per-pass times is not what a
+    pipeline takes, the trace is (makespan of random durations >= makespan of their means)."""
+    s = build(name, 2, 4, 2 if name == "interleaved" else 1)
+    base = simulate(s)
+    same = simulate(s, durations={(e.rank, e.kind, e.pipe, e.stage, e.mb): e.end_s - e.start_s
+                                  for e in base.events})
+    assert same.step_time_s == pytest.approx(base.step_time_s)
+    # slow one forward on the critical path (stage 0, first micro-batch) by 3 units: everything
+    # downstream waits, so the step grows by exactly that much for a fill-drain start
+    slow = {(e.rank, e.kind, e.pipe, e.stage, e.mb): (e.end_s - e.start_s) + (3.0 if (e.kind, e.stage, e.mb, e.pipe)
+            == ("F", 0, 0, 0) else 0.0) for e in base.events}
+    r = simulate(s, durations=slow)
+    assert base.step_time_s < r.step_time_s <= base.step_time_s + 3.0 + 1e-9
+    if name in ("gpipe", "1f1b"):
+        assert r.step_time_s == pytest.approx(base.step_time_s + 3.0)

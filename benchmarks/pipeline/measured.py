@@ -31,6 +31,7 @@ Run: ``python benchmarks/pipeline/measured.py [--ranks 2 4] [--steps 5]``; write
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -72,6 +73,9 @@ def _worker(rank: int, world: int, schedules: list[str], steps: int) -> dict:
     from scaletrain.measure.tracker import MemoryTracker
     from scaletrain.techniques.pipeline.runtime import PipelineRuntime
 
+    cores = os.environ.get("SCALETRAIN_BENCH_CORES")  # --cores: every rank on these CPUs
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
     out: dict = {"link": {n: _pingpong(rank, world, n) for n in (1024, MB * SEQ * 128 * 4, 4 << 20)}}
     mbs = random_microbatches(M)
     for name in schedules:
@@ -133,16 +137,22 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
 def _costs(sched, run: list, mem: dict[str, list[float]], boundary: list[float]) -> StageCosts:
-    """Per-stage costs of one measured step: median F, B (or I and W) and optimizer time."""
+    """Per-stage costs of one measured step: mean F, B (or I and W), median optimizer time."""
     S, P = sched.n_stages, sched.n_ranks
     dur: dict[tuple[str, int], list[float]] = {}
     for e in run:
         dur.setdefault((e[1], e[5]), []).append(e[4] - e[3])
-    f = [_median(dur.get(("F", s), [])) for s in range(S)]
-    i = [_median(dur.get(("I", s), [])) for s in range(S)]
-    w = [_median(dur.get(("W", s), [])) for s in range(S)]
-    b = [_median(dur.get(("B", s), [])) or i[s] + w[s] for s in range(S)]
+    # the mean, not the median: a rank runs its passes back to back, so its busy time is the sum
+    # of their times, which the mean preserves and the median of a right-skewed spread does not
+    f = [_mean(dur.get(("F", s), [])) for s in range(S)]
+    i = [_mean(dur.get(("I", s), [])) for s in range(S)]
+    w = [_mean(dur.get(("W", s), [])) for s in range(S)]
+    b = [_mean(dur.get(("B", s), [])) or i[s] + w[s] for s in range(S)]
     # a rank's update is recorded once per window; the simulator charges each OPT action (one per
     # local stage replica), so spread it; a stage held by two ranks (Chimera) takes the mean
     opt_cost: dict[int, list[float]] = {}
@@ -182,6 +192,38 @@ def _charge_sends(run: list, comm: list) -> list:
     return [tuple(e) for e in out]
 
 
+def _pass_times(run: list) -> dict[tuple, float]:
+    """Each measured compute pass's own duration, keyed as :func:`simulate`'s ``durations``
+    (the optimizer is left to the per-stage cost: a rank records one update per window)."""
+    return {(e[0], e[1], e[6], e[5], e[2]): e[4] - e[3] for e in run if e[1] in ("F", "B", "I", "W")}
+
+
+def _delivery(comm: list, boundary: list[float], link: Link) -> dict:
+    """Per message: from the later of (send posted, receiver waiting) to the receive's end, i.e. the
+    delivery time the link model predicts as ``latency + bytes / bandwidth``; median and 90th
+    percentile over the step's messages, and the link model's figure for a boundary tensor."""
+    key = {"SEND_F": lambda c: ("F", c[6], c[5] + 1, c[2]), "RECV_F": lambda c: ("F", c[6], c[5], c[2]),
+           "SEND_B": lambda c: ("B", c[6], c[5] - 1, c[2]), "RECV_B": lambda c: ("B", c[6], c[5], c[2])}
+    sent = {key[c[1]](c): c[4] for c in comm if c[1] in ("SEND_F", "SEND_B")}
+    d = sorted(c[4] - max(c[3], sent[key[c[1]](c)]) for c in comm
+               if c[1] in ("RECV_F", "RECV_B") and key[c[1]](c) in sent)
+    if not d:
+        return {}
+    return {"n_messages": len(d), "median_s": _median(d), "mean_s": _mean(d), "p90_s": d[int(0.9 * (len(d) - 1))],
+            "link_model_s": link.time(max(boundary))}
+
+
+def _insitu_link(comm: list, boundary: list[float], link: Link) -> Link:
+    """The ping-pong link with its latency raised so that a boundary tensor's delivery takes the
+    step's *mean* measured delivery: the ping-pong runs on idle ranks, while in the pipeline a
+    message may land when its receiver is descheduled (more ranks than cores) — a tail of
+    milliseconds that the mean carries and the median does not."""
+    d = _delivery(comm, boundary, link)
+    if not d:
+        return link
+    return Link(link.bandwidth_Bps, max(link.latency_s, d["mean_s"] - max(boundary) / link.bandwidth_Bps))
+
+
 def _comm_time(comm: list, P: int, prefix: str) -> list[float]:
     return [sum(c[4] - c[3] for c in comm if c[0] == r and c[1].startswith(prefix)) for r in range(P)]
 
@@ -197,9 +239,11 @@ def analyse(P: int, name: str, rec: dict, link: Link) -> dict:
     for run, comm in zip(rec["runs"], rec["comms"]):
         run = _charge_sends(run, comm)
         costs = _costs(sched, run, mem, boundary)
-        steps.append((summarise(sched, run, costs), simulate(sched, costs, link), costs))
+        steps.append((summarise(sched, run, costs), simulate(sched, costs, link), costs,
+                      simulate(sched, costs, link, durations=_pass_times(run)),
+                      simulate(sched, costs, _insitu_link(comm, boundary, link))))
     best = min(range(len(steps)), key=lambda k: steps[k][0].step_time_s)
-    meas, sim, costs = steps[best]
+    meas, sim, costs, replay, insitu = steps[best]
     idle = [meas.step_time_s * meas.bubble_per_rank[r] for r in range(P)]
     peaks = rec["peak_bytes"]
     diff = [abs(a - c) for a, c in zip(meas.bubble_per_rank, sim.bubble_per_rank)]
@@ -209,17 +253,22 @@ def analyse(P: int, name: str, rec: dict, link: Link) -> dict:
                      "peak_breakdown": rec["peak_breakdown"], "peak_inflight": meas.peak_inflight,
                      "idle_s_per_rank": idle,
                      "recv_s_per_rank": _comm_time(rec["comms"][best], P, "RECV"),
-                     "send_post_s_per_rank": _comm_time(rec["comms"][best], P, "SEND")},
+                     "send_post_s_per_rank": _comm_time(rec["comms"][best], P, "SEND"),
+                     "delivery": _delivery(rec["comms"][best], boundary, link)},
         "simulated": {"step_time_s": sim.step_time_s, "bubble_per_rank": sim.bubble_per_rank,
                       "bubble_fraction": sim.bubble_fraction, "peak_memory_bytes": sim.peak_memory_bytes,
                       "peak_inflight": sim.peak_inflight},
         "ratio_step_time": meas.step_time_s / sim.step_time_s,
+        "insitu_link": {"step_time_s": insitu.step_time_s, "ratio_step_time": meas.step_time_s / insitu.step_time_s},
+        "replayed": {"step_time_s": replay.step_time_s, "bubble_per_rank": replay.bubble_per_rank,
+                     "ratio_step_time": meas.step_time_s / replay.step_time_s},
         "bubble_abs_diff_per_rank": diff,
         "ratio_peak_memory": [m / s for m, s in zip(peaks, sim.peak_memory_bytes)],
         "median_over_steps": {
-            "ratio_step_time": _median([m.step_time_s / s.step_time_s for m, s, _ in steps]),
-            "bubble_fraction_measured": _median([m.bubble_fraction for m, _, _ in steps]),
-            "bubble_fraction_simulated": _median([s.bubble_fraction for _, s, _ in steps]),
+            "ratio_step_time": _median([m.step_time_s / s.step_time_s for m, s, *_ in steps]),
+            "ratio_step_time_replayed": _median([m.step_time_s / rp.step_time_s for m, _, _, rp, _ in steps]),
+            "bubble_fraction_measured": _median([m.bubble_fraction for m, *_ in steps]),
+            "bubble_fraction_simulated": _median([s.bubble_fraction for _, s, *_ in steps]),
         },
         "within_10pct": {"step_time": abs(meas.step_time_s / sim.step_time_s - 1) <= 0.1,
                          "bubble_per_rank": [d <= 0.1 for d in diff],
@@ -235,7 +284,12 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=5, help="measured steps per synchronous schedule")
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
+    ap.add_argument("--cores", default="", help="pin every rank to these CPUs (e.g. 0): ranks share cores, "
+                    "to see what oversubscription does to the wait times; output pipeline_measured_cores<C>.json")
+    ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args()
+    if args.cores:
+        os.environ["SCALETRAIN_BENCH_CORES"] = args.cores
     from scaletrain.techniques.pipeline.timeline import draw
 
     out: dict = {"model": "gpt2-tiny n_layer=6", "micro_batch": MB, "seq": SEQ, "microbatches": M,
@@ -260,17 +314,23 @@ def main() -> None:
             runs = rec["runs"]
             pick = min(range(len(runs)), key=lambda k: max(e[4] for e in runs[k]))  # the reported step
             png = RESULTS / f"pipeline_timeline_{name}_P{P}.png"
-            draw(runs[pick], png, n_ranks=P, title=f"{name} P={P} M={M} measured (gloo, CPU): bubble "
-                 f"{res[name]['measured']['bubble_fraction']:.3f}, simulated {res[name]['simulated']['bubble_fraction']:.3f}")
+            if not args.no_plots:
+                draw(runs[pick], png, n_ranks=P, title=f"{name} P={P} M={M} measured (gloo, CPU): bubble "
+                     f"{res[name]['measured']['bubble_fraction']:.3f}, simulated {res[name]['simulated']['bubble_fraction']:.3f}")
             m, s = res[name]["measured"], res[name]["simulated"]
             print(f"P={P} {name:14s} step {m['step_time_s'] * 1e3:7.1f} ms (sim {s['step_time_s'] * 1e3:7.1f}, "
-                  f"x{res[name]['ratio_step_time']:.3f})  bubble {m['bubble_fraction']:.3f} (sim "
+                  f"x{res[name]['ratio_step_time']:.3f}; replayed x{res[name]['replayed']['ratio_step_time']:.3f}; "
+                  f"in-situ link x{res[name]['insitu_link']['ratio_step_time']:.3f})  "
+                  f"delivery ms {m['delivery'].get('median_s', 0) * 1e3:.2f}/{m['delivery'].get('p90_s', 0) * 1e3:.2f} "
+                  f"(link {m['delivery'].get('link_model_s', 0) * 1e3:.2f})  bubble {m['bubble_fraction']:.3f} (sim "
                   f"{s['bubble_fraction']:.3f})  peak MiB " + " ".join(
                       f"{a / 2**20:.1f}/{b / 2**20:.1f}" for a, b in zip(m["peak_memory_bytes"], s["peak_memory_bytes"])),
                   flush=True)
         res["wall_s"] = time.time() - t
         out["results"][str(P)] = res
-    print("wrote", write_json("pipeline_measured.json", out))
+    out["cores"] = args.cores or "all"
+    name = f"pipeline_measured_cores{args.cores.replace(',', '-')}.json" if args.cores else "pipeline_measured.json"
+    print("wrote", write_json(name, out))
 
 
 if __name__ == "__main__":

@@ -18,16 +18,17 @@ def _load(name: str) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def measured() -> str:
-    d = _load("pipeline_measured.json")
+def measured(name: str = "pipeline_measured.json") -> str:
+    d = _load(name)
     if d is None:
         return ""
     m = d["machine"]
+    where = "every rank pinned to CPU " + d["cores"] if d.get("cores", "all") != "all" else f"{m['cpu_count']} CPUs"
     rows = [f"Measured vs simulated ({d['model']}, M={d['microbatches']}, micro-batch {d['micro_batch']}×{d['seq']}; "
-            f"{m['cpu_count']} CPUs, load average {m['load_average_1_5_15']}, torch {m['torch']}, {m['date']}):", "",
-            "| P | schedule | step ms meas / sim (ratio) | bubble meas / sim | bubble per rank meas / sim "
-            "| peak MiB per rank meas / sim | in 10%: step, bubble, memory |",
-            "|---|---|---|---|---|---|---|"]
+            f"{where}, load average {m['load_average_1_5_15']}, torch {m['torch']}, {m['date']}):", "",
+            "| P | schedule | step ms meas / sim (ratio) | ratio to replay | message delivery ms median / p90 (link) "
+            "| bubble meas / sim | bubble per rank meas / sim | peak MiB per rank meas / sim | in 10%: step, bubble, memory |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for P, res in d["results"].items():
         for name, r in res.items():
             if name in ("link", "wall_s"):
@@ -38,8 +39,12 @@ def measured() -> str:
                            zip(me["peak_memory_bytes"], si["peak_memory_bytes"]))
             ok = (f"{'y' if w['step_time'] else 'n'}, {''.join('y' if x else 'n' for x in w['bubble_per_rank'])}, "
                   f"{''.join('y' if x else 'n' for x in w['peak_memory_per_rank'])}")
+            dl = me.get("delivery") or {}
+            deliv = (f"{dl['median_s'] * 1e3:.2f} / {dl['p90_s'] * 1e3:.2f} ({dl['link_model_s'] * 1e3:.2f})"
+                     if dl else "-")
+            rep = f"{r['replayed']['ratio_step_time']:.2f}" if "replayed" in r else "-"
             rows.append(f"| {P} | {name} | {me['step_time_s'] * 1e3:.0f} / {si['step_time_s'] * 1e3:.0f} "
-                        f"({r['ratio_step_time']:.2f}) | {me['bubble_fraction']:.3f} / {si['bubble_fraction']:.3f} "
+                        f"({r['ratio_step_time']:.2f}) | {rep} | {deliv} | {me['bubble_fraction']:.3f} / {si['bubble_fraction']:.3f} "
                         f"| {per} | {mem} | {ok} |")
     return "\n".join(rows)
 
@@ -75,4 +80,4 @@ def async_loss() -> str:
 
 
 if __name__ == "__main__":
-    print("\n\n".join(t for t in (measured(), vs_torch(), async_loss()) if t))
+    print("\n\n".join(t for t in (measured(), measured("pipeline_measured_cores0.json"), vs_torch(), async_loss()) if t))

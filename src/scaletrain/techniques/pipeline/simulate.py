@@ -175,12 +175,19 @@ def _match(a: Action) -> tuple:
 
 
 def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | None = None,
-             p2p: str = "eager") -> SimResult:
+             p2p: str = "eager", durations: dict[tuple, float] | None = None) -> SimResult:
     """Run ``schedule`` under ``costs`` (default :meth:`StageCosts.unit`) and ``link``.
 
     ``p2p="eager"``: sends never block (the runtime's isend model); ``"rendezvous"``: a send
     blocks until the receiver reaches the matching receive (blocking ``send``). Raises
     :class:`DeadlockError` naming what each stuck rank waits for.
+
+    ``durations`` (seconds, keyed ``(rank, kind, pipe, stage, mb)`` as :class:`Event` names them)
+    overrides the per-stage cost of individual passes: a *trace-driven* replay of a measured
+    step with each pass's own time. It separates the two ways a prediction from per-stage
+    medians can miss: how the simulator composes passes (the replay tests that alone) and the
+    spread of pass times, which a pipeline's critical path turns into extra wait (the expected
+    makespan of a DAG with random task times exceeds the makespan of its mean times).
     """
     if p2p not in ("eager", "rendezvous"):
         raise UserError(f"p2p must be 'eager' or 'rendezvous' (got {p2p!r})")
@@ -195,7 +202,11 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
     link_free: dict[tuple[int, int], float] = {}
     events: list[Event] = []
 
-    def dur(a: Action) -> float:
+    def dur(r: int, a: Action) -> float:
+        if durations is not None:
+            d = durations.get((r, a.kind, a.pipe, a.stage, a.mb))
+            if d is not None:
+                return d
         s = a.stage
         if a.kind == F:
             return costs._get("fwd_s", s)
@@ -245,7 +256,7 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
         start, r = best
         a = acts[r][ptr[r]]
         if a.kind in COMPUTE_KINDS or a.kind == OPT:
-            end = start + dur(a)
+            end = start + dur(r, a)
             events.append(Event(r, a.kind, a.mb, start, end, a.stage, a.pipe))
             clock[r] = end
         elif a.kind in (SEND_F, SEND_B) and p2p == "eager":
