@@ -314,6 +314,26 @@ def test_lars_one_step_by_hand() -> None:
     assert torch.allclose(b, b2, atol=1e-6)
 
 
+def test_lars_nesterov_two_steps_by_hand() -> None:
+    torch.manual_seed(1)
+    w = nn.Parameter(torch.randn(4, 3))
+    g = torch.randn(4, 3)
+    w0 = w.detach().clone()
+    lr, eta, mu = 0.5, 0.05, 0.8
+    opt = LARS([w], lr=lr, momentum=mu, weight_decay=0.0, trust_coefficient=eta, nesterov=True)
+    for _ in range(2):
+        w.grad = g.clone()
+        opt.step()
+    d1 = lr * eta * w0.norm() / g.norm() * g
+    v1 = d1
+    w1 = w0 - (d1 + mu * v1)
+    d2 = lr * eta * w1.norm() / g.norm() * g
+    v2 = mu * v1 + d2
+    assert torch.allclose(w, w1 - (d2 + mu * v2), atol=1e-6)
+    with pytest.raises(ValueError, match="nesterov"):
+        LARS([w], momentum=0.0, nesterov=True)
+
+
 def test_layer_adaptation_exclusion_overridable() -> None:
     b = nn.Parameter(torch.ones(8))
     opt = LAMB([{"params": [b], "exclude_from_weight_decay": False,

@@ -1,12 +1,11 @@
 """Every optimizer trains gpt2-tiny on the shipped text to within 3 % of AdamW's validation loss
 with its documented hyperparameters (:mod:`scaletrain.techniques.optim.recipes`); LAMB and LARS at
-8x the batch, at equal samples seen, against small-batch AdamW.
+8x the batch, at equal samples seen, within 3 % of small-batch AdamW.
 
 Measured (2026-11-22, 2-core CPU): AdamW 2.479 at batch 16 x 200 steps; adam 2.479, adam8bit
-2.479, adamw8bit 2.479, adafactor 2.470, came 2.469, lamb 2.442, lars 2.525. Small-batch AdamW
-(batch 2 x 1600 steps) 2.432; at 8x batch (16 x 200) LAMB 2.442 (+0.4 %), LARS 2.525 (+3.8 %:
-it misses the 3 % target; see the recipes module — LARS trails Adam-type methods on
-transformers, which LAMB was made to fix). The LARS large-batch bound below is therefore 5 %.
+2.479, adamw8bit 2.479, adafactor 2.470, came 2.469, lamb 2.442. Small-batch AdamW (batch 2 x
+1600 steps) 2.432; at 8x batch (16 x 200) LAMB 2.442 (+0.4 %). LARS (2026-11-23 recipe: Nesterov,
+no decay, every tensor adapted) 2.474 (+1.7 %; the ImageNet-style recipe before it, +3.8 %).
 """
 
 import pytest
@@ -37,5 +36,5 @@ def test_every_optimizer_within_3_percent_of_adamw_and_large_batch_lamb_lars():
         assert v <= ref * 1.03, (name, v, ref)
     small = _val(SMALL + recipe("adamw"))
     assert vals["lamb"] <= small * 1.03, (vals["lamb"], small)
-    assert vals["lars"] <= small * 1.05, (vals["lars"], small)  # measured +3.8 %: see the module docstring
+    assert vals["lars"] <= small * 1.03, (vals["lars"], small)
     assert max(vals.values()) < 2.6 < 3.32  # all far below the byte-unigram entropy of the text

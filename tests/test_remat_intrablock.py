@@ -1,5 +1,6 @@
 """Intra-block rematerialization: ILP over a block's aten ops, executed by PyTorch SAC."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -101,3 +102,48 @@ def test_ilp_matches_brute_force_synthetic():
         a = plan_block(None, None, budget, ops=ops)
         b = brute_force_plan(ops, budget)
         assert abs(a.predicted_recompute_time_s - b.predicted_recompute_time_s) < 1e-9, budget
+
+
+# ---------------------------------------------------------------- `scaletrain remat --intra-block`
+
+def _cli(*argv):
+    from scaletrain.cli import main
+    return main(["remat", "--model", "gpt2-tiny", "--batch", "2", "--seq", "16", *argv])
+
+
+def test_cli_intra_block_json_measured_equals_predicted(capsys):
+    import json
+    assert _cli("--intra-block", "1", "--budget", "100KiB", "--measure", "--show-ops", "--json") == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["block"] == 1 and r["block_name"] == "h.0" and r["budget_bytes"] == 100 * 1024
+    assert 0 < r["budget_bytes"] < r["full_saved_bytes"]  # a budget that forces recomputation
+    assert 0 < r["candidate_ops"] <= r["traced_ops"]
+    assert isinstance(r["predicted_saved_bytes"], int) and isinstance(r["predicted_recompute_s"], float)
+    assert 0 < r["predicted_saved_bytes"] <= r["budget_bytes"]
+    assert r["predicted_recompute_s"] > 0
+    assert r["measured_saved_bytes"] == r["predicted_saved_bytes"]
+    assert r["grads_equal"] is True
+    assert len(r["kept_ops"]) == r["kept_op_count"] and all(o.startswith("aten.") for o in r["kept_ops"])
+
+
+def test_cli_intra_block_text_and_last_block(capsys):
+    assert _cli("--intra-block", "-1", "--budget", "0") == 0
+    out = capsys.readouterr().out
+    assert "block 5 (head) of 6" in out
+    for label in ("traced ops", "candidate ops", "saved, keep all", "predicted saved      0 B", "predicted recompute"):
+        assert label in out, out
+    assert "measured" not in out and "kept ops" not in out
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--intra-block", "6", "--budget", "1KiB"], "--intra-block 6 is out of range"),
+    (["--intra-block", "-7", "--budget", "1KiB"], "allowed 0..5 or -6..-1"),
+    (["--intra-block", "1", "--budget", "-1"], "--budget must be ≥ 0 bytes"),
+    (["--intra-block", "1", "--budget=-5KiB"], "--budget must be ≥ 0 bytes"),
+])
+def test_cli_intra_block_errors(capsys, argv, msg):
+    assert _cli(*argv) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert cap.out == "" and "\n" not in err and err.startswith("scaletrain: error:") and msg in err, err
+    assert "Traceback" not in err

@@ -3,7 +3,9 @@
 Plans each method on the model's estimated Profile (fake tensors, nothing allocated) and prints
 its predicted activation peak and time; ``--measure`` also runs one real step per method on
 this machine (CPU) and reports the measured peak (memory tracker), median step time and
-whether the gradients equal plain autograd's bitwise.
+whether the gradients equal plain autograd's bitwise. ``--intra-block K`` instead plans inside
+block K of the model's chain (an ILP over its aten ops, run by selective activation checkpointing:
+:mod:`scaletrain.techniques.remat.intrablock`) and reports its saved bytes and recompute cost.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ activation gradients and temporaries — not parameters, their gradients or opti
 examples:
   scaletrain remat --model gpt2-tiny --batch 4 --seq 64 --budget 8MiB
   scaletrain remat --model resnet-mini --batch 8 --budget 20MiB --methods optimal periodic --measure --json
+  scaletrain remat --model gpt2-tiny --batch 2 --seq 16 --intra-block 1 --budget 512KiB --measure --show-ops
+
+With --intra-block the budget is what block K may keep for backward beyond its input.
 """
 
 
@@ -38,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats with --measure (median kept)")
     p.add_argument("--show-ops", action="store_true", help="print each schedule's operations")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per method")
+    p.add_argument("--intra-block", type=int, default=None, metavar="K",
+                   help="plan inside block K of the model's chain instead (-1 = last; --budget: bytes the block "
+                        "may keep for backward beyond its input); --json then prints one object")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,9 +64,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"unknown model {args.model!r}; allowed: {', '.join(models.names())}")
     if args.batch < 1:
         raise UserError(f"--batch must be ≥ 1, got {args.batch}")
+    if args.budget.strip().startswith("-"):
+        raise UserError(f"--budget must be ≥ 0 bytes, got {args.budget!r}: give bytes or a size like 512KiB")
     budget = remat.parse_bytes(args.budget)
     if budget is None:
         raise UserError("--budget is empty: give bytes or a size like 1.5GiB")
+    if args.intra_block is not None:
+        return _intra_block(args, budget)
     meta_model = models.get(args.model, device="meta")
     meta_chain = to_chain(meta_model)
     with FakeTensorMode():
@@ -138,3 +150,89 @@ def _print_table(args, profile, graph, budget, lowest, rows) -> None:
         if args.show_ops and r.get("ops"):
             print(f"    {r['ops']}")
     print("pred time: predicted step time relative to no rematerialization (times estimated from FLOPs)")
+
+
+def _intra_block(args: argparse.Namespace, budget: int) -> int:
+    """``--intra-block K``: plan block K's SAC policy under ``budget``; with --measure, run it."""
+    import torch
+
+    from scaletrain import models
+    from scaletrain.chain import to_chain
+    from scaletrain.errors import UserError
+    from scaletrain.measure.step import autocast, make_batch
+    from scaletrain.measure.tracker import MemoryTracker
+    from scaletrain.techniques.remat.intrablock import apply_block_plan, plan_block, remove_block_plan, trace_block
+    from scaletrain.techniques.remat.measure_run import EXCLUDED, same_grads
+
+    torch.manual_seed(0)
+    model = models.get(args.model)
+    chain = to_chain(model)
+    n, k = len(chain), args.intra_block
+    if not -n <= k < n:
+        raise UserError(f"--intra-block {k} is out of range: {args.model} has {n} blocks "
+                        f"({', '.join(chain.names)}), allowed 0..{n - 1} or -{n}..-1 from the end")
+    k %= n
+    block = chain.blocks[k]
+    x, _ = make_batch(chain, args.batch, args.seq)
+    with torch.no_grad(), autocast(args.precision, "cpu"):
+        x = chain.run(x, 0, k)  # the block's input: the blocks before it applied to a batch
+    with autocast(args.precision, "cpu"):
+        ops = trace_block(block, x)
+    plan = plan_block(block, x, budget, time_limit=args.time_limit, ops=ops)
+    cand = [o for o in ops if o.candidate]
+    row = {"model": args.model, "block": k, "block_name": chain.names[k], "blocks": n, "batch": args.batch,
+           "seq": args.seq, "precision": args.precision, "budget_bytes": budget, "traced_ops": len(ops),
+           "candidate_ops": len(cand), "full_saved_bytes": sum(o.out_bytes for o in cand),
+           "predicted_saved_bytes": plan.predicted_saved_bytes, "kept_op_count": len(plan.kept),
+           "predicted_recompute_s": float(plan.predicted_recompute_time_s),
+           "predicted_recompute_flops": plan.predicted_recompute_flops,
+           "measured_saved_bytes": None, "measured_plain_saved_bytes": None, "grads_equal": None}
+    if args.show_ops:
+        row["kept_ops"] = [f"{o.key[0]}#{o.key[1]}" for o in ops if o.key in plan.kept]
+
+    def fwd(xx):
+        torch.manual_seed(1)  # same dropout masks in every run (checkpoint restores them on replay)
+        with autocast(args.precision, "cpu"):
+            return block(xx)
+
+    def grads():
+        block.zero_grad(set_to_none=True)
+        xx = x.detach().requires_grad_(x.is_floating_point())
+        (fwd(xx).float() ** 2).sum().backward()
+        return [p.grad for p in block.parameters()] + ([xx.grad] if x.is_floating_point() else [])
+
+    def saved():
+        with MemoryTracker(model=block, track_saved=False) as tr:
+            y = fwd(x.detach().requires_grad_(x.is_floating_point()))
+            keep, y = y.grad_fn, None  # drop the output, keep the graph: what survives is kept for backward
+            return sum(r.nbytes for r in tr.records if r.died is None and r.origin != "pre-existing"
+                       and r.category not in EXCLUDED)
+
+    if args.measure:
+        ref, row["measured_plain_saved_bytes"] = grads(), saved()
+        apply_block_plan(block, plan)
+        try:
+            row["measured_saved_bytes"], row["grads_equal"] = saved(), same_grads(grads(), ref)
+        finally:
+            remove_block_plan(block)
+    if args.json:
+        print(json.dumps(row))
+        return 0
+    unit = lambda v: next((f"{v / 2**e:.4g} {u}" for e, u in ((30, "GiB"), (20, "MiB"), (10, "KiB")) if v >= 2**e),
+                          f"{v} B")
+    b = lambda v: "-" if v is None else f"{v} B ({unit(v)})" if v >= 1024 else f"{v} B"
+    print(f"{args.model} block {k} ({chain.names[k]}) of {n}, batch {args.batch}"
+          f"{f', seq {args.seq}' if args.seq else ''}, {args.precision}: intra-block plan, budget {b(budget)}")
+    lines = [("traced ops", len(ops)), ("candidate ops", f"{len(cand)} ({len(plan.kept)} kept)"),
+             ("saved, keep all", b(row["full_saved_bytes"])), ("predicted saved", b(plan.predicted_saved_bytes)),
+             ("predicted recompute", f"{plan.predicted_recompute_time_s:.4g} s "
+                                     f"({plan.predicted_recompute_flops} FLOPs; cost model)")]
+    if args.measure:
+        lines += [("measured saved", b(row["measured_saved_bytes"])),
+                  ("measured, no remat", b(row["measured_plain_saved_bytes"])),
+                  ("grads equal", str(row["grads_equal"]).lower())]
+    for name, v in lines:
+        print(f"  {name:<20} {v}")
+    if args.show_ops:
+        print(f"  kept ops: {', '.join(row['kept_ops']) or '(none)'}")
+    return 0

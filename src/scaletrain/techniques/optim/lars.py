@@ -14,6 +14,10 @@ large-batch ImageNet recipes that use LARS (You et al. 2017; Goyal et al. 2017 f
 scaling rule) exclude them. Override per group with ``exclude_from_weight_decay`` /
 ``exclude_from_layer_adaptation``.
 
+Nesterov momentum (``nesterov=True``, as ``torch.optim.SGD`` and the LARS wrappers over it offer):
+the step is ``mu * v + lr * local_lr * (g + beta * w)`` with v already updated — the look-ahead
+of Sutskever et al. 2013 in SGD's form.
+
 State: fp32 momentum buffer (4 bytes/parameter) when momentum > 0, none otherwise.
 """
 
@@ -50,6 +54,7 @@ class LARS(DtypePreservingOptimizer):
         weight_decay: beta (default 5e-4, the paper's ImageNet setting).
         trust_coefficient: eta (default 0.001).
         eps: added to the local-lr denominator (default 0).
+        nesterov: Nesterov momentum (default False; needs momentum > 0).
         maximize: maximize the objective instead.
     """
 
@@ -64,6 +69,7 @@ class LARS(DtypePreservingOptimizer):
         eps: float = 0.0,
         exclude_from_weight_decay: bool | None = None,
         exclude_from_layer_adaptation: bool | None = None,
+        nesterov: bool = False,
         maximize: bool = False,
     ) -> None:
         check_nonneg("lr", float(lr))
@@ -71,8 +77,10 @@ class LARS(DtypePreservingOptimizer):
         check_nonneg("weight_decay", weight_decay)
         check_nonneg("trust_coefficient", trust_coefficient)
         check_nonneg("eps", eps)
+        if nesterov and momentum <= 0:
+            raise ValueError("LARS: nesterov needs momentum > 0")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                        trust_coefficient=trust_coefficient, eps=eps,
+                        trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
                         exclude_from_weight_decay=exclude_from_weight_decay,
                         exclude_from_layer_adaptation=exclude_from_layer_adaptation,
                         maximize=maximize)
@@ -130,7 +138,7 @@ class LARS(DtypePreservingOptimizer):
                 bufs.append(st["momentum_buffer"])
             torch._foreach_mul_(bufs, mu)
             torch._foreach_add_(bufs, d)
-            d = bufs
+            d = torch._foreach_add(d, bufs, alpha=mu) if group.get("nesterov", False) else bufs
         torch._foreach_sub_(xs, d)
         for p, x in zip(params, xs):
             if x is not p:

@@ -77,7 +77,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                           "weight_decay 0.01, bias_correction True, trust_clamp None"),
     "lars": OptimizerSpec(LARS, ("lr", "weight_decay", "momentum", "eps"), {},
                           "LARS (You et al. 2017); lr 0.1, momentum 0.9, weight_decay 5e-4, "
-                          "trust_coefficient 1e-3, eps 0"),
+                          "trust_coefficient 1e-3, eps 0, nesterov False"),
 }
 
 NAMES: tuple[str, ...] = tuple(OPTIMIZERS)

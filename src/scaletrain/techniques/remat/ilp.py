@@ -173,7 +173,7 @@ def _build(g: Graph, budget: int | None, persistent: bool):
                         m.row([(S[k, w], 1.0), (X[k, w, p], -1.0)], -np.inf, 0.0)
                     if k + 1 < N and any(s <= v(k + 1) for s in g.succs[w]):
                         m.row([(S[k, w], 1.0), (S[k + 1, w], -1.0)], -np.inf, 0.0)
-    return m, R, E, S, P, scale
+    return m, R, E, S, X, P, scale
 
 
 def ops_from_decisions(g: Graph, tape_stage: list[int], carry: list[set[int]]) -> list[Op]:
@@ -227,6 +227,61 @@ def ops_from_decisions(g: Graph, tape_stage: list[int], carry: list[set[int]]) -
     return ops
 
 
+def ops_from_solution(g: Graph, x: np.ndarray, R, E, S, X) -> list[Op] | None:
+    """Checkmate's own read-back: the MILP's solution op for op — stage k runs slot p's forward
+    as F^e if E[k,p], F^c if R[k,p], drops a plain copy where X falls to 0 after a slot, runs
+    B_{v_k}, and keeps into stage k+1 only the copies S[k+1] carries. Frees exactly where the
+    MILP's memory rows free, so its replayed peak is the MILP's. None if the rounded solution
+    is not a valid schedule (an LP relaxation)."""
+    N = len(g)
+    st = SimState(g)
+    ops: list[Op] = []
+    on = lambda j: x[j] > 0.5
+
+    def emit(op: Op) -> bool:
+        if st.check(op):
+            return False
+        st.step(op)
+        ops.append(op)
+        return True
+
+    def drop_unless(keep) -> None:
+        for w in sorted(st.plain):
+            if not keep(w) and not st.pinned(w):
+                emit(Op("Dp", w))
+
+    for k in range(N):
+        vk = N - 1 - k
+        for p in range(vk + 1):
+            if on(E[k, p]):
+                if not emit(Op("Fe", p)):
+                    return None
+            elif on(R[k, p]) and not st.available(p):
+                if not emit(Op("Fc", p)):
+                    return None
+            drop_unless(lambda w: w <= vk and on(X[k, w, p]))
+        if not emit(Op("B", vk)):
+            return None
+        drop_unless(lambda w: k + 1 < N and (k + 1, w) in S and on(S[k + 1, w]))
+    return ops
+
+
+def _readback(g: Graph, x: np.ndarray, R, E, S, X) -> list[Op]:
+    """The better of two read-backs of a MILP solution, replayed by the simulator (least peak,
+    then least time): the literal one (:func:`ops_from_solution`) and the one rebuilt from tape
+    stages and carried copies (:func:`ops_from_decisions`, which drops every copy right after its
+    last use and so never holds more, but recomputes in its own order). Either alone can miss:
+    the rebuilt one once peaked 1 B above a budget the MILP met (a skip-connection graph where
+    the MILP's order of recomputation mattered)."""
+    cands = [ops_from_decisions(g, *_decisions(g, x, E, S, 0.999))]
+    literal = ops_from_solution(g, x, R, E, S, X)
+    if literal is not None:
+        cands.append(literal)
+    reps = [simulate(g, ops) for ops in cands]
+    best = min(range(len(cands)), key=lambda i: (reps[i].peak_bytes, reps[i].time_s))
+    return cands[best]
+
+
 def _schedule(g: Graph, ops: list[Op], budget: int, **meta) -> Schedule:
     if g.is_chain:
         ops = canonical_chain_ops(g, ops)
@@ -247,7 +302,7 @@ def solve_ilp(graph: Graph, budget: int, time_limit: float = 30.0, persistent: b
     budget = int(budget)
     g = graph
     t0 = _time.perf_counter()
-    m, R, E, S, _, _ = _build(g, budget, persistent)
+    m, R, E, S, X, _, _ = _build(g, budget, persistent)
     res = m.solve(time_limit)
     if res.status == 2:  # infeasible
         lowest = min_budget_ilp(g, time_limit, persistent)
@@ -255,8 +310,7 @@ def solve_ilp(graph: Graph, budget: int, time_limit: float = 30.0, persistent: b
                         f"for method 'ilp'")
     if res.x is not None:
         # Carried copies forced by the MILP are 1; fractional ones are not needed (module doc).
-        tape_stage, carry = _decisions(g, res.x, E, S, 0.999)
-        return _schedule(g, ops_from_decisions(g, tape_stage, carry), budget, status=res.message,
+        return _schedule(g, _readback(g, res.x, R, E, S, X), budget, status=res.message,
                          optimal=bool(res.status == 0), milp_time_s=float(res.fun),
                          solve_s=_time.perf_counter() - t0, variables=len(m.lb))
     # No integral solution in time: round the LP relaxation.
@@ -278,9 +332,8 @@ def solve_ilp(graph: Graph, budget: int, time_limit: float = 30.0, persistent: b
 
 def min_budget_ilp(graph: Graph, time_limit: float = 30.0, persistent: bool = False) -> int:
     """Least peak (bytes) over the MILP's schedules, read back and replayed by the simulator."""
-    m, R, E, S, P, scale = _build(graph, None, persistent)
+    m, R, E, S, X, P, scale = _build(graph, None, persistent)
     res = m.solve(time_limit)
     if res.x is None:
         raise UserError(f"ilp could not find the minimum budget in {time_limit:g} s ({res.message})")
-    tape_stage, carry = _decisions(graph, res.x, E, S, 0.999)
-    return simulate(graph, ops_from_decisions(graph, tape_stage, carry)).peak_bytes
+    return simulate(graph, _readback(graph, res.x, R, E, S, X)).peak_bytes
