@@ -7,7 +7,7 @@ from torch import nn
 from scaletrain import models
 from scaletrain.measure.tracker import MemoryTracker
 from scaletrain.techniques.remat.intrablock import (
-    OpNode, apply_block_plan, brute_force_plan, plan_block, remove_block_plan, trace_block)
+    OpNode, apply_block_plan, brute_force_plan, plain_saved_bytes, plan_block, remove_block_plan, trace_block)
 from scaletrain.techniques.remat.measure_run import EXCLUDED
 
 
@@ -47,13 +47,15 @@ def _check_block(block, x):
     total = sum(o.out_bytes for o in ops if o.candidate)
     ref = _grads(block, x)
     times = []
-    for frac in (1.0, 0.6, 0.3, 0.1, 0.0):
+    everything = plan_block(None, None, total, ops=ops)  # the ILP alone: keeps every candidate
+    assert len(everything.kept) == sum(o.candidate for o in ops) and everything.predicted_recompute_flops == 0
+    plain = plain_saved_bytes(block, x)
+    assert plain == _saved_bytes(block, x) < total  # SAC's keep-all holds more than autograd would
+    for frac in (1.0, plain / total, 0.6, 0.3, 0.1, 0.0):
         budget = int(total * frac)
         plan = plan_block(block, x, budget, ops=ops)
         assert plan.predicted_saved_bytes <= budget
-        if frac == 1.0:
-            assert len(plan.kept) == sum(o.candidate for o in ops)
-            assert plan.predicted_recompute_flops == 0
+        assert plan.no_checkpoint == (budget >= plain)
         apply_block_plan(block, plan)
         try:
             got = _grads(block, x)
@@ -66,6 +68,8 @@ def _check_block(block, x):
         # kept) is the same storage as y and is subtracted on both sides
         last = [o for o in ops if o.candidate][-1]
         pred = plan.predicted_saved_bytes - (last.out_bytes if last.key in plan.kept else 0)
+        if plan.no_checkpoint:  # plain autograd: nothing recomputed, its own saved tensors kept
+            assert plan.predicted_recompute_flops == 0 and pred == plain
         assert measured == pred, (frac, measured, pred)
         times.append(plan.predicted_recompute_time_s)
     assert all(a <= b for a, b in zip(times, times[1:])), times
@@ -122,8 +126,17 @@ def test_cli_intra_block_json_measured_equals_predicted(capsys):
     assert 0 < r["predicted_saved_bytes"] <= r["budget_bytes"]
     assert r["predicted_recompute_s"] > 0
     assert r["measured_saved_bytes"] == r["predicted_saved_bytes"]
-    assert r["grads_equal"] is True
+    assert r["grads_equal"] is True and r["no_checkpoint"] is False
     assert len(r["kept_ops"]) == r["kept_op_count"] and all(o.startswith("aten.") for o in r["kept_ops"])
+
+
+def test_cli_intra_block_no_checkpoint_when_autograd_fits(capsys):
+    import json
+    assert _cli("--intra-block", "1", "--budget", "250KiB", "--measure", "--json") == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["measured_plain_saved_bytes"] <= r["budget_bytes"] < r["full_saved_bytes"]
+    assert r["no_checkpoint"] is True and r["predicted_recompute_s"] == 0.0 and r["grads_equal"] is True
+    assert r["measured_saved_bytes"] == r["predicted_saved_bytes"] == r["measured_plain_saved_bytes"]
 
 
 def test_cli_intra_block_text_and_last_block(capsys):

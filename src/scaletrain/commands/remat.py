@@ -184,6 +184,7 @@ def _intra_block(args: argparse.Namespace, budget: int) -> int:
            "seq": args.seq, "precision": args.precision, "budget_bytes": budget, "traced_ops": len(ops),
            "candidate_ops": len(cand), "full_saved_bytes": sum(o.out_bytes for o in cand),
            "predicted_saved_bytes": plan.predicted_saved_bytes, "kept_op_count": len(plan.kept),
+           "no_checkpoint": plan.no_checkpoint,
            "predicted_recompute_s": float(plan.predicted_recompute_time_s),
            "predicted_recompute_flops": plan.predicted_recompute_flops,
            "measured_saved_bytes": None, "measured_plain_saved_bytes": None, "grads_equal": None}
@@ -223,7 +224,8 @@ def _intra_block(args: argparse.Namespace, budget: int) -> int:
     b = lambda v: "-" if v is None else f"{v} B ({unit(v)})" if v >= 1024 else f"{v} B"
     print(f"{args.model} block {k} ({chain.names[k]}) of {n}, batch {args.batch}"
           f"{f', seq {args.seq}' if args.seq else ''}, {args.precision}: intra-block plan, budget {b(budget)}")
-    lines = [("traced ops", len(ops)), ("candidate ops", f"{len(cand)} ({len(plan.kept)} kept)"),
+    kept = "plain autograd fits the budget: no checkpoint" if plan.no_checkpoint else f"{len(plan.kept)} kept"
+    lines = [("traced ops", len(ops)), ("candidate ops", f"{len(cand)} ({kept})"),
              ("saved, keep all", b(row["full_saved_bytes"])), ("predicted saved", b(plan.predicted_saved_bytes)),
              ("predicted recompute", f"{plan.predicted_recompute_time_s:.4g} s "
                                      f"({plan.predicted_recompute_flops} FLOPs; cost model)")]

@@ -30,7 +30,11 @@ the MILP collapses to its stage-2 restriction::
     subject to Σ_i  b_i s_i ≤ budget        (saved bytes, the stage-2 start memory)
                s_i ∈ {0,1}, s_i = 0 for view/alias ops and ops with no tensor output
 
-solved with the same ``scipy.optimize.milp`` (HiGHS) builder as :mod:`ilp` (``ilp._Model``).
+solved with the same ``scipy.optimize.milp`` (HiGHS) builder as :mod:`ilp` (``ilp._Model``) —
+unless the block's own autograd already fits the budget (:func:`plain_saved_bytes`, from
+``saved_tensors_hooks``): then the plan is "no checkpoint", which recomputes nothing. SAC's cache
+may hold outputs plain autograd would not save (it keeps whatever the policy marks), so a budget
+between the plain bytes and the keep-everything bytes is best served by no checkpoint at all.
 The plan's kept ops get ``MUST_SAVE``, every other op ``PREFER_RECOMPUTE``. Gradients are those
 of the plain block (the replayed forward is the same computation; RNG state is preserved by
 checkpoint). ``predicted_saved_bytes`` = Σ b_i over kept ops: the storage the SAC cache holds
@@ -82,6 +86,9 @@ class BlockPlan:
     predicted_recompute_time_s: float
     status: str = ""
     meta: dict = field(default_factory=dict)
+    no_checkpoint: bool = False
+    """True when the block's own autograd fits the budget: plain autograd then keeps what it needs
+    and recomputes nothing, which no SAC plan beats (SAC replays every op it does not save)."""
 
 
 def _flop_registry():
@@ -141,6 +148,28 @@ def trace_block(block: nn.Module, example_input, peak_flops: float = PEAK_FLOPS,
     return rec.ops
 
 
+def plain_saved_bytes(block: nn.Module, example_input) -> int:
+    """Bytes plain autograd keeps for ``block``'s backward beyond its input and parameters: the
+    distinct storages of the tensors it saves (``saved_tensors_hooks``), one forward."""
+    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+    inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+                   for t in inputs)
+    skip = {t.untyped_storage().data_ptr() for t in (*inputs, *block.parameters(), *block.buffers())
+            if isinstance(t, torch.Tensor)}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(*inputs)
+    del out
+    return sum(seen.values())
+
+
 def _solve(ops: list[OpNode], budget: int, time_limit: float) -> tuple[set[int], str]:
     cand = [i for i, o in enumerate(ops) if o.candidate]
     if not cand:
@@ -171,12 +200,17 @@ def _plan_from(ops: list[OpNode], kept: set[int], budget: int, status: str = "")
 def plan_block(block: nn.Module, example_input, budget_bytes: int | str, time_limit: float = 30.0,
                ops: list[OpNode] | None = None) -> BlockPlan:
     """Least-recompute plan whose SAC cache holds ≤ ``budget_bytes`` (bytes or e.g. "2MiB";
-    see the module docstring). ``ops`` reuses a :func:`trace_block` result."""
+    see the module docstring). ``ops`` reuses a :func:`trace_block` result; with ``block=None``
+    (``ops`` given) the plan is the ILP's alone, without the no-checkpoint option."""
     if isinstance(budget_bytes, str):
         budget_bytes = parse_bytes(budget_bytes)
     if budget_bytes is None or budget_bytes < 0:
         raise UserError("plan_block needs a budget ≥ 0 bytes")
     ops = ops if ops is not None else trace_block(block, example_input)
+    plain = plain_saved_bytes(block, example_input) if block is not None else None  # None: ops only
+    if plain is not None and plain <= budget_bytes:  # no checkpoint at all: nothing recomputed
+        return BlockPlan(ops, int(budget_bytes), frozenset(), plain, 0, 0.0, "plain autograd fits",
+                         no_checkpoint=True)
     kept, status = _solve(ops, int(budget_bytes), time_limit)
     return _plan_from(ops, kept, int(budget_bytes), status)
 
@@ -209,7 +243,11 @@ def sac_policy(plan: BlockPlan):
 
 
 def apply_block_plan(block: nn.Module, plan: BlockPlan) -> nn.Module:
-    """Wrap ``block.forward`` so it runs under SAC with ``plan`` (returns ``block``)."""
+    """Wrap ``block.forward`` so it runs under SAC with ``plan`` (returns ``block``); a
+    ``no_checkpoint`` plan leaves the forward as it is."""
+    if plan.no_checkpoint:
+        remove_block_plan(block)
+        return block
     if getattr(block, "_intrablock_orig_forward", None) is None:
         block._intrablock_orig_forward = block.forward
     orig = block._intrablock_orig_forward
