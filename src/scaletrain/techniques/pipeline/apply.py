@@ -4,7 +4,9 @@
 ``parallel.virtual`` map one to one onto :func:`pipeline_runtime`'s arguments. The stage
 split is the memory-aware partitioner's (:func:`.partition.partition`) over the fake-tensor
 estimate of the model (:func:`scaletrain.measure.estimate.estimate_chain`: nothing allocated),
-or an equal-blocks split with ``balance="equal"``.
+or an equal-blocks split with ``balance="equal"``. ``parallel.tp`` > 1 shards the stages with
+tensor parallelism (:mod:`.tensor_parallel`): the split and the boundary specs are computed on the
+model before it is sharded.
 """
 
 from __future__ import annotations
@@ -57,19 +59,30 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
                      device: torch.device | str | None = None, timeout_s: float = 300.0, balance: str = "profile",
                      forward_context: Callable[[], ContextManager] | None = None,
                      record_events: bool = False, remat: str = "none", remat_budget: int | str | None = None,
-                     remat_precision: str = "fp32") -> PipelineRuntime:
+                     remat_precision: str = "fp32", tp: int = 1) -> PipelineRuntime:
     """Build the :class:`PipelineRuntime` for this process (call on every process of the job).
 
     ``micro_batch`` is samples per micro-batch: ``global_batch = dp × microbatches × micro_batch``.
     Events are off by default (recording adds a barrier per step and, on CUDA, a synchronize per pass).
     ``remat``, ``remat_budget``, ``remat_precision``: rematerialization inside every stage
-    (``memory.remat.*``; see :class:`PipelineRuntime`).
+    (``memory.remat.*``; see :class:`PipelineRuntime`). ``tp`` > 1: tensor parallelism inside
+    the stages over a (dp, pp, tp) mesh (world = dp × pp × tp; the model is sharded in place).
     """
     v = default_virtual(schedule, virtual)
     example = example_input(model, micro_batch, seq_len)
     bounds = stage_bounds(model, example, pp=pp, schedule=schedule, microbatches=microbatches, virtual=v,
                           loss_fn=loss_fn, balance=balance)
+    extra: dict = {}
+    if tp > 1:
+        from . import tensor_parallel as tpp
+        from .stage import boundary_specs
+
+        dev = torch.device(device) if device is not None else next(model.parameters()).device
+        extra["specs"] = boundary_specs(to_chain(model).blocks, bounds, example, dev)
+        extra["tp"] = tpp.setup(model, dp=dp, pp=pp, tp=tp, device_type=dev.type)
+        extra["backward_context"] = tpp.backward_context
+        loss_fn = tpp.vocab_parallel_loss(loss_fn)
     return PipelineRuntime(model, schedule, microbatches, pp=pp, dp=dp, virtual=v, bounds=bounds, loss_fn=loss_fn,
                            example_input=example, device=device, timeout_s=timeout_s, forward_context=forward_context,
                            record_events=record_events, remat=remat, remat_budget=remat_budget,
-                           remat_precision=remat_precision)
+                           remat_precision=remat_precision, **extra)

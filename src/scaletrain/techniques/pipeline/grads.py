@@ -12,7 +12,9 @@ so training stays exact:
   ``GRAD_SYNC`` of the stage that first uses them.
 
 Then every local gradient is averaged over the data-parallel replicas of the same pipeline rank.
-Layout: pipeline rank r of replica d is global rank ``ranks[r·dp + d]`` (pp outermost).
+Layout: pipeline rank r of replica d is global rank ``ranks[r·dp + d]`` (pp outermost). Under
+tensor parallelism (:mod:`.tensor_parallel`) each TP index has its own ``ranks``; collectives
+run on the local shards within one TP index, and every process creates every TP index's groups.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import p2p
 from .schedules import Schedule
+from .tensor_parallel import TPLayout, is_replicated, local
 
 
 def flat_collective(tensors: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], None]) -> None:
@@ -31,6 +35,7 @@ def flat_collective(tensors: Sequence[torch.Tensor], fn: Callable[[torch.Tensor]
     instead of one per tensor)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
+        t = local(t)  # a DTensor's shard (tensor parallelism): collectives run per TP index
         by_dtype.setdefault(t.dtype, []).append(t)
     for ts in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in ts])
@@ -46,6 +51,10 @@ def _materialise(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:  # type: ignore[attr-defined]
+            # e.g. the vocabulary-parallel embedding's weight gradient comes back Replicate(): keep
+            # the parameter's layout, so that every holder reduces the same local shard
+            p.grad = p.grad.redistribute(placements=p.placements)  # type: ignore[attr-defined]
     return [p.grad for p in params]
 
 
@@ -54,8 +63,10 @@ class ParamPlan:
     rank's share, and the gradient reductions (collectives bounded by the transport's timeout)."""
 
     def __init__(self, blocks: nn.ModuleList, bounds: list[int], sched: Schedule, ranks: Sequence[int],
-                 pp_rank: int, dp_rank: int, dp: int, transport: p2p.Transport, timeout_s: float):
+                 pp_rank: int, dp_rank: int, dp: int, transport: p2p.Transport, timeout_s: float,
+                 tp: TPLayout | None = None):
         self.ranks, self.pp, self.pp_rank, self.dp_rank, self.dp = list(ranks), sched.n_ranks, pp_rank, dp_rank, dp
+        self.tp = tp
         self.transport, self.timeout_s = transport, timeout_s
         S = sched.n_stages
         stage_of_block = [s for s in range(S) for _ in range(bounds[s], bounds[s + 1])]
@@ -98,20 +109,24 @@ class ParamPlan:
         self.dp_ranks = tuple(sorted(self.global_rank(pp_rank, d) for d in range(dp)))
         self._make_groups()
 
-    def global_rank(self, pp_rank: int, dp_rank: int | None = None) -> int:
-        return self.ranks[pp_rank * self.dp + (self.dp_rank if dp_rank is None else dp_rank)]
+    def global_rank(self, pp_rank: int, dp_rank: int | None = None, ranks: Sequence[int] | None = None) -> int:
+        return (self.ranks if ranks is None else ranks)[pp_rank * self.dp + (self.dp_rank if dp_rank is None
+                                                                             else dp_rank)]
 
     def group(self, ranks: Sequence[int]) -> Any:
         return p2p.group(ranks, self.timeout_s)
 
     def _make_groups(self) -> None:
-        """Create every group of the layout, in one canonical order on every process (p2p.group)."""
-        wanted = [self.mesh_ranks]
-        wanted += [tuple(sorted(self.global_rank(r, d) for r in range(self.pp))) for d in range(self.dp)]
-        wanted += [tuple(sorted(self.global_rank(r, d) for d in range(self.dp))) for r in range(self.pp)]
-        for d in range(self.dp):
-            for h in sorted({h for h in self.holders if len(h) > 1}):
-                wanted.append(tuple(sorted(self.global_rank(r, d) for r in h)))
+        """Create every group of the layout, in one canonical order on every process (p2p.group);
+        under tensor parallelism those of every TP index's pipeline."""
+        wanted = []
+        for L in (self.tp.layouts if self.tp is not None else [self.ranks]):
+            wanted.append(tuple(sorted(L)))
+            wanted += [tuple(sorted(self.global_rank(r, d, L) for r in range(self.pp))) for d in range(self.dp)]
+            wanted += [tuple(sorted(self.global_rank(r, d, L) for d in range(self.dp))) for r in range(self.pp)]
+            for d in range(self.dp):
+                for h in sorted({h for h in self.holders if len(h) > 1}):
+                    wanted.append(tuple(sorted(self.global_rank(r, d, L) for r in h)))
         for g in wanted:
             if len(g) > 1:
                 self.group(g)
@@ -141,6 +156,7 @@ class ParamPlan:
     def reduce(self) -> None:
         """Before an update: sum shared parameters' gradients over their holders, then average
         every gradient over the data-parallel replicas."""
+        _materialise([p for p in self.params if p.grad is not None])  # TP: gradients in their parameter's layout
         for h, ts in self.tied:
             g = self.group([self.global_rank(r) for r in h])
             flat_collective(_materialise(ts), lambda f: self.transport.all_reduce(
@@ -157,19 +173,23 @@ class ParamPlan:
     def clip_(self, max_norm: float) -> float:
         """Clip the global gradient norm (L2 over all stages, shared parameters counted once) to
         ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does (coefficient max_norm / (norm +
-        1e-6), at most 1); returns the norm before clipping. Collective over the replica."""
+        1e-6), at most 1); returns the norm before clipping. Collective over the replica (and its
+        TP groups: sharded parameters' squares summed over TP, replicated ones counted once)."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.transport.device)
+        tp_rank = self.tp.tp_rank if self.tp is not None else 0
         for p in self.owned:
-            if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum()
+            if p.grad is not None and (tp_rank == 0 or not is_replicated(p)):
+                sq += local(p.grad).detach().double().pow(2).sum()
         if self.pp > 1:
             self.transport.all_reduce(sq, self.group(self.replica_ranks), "gradient-norm all-reduce")
+        if self.tp is not None and self.tp.tp > 1:
+            self.transport.all_reduce(sq, self.tp.tp_group, "gradient-norm all-reduce over tensor parallelism")
         norm = float(sq.sqrt())
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for p in self.params:
                 if p.grad is not None:
-                    p.grad.detach().mul_(coef)
+                    local(p.grad).detach().mul_(coef)
         return norm
 
     def sync_full_model(self) -> None:

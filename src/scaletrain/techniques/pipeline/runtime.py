@@ -20,7 +20,9 @@ loss over the global batch, as in one-process training.
 
 Layout (pp × dp = the world): the processes form a 2-D mesh with pp outermost, as in Megatron
 and torchtitan: pipeline rank r of data-parallel replica d is ``ranks[r * dp + d]`` (``ranks``
-defaults to 0..world-1; another order of the world may be given).
+defaults to 0..world-1; another order of the world may be given). Under tensor parallelism
+(``tp``, :mod:`.tensor_parallel`) the world is dp × pp × tp and each TP index runs its own
+pp × dp pipeline over ``tp.layouts[t]`` on its shards of the stages.
 Every replica runs the same schedule on its own micro-batches; gradients of a stage are
 all-reduced across its dp replicas at ``OPT``.
 
@@ -55,6 +57,7 @@ from .schedules import (ASYNC_SCHEDULES, GRAD_SYNC, OPT, RECV_B, RECV_F, SEND_B,
                         overtaken)
 from .simulate import Event
 from .stage import Replica, TensorSpec, boundary_specs, check_bounds, stage_remat
+from .tensor_parallel import TPLayout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -114,6 +117,10 @@ class PipelineRuntime:
     inside every stage, one schedule per stage (:func:`.stage.stage_remat`, planned on the
     fake-tensor estimate at ``remat_precision`` with ``example_target``, under ``remat_budget``
     per micro-batch and stage); not with split backward (zb1p) or weight stashing.
+    ``tp``: tensor parallelism inside the stages (:class:`.tensor_parallel.TPLayout`; the chain
+    already sharded, ``ranks`` this TP index's order); ``specs`` then gives the boundary specs
+    (computed on the model before sharding); ``backward_context`` is entered around the last
+    stage's backward (``loss_parallel`` for the vocabulary-parallel loss).
     """
 
     def __init__(self, chain: Chain | nn.Module, schedule: str, microbatches: int, *, pp: int, dp: int = 1,
@@ -122,23 +129,30 @@ class PipelineRuntime:
                  ranks: Sequence[int] | None = None, timeout_s: float = 300.0, p2p_mode: str = "auto",
                  record_events: bool = True, forward_context: Callable[[], ContextManager] | None = None,
                  remat: str = "none", remat_budget: int | str | None = None, remat_precision: str = "fp32",
-                 example_target: torch.Tensor | None = None):
+                 example_target: torch.Tensor | None = None, tp: TPLayout | None = None,
+                 specs: Sequence[TensorSpec] | None = None,
+                 backward_context: Callable[[], ContextManager] | None = None):
         if not dist.is_initialized():
             raise UserError("the pipeline runtime needs torch.distributed initialised (run under torchrun)")
         self.chain = to_chain(chain)
         self.name, self.M, self.pp, self.dp, self.virtual = schedule, int(microbatches), int(pp), int(dp), int(virtual)
         self.loss_fn = loss_fn
         self.forward_context = forward_context or contextlib.nullcontext
+        self.backward_context = backward_context or contextlib.nullcontext
         self.timeout_s = float(timeout_s)
         self.record_events = record_events
         self.asynchronous = schedule in ASYNC_SCHEDULES
         world = dist.get_world_size()
-        world_ranks = list(ranks) if ranks is not None else list(range(world))
-        if world != self.pp * self.dp:
-            raise UserError(f"pipeline layout parallel.pp={pp} × parallel.dp={dp} needs {pp * dp} processes; "
-                            f"this job has {world}")
-        if sorted(world_ranks) != list(range(world)):
-            raise UserError(f"pipeline ranks must order all {world} processes; got {world_ranks}")
+        self.tp = tp
+        T = tp.tp if tp is not None else 1
+        world_ranks = list(ranks) if ranks is not None else (tp.ranks if tp is not None else list(range(world)))
+        if world != self.pp * self.dp * T:
+            raise UserError(f"pipeline layout parallel.pp={pp} × parallel.dp={dp} × parallel.tp={T} needs "
+                            f"{pp * dp * T} processes; this job has {world}")
+        every = [list(L) for L in tp.layouts] if tp is not None else [world_ranks]
+        if (sorted(r for L in every for r in L) != list(range(world)) or any(len(L) != pp * dp for L in every)
+                or world_ranks not in every):
+            raise UserError(f"pipeline ranks must order all {world} processes; got {every}")
         self.global_rank = dist.get_rank()
         self.ranks = world_ranks
         idx = world_ranks.index(self.global_rank)
@@ -158,9 +172,11 @@ class PipelineRuntime:
         self.n_stages = sched.n_stages
         self.bounds = check_bounds(list(bounds) if bounds is not None else equal_bounds(len(self.chain), self.n_stages),
                                    len(self.chain), self.n_stages)
-        self.specs: list[TensorSpec] = boundary_specs(self.chain.blocks, self.bounds, example_input, self.device)
+        self.specs: list[TensorSpec] = (list(specs) if specs is not None else
+                                        boundary_specs(self.chain.blocks, self.bounds, example_input, self.device))
         self.transport = p2p.Transport(self.global_rank, self.timeout_s, self.device, use_tags=p2p_mode == "eager",
-                                       label=f"pipeline {schedule} (pipeline rank {self.pp_rank}, dp {self.dp_rank})")
+                                       label=f"pipeline {schedule} (pipeline rank {self.pp_rank}, dp {self.dp_rank}"
+                                             + (f", tp {tp.tp_rank})" if tp is not None else ")"))
         self.replicas: dict[tuple[int, int], Replica] = {}
         for pipe, s in sched.local_stages(self.pp_rank):
             mod = nn.Sequential(*self.chain.blocks[self.bounds[s]:self.bounds[s + 1]])
@@ -181,7 +197,7 @@ class PipelineRuntime:
                 self.remat_schedules[s] = plans[s]
                 rep.remat = RematChain(Chain(list(rep.module)), plans[s])
         self.plan = ParamPlan(self.chain.blocks, self.bounds, sched, self.ranks, self.pp_rank, self.dp_rank,
-                              self.dp, self.transport, self.timeout_s)
+                              self.dp, self.transport, self.timeout_s, tp=tp)
         self.plan.broadcast_replicated()
         blocks = {id(b): b for rep in self.replicas.values() for b in rep.module}
         self.module = nn.ModuleList(blocks.values())
@@ -448,7 +464,8 @@ class PipelineRuntime:
             grad = self._local_bwd.pop((a.pipe, a.stage, a.mb))
         else:
             grad = rep.grad_out.pop(a.mb)
-        rep.backward(a.mb, out, grad)
+        with self.backward_context() if rep.last else contextlib.nullcontext():
+            rep.backward(a.mb, out, grad)
         x = rep.inputs.pop(a.mb)
         if not rep.first:
             gx = x.grad if x.grad is not None else torch.zeros_like(x)

@@ -35,12 +35,18 @@ weights its forward used, older than the latest). A checkpoint holds the live we
 optimizer state; micro-batches in flight at the cut are not in it, so a resumed run restarts the
 stream (warm-up) from the checkpoint.
 
+Tensor parallelism inside the stages (``parallel.tp`` > 1, :mod:`.tensor_parallel`): world =
+dp × pp × tp, every stage's blocks Megatron-sharded over its TP group, the vocabulary-parallel
+loss on the last stage; checkpoints stay in the single-process layout (shards gathered, the fused
+QKV rows un-permuted; sharded back on load). Refused with TP: sequence parallelism, context and
+expert parallelism, rematerialization, precision other than fp32.
+
 Supported: every schedule, fp32 and bf16;
 ``memory.remat.method`` / ``memory.remat.budget`` run a rematerialization schedule inside every
 stage (:func:`.stage.stage_remat`; the budget is per stage and micro-batch) with the unsplit
 synchronous schedules. Refused with a one-line :class:`~scaletrain.errors.ConfigError` naming
 the key (see :func:`check_config`): fp16 (per-stage loss scaling would skip steps on some stages only),
-ZeRO > 0 and gradient compression, tensor/context/expert parallelism, rematerialization with
+ZeRO > 0 and gradient compression, context/expert parallelism, rematerialization with
 zb1p or the asynchronous schedules, offloading and activation compression inside the stages.
 """
 
@@ -68,12 +74,21 @@ def check_config(cfg: Any, microbatches: int, *, offload: bool = False, device_t
     ``device_type`` the training device's ("cuda": NCCL, whose point-to-point ignores tags)."""
     p, mem = cfg.parallel, cfg.memory
     head = f"parallel.pp={p.pp}"
-    for key in ("tp", "cp", "ep"):
+    for key in ("cp", "ep"):
         if getattr(p, key) > 1:
             raise ConfigError(f"{head} with parallel.{key}={getattr(p, key)} is not supported yet; allowed with a "
-                              f"pipeline: parallel.tp=1, parallel.cp=1, parallel.ep=1")
+                              f"pipeline: parallel.tp >= 1 with parallel.cp=1, parallel.ep=1")
     if getattr(p, "sequence_parallel", False):
-        raise ConfigError(f"{head} with parallel.sequence_parallel=true is not supported yet; allowed: false")
+        raise ConfigError(f"{head} with parallel.sequence_parallel=true is not supported yet; allowed: false "
+                          f"(parallel.tp runs inside the stages without sequence parallelism)")
+    if p.tp > 1:
+        tp_head = f"{head} with parallel.tp={p.tp}"
+        if mem.remat.method != "none":
+            raise ConfigError(f"{tp_head} and memory.remat.method={mem.remat.method} is not supported yet; "
+                              f"allowed: memory.remat.method=none")
+        if cfg.train.precision != "fp32":
+            raise ConfigError(f"{tp_head} and train.precision={cfg.train.precision} is not supported yet; "
+                              f"allowed: fp32")
     if p.zero:
         raise ConfigError(f"{head} with parallel.zero={p.zero} is not supported; allowed: parallel.zero=0 (the "
                           f"pipeline averages each stage's gradients over its data-parallel replicas itself)")
@@ -143,6 +158,7 @@ class PipelineStrategy(Strategy):
                 self._full_group[len(self._full_index)] = g
                 self._full_index[id(p)] = len(self._full_index)
         self._full_groups = len(groups)
+        self._names = {id(p): n for n, p in model.named_parameters()}
 
     @classmethod
     def from_trainer(cls, trainer: Any) -> "PipelineStrategy":
@@ -157,10 +173,16 @@ class PipelineStrategy(Strategy):
 
             n_blocks = len(to_chain(trainer.model))
             example_input(trainer.model, trainer.micro_batch, seq)
+            if p.tp > 1:  # before any collective: every rank refuses alike
+                from scaletrain.techniques.tensor_parallel import _check_model
+
+                _check_model(trainer.model, p.tp)
         except ConfigError:
             raise
         except UserError as e:
-            raise ConfigError(f"parallel.pp={p.pp} needs a model cut into blocks with an input_spec: {e}") from None
+            what = "a GPT-2 model whose heads and vocabulary parallel.tp divides" if p.tp > 1 else \
+                "a model cut into blocks with an input_spec"
+            raise ConfigError(f"parallel.pp={p.pp} needs {what}: {e}") from None
         if callable(getattr(trainer.model, "aux_loss", None)):
             raise ConfigError(f"parallel.pp={p.pp} with {trainer.model_name}, whose auxiliary loss (mixture-of-experts "
                               f"load balancing) spans all stages, is not supported yet; allowed: parallel.pp=1")
@@ -173,7 +195,7 @@ class PipelineStrategy(Strategy):
                                   loss_fn=trainer.loss_fn, seq_len=seq, virtual=v, device=trainer.device,
                                   timeout_s=p.timeout_s, balance=p.balance, forward_context=trainer.autocast,
                                   remat=cfg.memory.remat.method, remat_budget=cfg.memory.remat.budget or None,
-                                  remat_precision=cfg.train.precision)
+                                  remat_precision=cfg.train.precision, tp=p.tp)
         except ConfigError:
             raise
         except UserError as e:
@@ -271,7 +293,7 @@ class PipelineStrategy(Strategy):
             with trainer.autocast():
                 h = rt.replicas[(0, s)].module(h)
             if s == S - 1:
-                loss = float(trainer.loss_fn(h, y)) * len(y)
+                loss = float(rt.loss_fn(h, y)) * len(y)  # vocabulary-parallel under TP
                 correct = int((h.argmax(-1) == y).sum()) if trainer.task != "lm" else 0
                 result = torch.tensor([loss, correct, len(y)], dtype=torch.float64, device=rt.device)
             else:
@@ -294,9 +316,18 @@ class PipelineStrategy(Strategy):
     def model_state_dict(self) -> dict[str, Any]:
         """The whole model (single-process layout), current on every rank. Collective."""
         self.runtime.sync_full_model()
+        if self.runtime.tp is not None:
+            from scaletrain.techniques.tensor_parallel import full_state_dict
+
+            return full_state_dict(self.model)  # collective over the TP group
         return self.model.state_dict()
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        if self.runtime.tp is not None:  # this rank's TP shards of every tensor
+            from .tensor_parallel import load_full_state
+
+            load_full_state(self.model, state)
+            return
         self.model.load_state_dict(state)  # every rank loads the whole model; stages share its tensors
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -304,14 +335,18 @@ class PipelineStrategy(Strategy):
         rt = self.runtime
         mine: dict[str, Any] | None = None
         if rt.dp_rank == 0:  # replicas hold equal states: one copy per stage suffices
+            from .tensor_parallel import gather_full
+
             sd = optimizer.state_dict()
             local = [p for g in optimizer.param_groups for p in g["params"]]
-            state = {self._full_index[id(local[i])]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+            # TP: DTensor states gathered to full tensors (collective over the TP group)
+            state = {self._full_index[id(local[i])]: {k: gather_full(self.model, self._names[id(local[i])], v).cpu()
+                                                      if torch.is_tensor(v) else v for k, v in st.items()}
                      for i, st in sd["state"].items()}
             hyper = {self._full_group[self._full_index[id(g["params"][0])]]:
                      {k: v for k, v in gsd.items() if k != "params"}
                      for g, gsd in zip(optimizer.param_groups, sd["param_groups"]) if g["params"]}
-            mine = {"state": state, "hyper": hyper}
+            mine = {"state": state, "hyper": hyper} if rt.tp is None or rt.tp.tp_rank == 0 else None
         parts: list[Any] = [None] * self.world
         with LEDGER.paused():
             dist.all_gather_object(parts, mine)
@@ -343,10 +378,19 @@ class PipelineStrategy(Strategy):
             full = [self._full_index[id(p)] for p in g["params"]]
             src = group_of[full[0]] if full else {}
             new_groups.append({**{k: v for k, v in src.items() if k != "params"}, "params": gsd["params"]})
-            for li, fi in zip(gsd["params"], full):
-                if fi in state["state"]:
-                    new_state[li] = state["state"][fi]
+            for li, fi, p in zip(gsd["params"], full, g["params"]):
+                if fi in state["state"]:  # TP: full parameter-shaped states sharded as the parameter
+                    new_state[li] = {k: self._shard_state(p, v) for k, v in state["state"][fi].items()}
         optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+
+    def _shard_state(self, p: torch.Tensor, v: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(p, DTensor) or not torch.is_tensor(v) or tuple(v.shape) != tuple(p.shape):
+            return v
+        from .tensor_parallel import shard_full
+
+        return shard_full(self.model, self._names[id(p)], p, v)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict[str, Any]:
@@ -357,7 +401,8 @@ class PipelineStrategy(Strategy):
     def describe(self) -> str:
         rt = self.runtime
         virt = f" ({rt.virtual} per rank, {rt.n_stages} in all)" if rt.virtual > 1 else ""
-        return (f"pipeline {rt.name} over {rt.pp} stages{virt} x {rt.dp} dp, {rt.M} micro-batches, "
+        tp = f" x {rt.tp.tp} tp" if rt.tp is not None else ""
+        return (f"pipeline {rt.name} over {rt.pp} stages{virt} x {rt.dp} dp{tp}, {rt.M} micro-batches, "
                 f"block bounds {list(rt.bounds)}")
 
     def close(self) -> None:

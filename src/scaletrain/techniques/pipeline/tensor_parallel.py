@@ -1,0 +1,148 @@
+"""Tensor parallelism inside pipeline stages (TP × PP, optionally × DP): the glue.
+
+Layout. ``world = dp · pp · tp`` processes on a (dp, pp, tp) DeviceMesh, tp innermost (Megatron's
+placement: a stage's TP ranks are neighbours): global rank ``(d·P + p)·T + t``. Every process
+builds the whole model and :func:`~scaletrain.techniques.tensor_parallel.apply_tensor_parallel`
+shards *all* of it over its TP group before the runtime cuts it into stages (simple and exact;
+each process holds the TP shards of every block, not just of its stages' — memory the runtime
+never touches, acceptable for now).
+
+Each TP index ``t`` runs its own pp × dp pipeline over the ranks with that index
+(:func:`layouts`), with the runtime's usual ``ranks[r·dp + d]`` order: a stage's boundary
+activation is replicated over its TP group (no sequence parallelism), so every TP rank sends its
+own copy to the same-index rank of the next stage. Collectives of the pipeline (tied ``wte``
+gradient between first and last stage, data-parallel all-reduce and initial broadcast, Chimera's
+GRAD_SYNC, checkpoint broadcasts) run on the local shards (``to_local()``) within one TP index;
+the gradient norm sums sharded parameters' squares over the TP group and counts replicated ones
+once (:meth:`.grads.ParamPlan.clip_`). The last stage's loss is the vocabulary-parallel
+cross-entropy under ``loss_parallel`` (forward and backward), the logits never gathered.
+
+Checkpoints stay in the single-process layout: shards gathered (fused QKV rows un-permuted) on
+save, a full state sharded back on load (:func:`load_full_state`, :func:`shard_full`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """This process's place in the (dp, pp, tp) mesh, as the pipeline runtime needs it."""
+
+    tp: int
+    tp_rank: int
+    tp_group: Any
+    """The process group of this rank's TP peers (same dp and pp index)."""
+    layouts: tuple[tuple[int, ...], ...]
+    """One pipeline rank order per TP index (``ranks[r·dp + d]``); ``layouts[tp_rank]`` is this rank's."""
+    mesh: Any = None
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.layouts[self.tp_rank])
+
+
+def layouts(dp: int, pp: int, tp: int) -> tuple[tuple[int, ...], ...]:
+    """Pipeline rank orders of the ``tp`` pipelines: global rank ``(d·pp + r)·tp + t`` at position
+    ``r·dp + d`` of pipeline ``t``."""
+    return tuple(tuple((d * pp + r) * tp + t for r in range(pp) for d in range(dp)) for t in range(tp))
+
+
+def setup(model: nn.Module, *, dp: int, pp: int, tp: int, device_type: str = "cpu") -> TPLayout:
+    """Build the (dp, pp, tp) mesh over the initialised world and shard ``model`` (whole, in place)
+    over its TP dimension. Collective over the world; every process passes the same weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from scaletrain.techniques.tensor_parallel import apply_tensor_parallel
+
+    mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    tp_mesh = mesh["tp"]
+    apply_tensor_parallel(model, tp_mesh)
+    return TPLayout(tp, tp_mesh.get_local_rank(), tp_mesh.get_group(), layouts(dp, pp, tp), mesh)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (sharing storage), other tensors as they are."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def is_replicated(t: torch.Tensor) -> bool:
+    """True for plain tensors and DTensors replicated over every mesh dimension."""
+    return not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements)
+
+
+def vocab_parallel_loss(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` on vocabulary-sharded logits under ``loss_parallel``, returned as a plain scalar
+    (its backward must run under :func:`backward_context` too)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with loss_parallel():
+            return local(loss_fn(out, y))
+
+    return loss
+
+
+def backward_context() -> contextlib.AbstractContextManager:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+# --------------------------------------------------------------------------- single-process layout
+def _qkv_perm(model: nn.Module, name: str) -> torch.Tensor | None:
+    from scaletrain.techniques.tensor_parallel import qkv_permutation, tp_info
+
+    info = tp_info(model)
+    if info is None or not (name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias")):
+        return None
+    return qkv_permutation(model.config.n_embd, model.config.n_head, info.tp)
+
+
+def shard_full(model: nn.Module, name: str, like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The value of ``like`` (parameter ``name`` of the TP model, or its optimizer state) from a
+    single-process-layout ``full``: rows permuted for the fused QKV, this rank's shard taken; a
+    DTensor with ``like``'s placements when ``like`` is one."""
+    if not isinstance(like, DTensor):
+        return full
+    perm = _qkv_perm(model, name)
+    if perm is not None:
+        full = full[perm]
+    mesh = like.device_mesh
+    for dim, pl in enumerate(like.placements):
+        if pl.is_shard():
+            full = full.chunk(mesh.size(dim), dim=pl.dim)[mesh.get_local_rank(dim)]
+    return DTensor.from_local(full.to(like.device).contiguous(), mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def gather_full(model: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`shard_full` (collective over the TP group when ``t`` is a DTensor)."""
+    if not isinstance(t, DTensor):
+        return t
+    full = t.full_tensor()
+    perm = _qkv_perm(model, name)
+    return full[torch.argsort(perm)] if perm is not None else full
+
+
+@torch.no_grad()
+def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a single-process-layout model state into the TP model (this rank's shards)."""
+    own = model.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise KeyError(f"state dict keys differ: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, t in own.items():
+        full = state[name]
+        if tuple(full.shape) != tuple(t.shape):
+            raise RuntimeError(f"size mismatch for {name}: checkpoint {tuple(full.shape)}, model {tuple(t.shape)}")
+        local(t).copy_(local(shard_full(model, name, t, full.to(t.dtype))))

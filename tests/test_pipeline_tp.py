@@ -1,0 +1,120 @@
+"""Tensor parallelism inside pipeline stages (``parallel.pp`` × ``parallel.tp``, × dp) trains like one process.
+
+* no processes: what TP × PP refuses is a one-line ConfigError naming the key and what is allowed;
+  the rank layout (tp innermost) partitions the world;
+* gloo, 4 processes (slow): ``parallel.pp=2 parallel.tp=2`` with 1f1b and 4 micro-batches on a
+  small gpt2-tiny — the same losses, validation loss, gradient norm (clipping on), final
+  parameters (gathered to the single-process layout) and SGD momentum (renumbered, gathered) as
+  a one-process Trainer; then a run resumed at step 2 from the one-process checkpoint (model and
+  momentum sharded back) continues with the one-process losses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.errors import ConfigError
+from scaletrain.techniques.pipeline.strategy import check_config
+from scaletrain.techniques.pipeline.tensor_parallel import layouts
+from scaletrain.testing import run_distributed
+from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.config import load_config
+
+# SGD for parameter parity (see tests/test_pipeline_train.py: Adam amplifies round-off-level gradients)
+TINY = ["model.overrides.n_layer=2", "model.overrides.n_embd=32", "model.overrides.n_head=2", "data.seq_len=32",
+        "data.name=synthetic-text", "train.global_batch=8", "train.eval_batches=2", "train.log_every=1",
+        "optim.warmup_steps=1", "train.steps=4", "train.eval_every=0", "train.progress=off",
+        "train.checkpoint_every=2", "optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0.5"]
+M = 4
+
+
+def pp_tp_cfg(*extra: str):
+    return load_config(None, TINY + ["parallel.pp=2", "parallel.tp=2", "parallel.schedule=1f1b",
+                                     f"parallel.microbatches={M}", *extra])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+
+
+def _quiet(s: str) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------- no processes
+@pytest.mark.parametrize("extra, needle", [
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true is not supported yet; allowed: false"),
+    (["parallel.cp=2"], "parallel.cp=2 is not supported yet"),
+    (["memory.remat.method=periodic"], "allowed: memory.remat.method=none"),
+    (["train.precision=bf16"], "parallel.tp=2 and train.precision=bf16 is not supported yet; allowed: fp32"),
+])
+def test_tp_with_pp_refusals_are_one_line(extra, needle):
+    with pytest.raises(ConfigError) as e:
+        check_config(pp_tp_cfg(*extra), M)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_tp_with_pp_is_accepted():
+    check_config(pp_tp_cfg(), M)
+    check_config(pp_tp_cfg("parallel.schedule=interleaved"), M)
+
+
+def test_layouts_put_tp_innermost_and_cover_the_world():
+    L = layouts(2, 2, 2)  # (dp, pp, tp): global rank (d·pp + p)·tp + t at position p·dp + d
+    assert L == ((0, 4, 2, 6), (1, 5, 3, 7))
+    assert sorted(r for x in L for r in x) == list(range(8))
+
+
+# --------------------------------------------------------------------------- processes
+def reference(out_dir):
+    from scaletrain.train.trainer import Trainer
+
+    t = Trainer(load_config(None, TINY + [f"train.micro_batch={8 // M}"]), out_dir, log=_quiet)
+    res = t.fit()
+    out = (res.losses, res.val_loss, t._grad_norm, {k: v.clone() for k, v in t.model.state_dict().items()},
+           t.optimizer.state_dict())
+    t.close()
+    return out
+
+
+def _worker(rank: int, world: int, one_dir: str, extra: list[str]) -> dict:
+    from scaletrain.train.trainer import Trainer
+
+    t = Trainer(pp_tp_cfg(*extra), None, log=_quiet)
+    res = t.fit()
+    out = {"run": (res.losses, res.val_loss, t._grad_norm, t.parallel.model_state_dict(),
+                   t.parallel.optimizer_state_dict(t.optimizer), t.parallel.describe())}
+    t.close()
+    t = Trainer(pp_tp_cfg(*extra), None, log=_quiet)  # resume at step 2 from the one-process checkpoint
+    t.load_state_dict(ckpt.load(ckpt.checkpoint_path(Path(one_dir) / "checkpoints", 2)))
+    out["resumed"] = t.fit().losses
+    t.close()
+    return out
+
+
+def check(results: list[dict], ref, how: str) -> None:
+    ref_losses, ref_val, ref_norm, ref_params, ref_opt = ref
+    for rank, res in enumerate(results):
+        losses, val, norm, params, opt, desc = res["run"]
+        assert how in desc, desc
+        assert losses == pytest.approx(ref_losses, rel=1e-5), rank
+        assert val == pytest.approx(ref_val, rel=1e-5), rank
+        assert norm == pytest.approx(ref_norm, rel=1e-5), rank
+        assert params.keys() == ref_params.keys()
+        worst = max(rel_err(params[k], ref_params[k]) for k in ref_params)
+        assert worst <= 1e-5, (rank, worst)
+        assert [g["params"] for g in opt["param_groups"]] == [g["params"] for g in ref_opt["param_groups"]]
+        assert opt["state"].keys() == ref_opt["state"].keys()
+        for i, st in ref_opt["state"].items():
+            assert rel_err(opt["state"][i]["momentum_buffer"], st["momentum_buffer"]) <= 1e-4, (rank, i)
+        assert res["resumed"] == pytest.approx(ref_losses[2:], rel=1e-5), rank
+
+
+@pytest.mark.slow
+def test_pp2_tp2_1f1b_equals_one_process(tmp_path):
+    ref = reference(tmp_path / "one")
+    results = run_distributed(_worker, 4, str(tmp_path / "one"), [], timeout_s=240)
+    check(results, ref, "pipeline 1f1b over 2 stages x 1 dp x 2 tp, 4 micro-batches")
