@@ -6,7 +6,9 @@
   small gpt2-tiny — the same losses, validation loss, gradient norm (clipping on), final
   parameters (gathered to the single-process layout) and SGD momentum (renumbered, gathered) as
   a one-process Trainer; then a run resumed at step 2 from the one-process checkpoint (model and
-  momentum sharded back) continues with the one-process losses.
+  momentum sharded back) continues with the one-process losses; interleaved, zb1p and chimera give
+  the same losses and clipped gradient norms;
+* gloo, 8 processes (slow): ``parallel.dp=2 parallel.pp=2 parallel.tp=2`` (1f1b), the same parity.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from scaletrain.train.config import load_config
 TINY = ["model.overrides.n_layer=2", "model.overrides.n_embd=32", "model.overrides.n_head=2", "data.seq_len=32",
         "data.name=synthetic-text", "train.global_batch=8", "train.eval_batches=2", "train.log_every=1",
         "optim.warmup_steps=1", "train.steps=4", "train.eval_every=0", "train.progress=off",
-        "train.checkpoint_every=2", "optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0.5"]
+        "train.checkpoint_every=2", "optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0.1"]
 M = 4
+OTHER_SCHEDULES = ("interleaved", "zb1p", "chimera")
 
 
 def pp_tp_cfg(*extra: str):
@@ -80,22 +83,28 @@ def reference(out_dir):
     return out
 
 
-def _worker(rank: int, world: int, one_dir: str, extra: list[str]) -> dict:
+def _worker(rank: int, world: int, one_dir: str, full: bool) -> dict:
     from scaletrain.train.trainer import Trainer
 
-    t = Trainer(pp_tp_cfg(*extra), None, log=_quiet)
+    t = Trainer(pp_tp_cfg(), None, log=_quiet)
     res = t.fit()
     out = {"run": (res.losses, res.val_loss, t._grad_norm, t.parallel.model_state_dict(),
                    t.parallel.optimizer_state_dict(t.optimizer), t.parallel.describe())}
     t.close()
-    t = Trainer(pp_tp_cfg(*extra), None, log=_quiet)  # resume at step 2 from the one-process checkpoint
+    if not full:
+        return out
+    t = Trainer(pp_tp_cfg(), None, log=_quiet)  # resume at step 2 from the one-process checkpoint
     t.load_state_dict(ckpt.load(ckpt.checkpoint_path(Path(one_dir) / "checkpoints", 2)))
     out["resumed"] = t.fit().losses
     t.close()
+    for s in OTHER_SCHEDULES:  # losses and the clipped norm only
+        t = Trainer(pp_tp_cfg(f"parallel.schedule={s}"), None, log=_quiet)
+        out[s] = (t.fit().losses, t._grad_norm)
+        t.close()
     return out
 
 
-def check(results: list[dict], ref, how: str) -> None:
+def check(results: list[dict], ref, how: str, full: bool) -> None:
     ref_losses, ref_val, ref_norm, ref_params, ref_opt = ref
     for rank, res in enumerate(results):
         losses, val, norm, params, opt, desc = res["run"]
@@ -110,11 +119,25 @@ def check(results: list[dict], ref, how: str) -> None:
         assert opt["state"].keys() == ref_opt["state"].keys()
         for i, st in ref_opt["state"].items():
             assert rel_err(opt["state"][i]["momentum_buffer"], st["momentum_buffer"]) <= 1e-4, (rank, i)
+        if not full:
+            continue
         assert res["resumed"] == pytest.approx(ref_losses[2:], rel=1e-5), rank
+        for s in OTHER_SCHEDULES:
+            assert res[s][0] == pytest.approx(ref_losses, rel=1e-5), (s, rank)
+            assert res[s][1] == pytest.approx(ref_norm, rel=1e-5), (s, rank)
 
 
 @pytest.mark.slow
 def test_pp2_tp2_1f1b_equals_one_process(tmp_path):
     ref = reference(tmp_path / "one")
-    results = run_distributed(_worker, 4, str(tmp_path / "one"), [], timeout_s=240)
-    check(results, ref, "pipeline 1f1b over 2 stages x 1 dp x 2 tp, 4 micro-batches")
+    assert ref[2] > 0.1  # the clipping scales the gradients
+    results = run_distributed(_worker, 4, str(tmp_path / "one"), True, timeout_s=240)
+    check(results, ref, "pipeline 1f1b over 2 stages x 1 dp x 2 tp, 4 micro-batches", True)
+
+
+@pytest.mark.slow
+def test_dp2_pp2_tp2_1f1b_equals_one_process(tmp_path):
+    """8 processes: each of the 2 data-parallel replicas is a pp=2 x tp=2 pipeline."""
+    ref = reference(None)
+    results = run_distributed(_worker, 8, "", False, timeout_s=240)
+    check(results, ref, "pipeline 1f1b over 2 stages x 2 dp x 2 tp, 4 micro-batches", False)
