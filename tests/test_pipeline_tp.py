@@ -7,7 +7,7 @@
   parameters (gathered to the single-process layout) and SGD momentum (renumbered, gathered) as
   a one-process Trainer; then a run resumed at step 2 from the one-process checkpoint (model and
   momentum sharded back) continues with the one-process losses; interleaved, zb1p and chimera give
-  the same losses and clipped gradient norms;
+  the same losses and clipped gradient norms; bf16 autocast within 1e-2 of one process's bf16;
 * gloo, 8 processes (slow): ``parallel.dp=2 parallel.pp=2 parallel.tp=2`` (1f1b), the same parity.
 """
 
@@ -52,7 +52,7 @@ def _quiet(s: str) -> None:
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true is not supported yet; allowed: false"),
     (["parallel.cp=2"], "parallel.cp=2 is not supported yet"),
     (["memory.remat.method=periodic"], "allowed: memory.remat.method=none"),
-    (["train.precision=bf16"], "parallel.tp=2 and train.precision=bf16 is not supported yet; allowed: fp32"),
+    (["train.precision=fp16"], "allowed: fp32, bf16"),
 ])
 def test_tp_with_pp_refusals_are_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:
@@ -72,10 +72,10 @@ def test_layouts_put_tp_innermost_and_cover_the_world():
 
 
 # --------------------------------------------------------------------------- processes
-def reference(out_dir):
+def reference(out_dir, *extra: str):
     from scaletrain.train.trainer import Trainer
 
-    t = Trainer(load_config(None, TINY + [f"train.micro_batch={8 // M}"]), out_dir, log=_quiet)
+    t = Trainer(load_config(None, TINY + [f"train.micro_batch={8 // M}", *extra]), out_dir, log=_quiet)
     res = t.fit()
     out = (res.losses, res.val_loss, t._grad_norm, {k: v.clone() for k, v in t.model.state_dict().items()},
            t.optimizer.state_dict())
@@ -101,10 +101,14 @@ def _worker(rank: int, world: int, one_dir: str, full: bool) -> dict:
         t = Trainer(pp_tp_cfg(f"parallel.schedule={s}"), None, log=_quiet)
         out[s] = (t.fit().losses, t._grad_norm)
         t.close()
+    t = Trainer(pp_tp_cfg("train.precision=bf16"), None, log=_quiet)
+    res = t.fit()
+    out["bf16"] = (res.losses, res.val_loss)
+    t.close()
     return out
 
 
-def check(results: list[dict], ref, how: str, full: bool) -> None:
+def check(results: list[dict], ref, how: str, full: bool, ref_bf16=None) -> None:
     ref_losses, ref_val, ref_norm, ref_params, ref_opt = ref
     for rank, res in enumerate(results):
         losses, val, norm, params, opt, desc = res["run"]
@@ -125,6 +129,8 @@ def check(results: list[dict], ref, how: str, full: bool) -> None:
         for s in OTHER_SCHEDULES:
             assert res[s][0] == pytest.approx(ref_losses, rel=1e-5), (s, rank)
             assert res[s][1] == pytest.approx(ref_norm, rel=1e-5), (s, rank)
+        losses, val = res["bf16"]  # autocast in every stage: bf16 GEMMs of other shapes may round apart
+        assert losses == pytest.approx(ref_bf16[0], rel=1e-2) and val == pytest.approx(ref_bf16[1], rel=1e-2)
 
 
 @pytest.mark.slow
@@ -132,7 +138,8 @@ def test_pp2_tp2_1f1b_equals_one_process(tmp_path):
     ref = reference(tmp_path / "one")
     assert ref[2] > 0.1  # the clipping scales the gradients
     results = run_distributed(_worker, 4, str(tmp_path / "one"), True, timeout_s=240)
-    check(results, ref, "pipeline 1f1b over 2 stages x 1 dp x 2 tp, 4 micro-batches", True)
+    check(results, ref, "pipeline 1f1b over 2 stages x 1 dp x 2 tp, 4 micro-batches", True,
+          reference(None, "train.precision=bf16"))
 
 
 @pytest.mark.slow

@@ -38,8 +38,8 @@ stream (warm-up) from the checkpoint.
 Tensor parallelism inside the stages (``parallel.tp`` > 1, :mod:`.tensor_parallel`): world =
 dp × pp × tp, every stage's blocks Megatron-sharded over its TP group, the vocabulary-parallel
 loss on the last stage; checkpoints stay in the single-process layout (shards gathered, the fused
-QKV rows un-permuted; sharded back on load). Refused with TP: sequence parallelism, context and
-expert parallelism, rematerialization, precision other than fp32.
+QKV rows un-permuted; sharded back on load); fp32 and bf16, every schedule. Refused with TP:
+sequence parallelism, context and expert parallelism, rematerialization.
 
 Supported: every schedule, fp32 and bf16;
 ``memory.remat.method`` / ``memory.remat.budget`` run a rematerialization schedule inside every
@@ -86,9 +86,6 @@ def check_config(cfg: Any, microbatches: int, *, offload: bool = False, device_t
         if mem.remat.method != "none":
             raise ConfigError(f"{tp_head} and memory.remat.method={mem.remat.method} is not supported yet; "
                               f"allowed: memory.remat.method=none")
-        if cfg.train.precision != "fp32":
-            raise ConfigError(f"{tp_head} and train.precision={cfg.train.precision} is not supported yet; "
-                              f"allowed: fp32")
     if p.zero:
         raise ConfigError(f"{head} with parallel.zero={p.zero} is not supported; allowed: parallel.zero=0 (the "
                           f"pipeline averages each stage's gradients over its data-parallel replicas itself)")
