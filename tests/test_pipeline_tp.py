@@ -65,6 +65,23 @@ def test_tp_with_pp_is_accepted():
     check_config(pp_tp_cfg("parallel.schedule=interleaved"), M)
 
 
+def test_models_tp_cannot_split_are_refused_before_any_collective():
+    from types import SimpleNamespace
+
+    from scaletrain import models
+    from scaletrain.techniques.pipeline.strategy import PipelineStrategy
+
+    cfg = pp_tp_cfg()
+    for model, needle in ((models.get("gpt2-tiny", n_layer=2, n_embd=32, n_head=1), "parallel.tp=2 must divide n_head=1"),
+                          (models.get("gpt2-tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=255),
+                           "parallel.tp=2 must divide vocab_size=255")):
+        trainer = SimpleNamespace(cfg=cfg, accum=M, micro_batch=2, task="lm", model=model, model_name="m",
+                                  device="cpu", _offload_requested=lambda: False)
+        with pytest.raises(ConfigError, match="parallel.pp=2 needs a GPT-2 model") as e:
+            PipelineStrategy.from_trainer(trainer)
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 def test_layouts_put_tp_innermost_and_cover_the_world():
     L = layouts(2, 2, 2)  # (dp, pp, tp): global rank (d·pp + p)·tp + t at position p·dp + d
     assert L == ((0, 4, 2, 6), (1, 5, 3, 7))

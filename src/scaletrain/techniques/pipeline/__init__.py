@@ -13,6 +13,8 @@
   :mod:`.strategy` — :class:`~.strategy.PipelineStrategy`, what ``scaletrain train parallel.pp=N``
   runs: the trainer's loop, evaluation, global clipping and single-process-layout checkpoints
   over the runtime.
+* :mod:`.tensor_parallel` — tensor parallelism inside the stages (``parallel.tp`` with
+  ``parallel.pp``): the (dp, pp, tp) layout, one pipeline per TP index on local shards.
 """
 
 from .schedules import SCHEDULES, Action, Schedule, build
