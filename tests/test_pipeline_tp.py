@@ -7,7 +7,8 @@
   parameters (gathered to the single-process layout) and SGD momentum (renumbered, gathered) as
   a one-process Trainer; then a run resumed at step 2 from the one-process checkpoint (model and
   momentum sharded back) continues with the one-process losses; interleaved, zb1p and chimera give
-  the same losses and clipped gradient norms; bf16 autocast within 1e-2 of one process's bf16;
+  the same losses and clipped gradient norms; the TP traffic measured inside each rank's stages
+  equals the per-block prediction; bf16 autocast within 1e-2 of one process's bf16;
 * gloo, 8 processes (slow): ``parallel.dp=2 parallel.pp=2 parallel.tp=2`` (1f1b), the same parity.
 """
 
@@ -106,7 +107,7 @@ def _worker(rank: int, world: int, one_dir: str, full: bool) -> dict:
     t = Trainer(pp_tp_cfg(), None, log=_quiet)
     res = t.fit()
     out = {"run": (res.losses, res.val_loss, t._grad_norm, t.parallel.model_state_dict(),
-                   t.parallel.optimizer_state_dict(t.optimizer), t.parallel.describe())}
+                   t.parallel.optimizer_state_dict(t.optimizer), t.parallel.describe(), t.parallel.metrics())}
     t.close()
     if not full:
         return out
@@ -116,7 +117,7 @@ def _worker(rank: int, world: int, one_dir: str, full: bool) -> dict:
     t.close()
     for s in OTHER_SCHEDULES:  # losses and the clipped norm only
         t = Trainer(pp_tp_cfg(f"parallel.schedule={s}"), None, log=_quiet)
-        out[s] = (t.fit().losses, t._grad_norm)
+        out[s] = (t.fit().losses, t._grad_norm, t.parallel.metrics())
         t.close()
     t = Trainer(pp_tp_cfg("train.precision=bf16"), None, log=_quiet)
     res = t.fit()
@@ -128,8 +129,9 @@ def _worker(rank: int, world: int, one_dir: str, full: bool) -> dict:
 def check(results: list[dict], ref, how: str, full: bool, ref_bf16=None) -> None:
     ref_losses, ref_val, ref_norm, ref_params, ref_opt = ref
     for rank, res in enumerate(results):
-        losses, val, norm, params, opt, desc = res["run"]
+        losses, val, norm, params, opt, desc, metrics = res["run"]
         assert how in desc, desc
+        check_tp_bytes(metrics)
         assert losses == pytest.approx(ref_losses, rel=1e-5), rank
         assert val == pytest.approx(ref_val, rel=1e-5), rank
         assert norm == pytest.approx(ref_norm, rel=1e-5), rank
@@ -146,8 +148,15 @@ def check(results: list[dict], ref, how: str, full: bool, ref_bf16=None) -> None
         for s in OTHER_SCHEDULES:
             assert res[s][0] == pytest.approx(ref_losses, rel=1e-5), (s, rank)
             assert res[s][1] == pytest.approx(ref_norm, rel=1e-5), (s, rank)
+            check_tp_bytes(res[s][2])
         losses, val = res["bf16"]  # autocast in every stage: bf16 GEMMs of other shapes may round apart
         assert losses == pytest.approx(ref_bf16[0], rel=1e-2) and val == pytest.approx(ref_bf16[1], rel=1e-2)
+
+
+def check_tp_bytes(metrics: dict) -> None:
+    """DTensor's collectives inside this rank's stages, measured = predicted per local block."""
+    assert metrics["comm_bytes_intra_layer"] > 0
+    assert metrics["comm_bytes_intra_layer"] == pytest.approx(metrics["predicted_comm_bytes_intra_layer"], rel=1e-9)
 
 
 @pytest.mark.slow

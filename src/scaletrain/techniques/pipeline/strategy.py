@@ -52,6 +52,7 @@ zb1p or the asynchronous schedules, offloading and activation compression inside
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any, Callable, Iterator
 
@@ -66,6 +67,7 @@ from .apply import default_virtual, example_input, pipeline_runtime
 from .runtime import PipelineRuntime
 from .schedules import ASYNC_SCHEDULES, build
 from .simulate import simulate
+from .tensor_parallel import tp_comm_counter
 
 
 def check_config(cfg: Any, microbatches: int, *, offload: bool = False, device_type: str = "cpu") -> None:
@@ -143,6 +145,8 @@ class PipelineStrategy(Strategy):
         self._stream: Iterator[float] | None = None
         """The asynchronous schedules' stream over the run (created at the first step)."""
         self._last_norm = float("nan")
+        self._tp_bytes = 0.0
+        self._tp_predicted = float("nan")
         # the one-process optimizer's parameter numbering (build(model) groups parameters by
         # scaletrain.techniques.optim.registry.param_groups): the checkpoint layout
         from scaletrain.techniques.optim.registry import param_groups
@@ -200,6 +204,10 @@ class PipelineStrategy(Strategy):
                 raise
             raise ConfigError(f"parallel.pp={p.pp} parallel.schedule={p.schedule}: {e}") from None
         strategy = cls(trainer.model, rt, trainer.rank, trainer.world)
+        if rt.tp is not None:
+            from .tensor_parallel import predicted_tp_bytes
+
+            strategy._tp_predicted = predicted_tp_bytes(trainer.model, rt, trainer.micro_batch, seq or 1)
         if trainer.accum < p.pp:
             trainer.log(f"note: {trainer.accum} micro-batch(es) per step over parallel.pp={p.pp} stages leaves the "
                         f"pipeline idle {strategy.bubble_predicted:.0%} of the time (predicted); set "
@@ -212,12 +220,18 @@ class PipelineStrategy(Strategy):
         micro-batches of all replicas (the same value on every rank). Asynchronous schedules:
         the next window of one stream over the run's remaining steps (see the module doc)."""
         rt = self.runtime
-        if rt.asynchronous:
-            if self._stream is None:
-                self._stream = rt.stream(trainer.cfg.train.steps - trainer.step, it, self._async_update(trainer))
-            loss = next(self._stream)
-        else:
-            loss = rt.train_step(itertools.islice(it, trainer.accum))
+        t = trainer.cfg.train  # TP traffic counted on the steps the trainer logs (the counter sees every op)
+        count = rt.tp is not None and ((trainer.step + 1) % t.log_every == 0 or trainer.step + 1 >= t.steps)
+        with tp_comm_counter() if count else contextlib.nullcontext(None) as counter:
+            if rt.asynchronous:
+                if self._stream is None:
+                    self._stream = rt.stream(trainer.cfg.train.steps - trainer.step, it, self._async_update(trainer))
+                loss = next(self._stream)
+            else:
+                loss = rt.train_step(itertools.islice(it, trainer.accum))
+        if counter is not None:
+            self._tp_bytes = counter.wire_bytes()
+            LEDGER.add("intra_layer", self._tp_bytes, len(counter.records))
         sent = rt.transport.bytes_sent
         self._p2p_bytes, self._sent_before = sent - self._sent_before, sent
         return loss
@@ -392,8 +406,13 @@ class PipelineStrategy(Strategy):
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict[str, Any]:
         """Predicted bubble fraction (equal stage costs) and bytes this rank sent to other stages in the
-        last step (point-to-point; the ledger's ``comm_bytes`` counts only the collectives)."""
-        return {"pipeline_bubble_predicted": self.bubble_predicted, "p2p_bytes": self._p2p_bytes}
+        last step (point-to-point; the ledger's ``comm_bytes`` counts only the collectives); with
+        TP, the wire bytes of its collectives inside this rank's stages (also in ``comm_bytes``)."""
+        out = {"pipeline_bubble_predicted": self.bubble_predicted, "p2p_bytes": self._p2p_bytes}
+        if self.runtime.tp is not None:  # DTensor's collectives inside this rank's stages (logged steps)
+            out["comm_bytes_intra_layer"] = self._tp_bytes
+            out["predicted_comm_bytes_intra_layer"] = self._tp_predicted
+        return out
 
     def describe(self) -> str:
         rt = self.runtime

@@ -98,6 +98,45 @@ def backward_context() -> contextlib.AbstractContextManager:
     return loss_parallel()
 
 
+def tp_comm_counter() -> Any:
+    """A :class:`~scaletrain.techniques.comm_count.CommCounter` keeping only DTensor's functional
+    collectives (the TP traffic inside the stages): the pipeline's own ``torch.distributed``
+    calls are in the ledger already and its point-to-point bytes in ``p2p_bytes``."""
+    from scaletrain.techniques.comm_count import CommCounter, _classify
+
+    class _TPCounter(CommCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # let DTensor lower the op; its collectives come back here
+            out = func(*args, **(kwargs or {}))
+            if getattr(func, "namespace", "") == "_c10d_functional":
+                rec = _classify(func, args)
+                if rec is not None:
+                    self.records.append(rec)
+            return out
+
+    return _TPCounter()
+
+
+def predicted_tp_bytes(model: nn.Module, runtime: Any, micro_batch: int, seq: int, act_bytes: int = 4) -> float:
+    """Wire bytes of one rank's TP collectives in one window (ring model, as
+    :func:`scaletrain.techniques.tensor_parallel.tp_comm_bytes_per_step`, counted per local block):
+    with A = b·s·h·act_bytes, the embedding all-reduces A in the forward, a transformer block 2 A in
+    the forward and 2 A in the backward (inputs of c_attn and c_fc), the head A in the backward
+    (lm_head's input) and 3 fp32 vectors of b·s in the vocabulary-parallel loss; times the forwards
+    of each local stage in the schedule. Exact for fp32; an upper bound under bf16 autocast."""
+    t = runtime.tp.tp
+    A = micro_batch * seq * model.config.n_embd * act_bytes
+    acts = runtime.schedule_for(1).actions[runtime.pp_rank]
+    total = 0
+    for (pipe, stage), rep in runtime.replicas.items():
+        forwards = sum(1 for a in acts if a.kind == "F" and a.stage == stage and a.pipe == pipe)
+        per = sum(A if blk is model.embed else A + 3 * micro_batch * seq * 4 if blk is model.head else 4 * A
+                  for blk in rep.module)
+        total += forwards * per
+    return 2 * (t - 1) / t * total
+
+
 # --------------------------------------------------------------------------- single-process layout
 def _qkv_perm(model: nn.Module, name: str) -> torch.Tensor | None:
     from scaletrain.techniques.tensor_parallel import qkv_permutation, tp_info
