@@ -105,6 +105,11 @@ def _worker(rank: int, world: int, one_dir: str, full: bool) -> dict:
     from scaletrain.train.trainer import Trainer
 
     t = Trainer(pp_tp_cfg(), None, log=_quiet)
+    # this rank keeps 1/tp of its own stages' parameters only; the other blocks' shards are empty
+    mine = {id(p) for p in t.parallel.runtime.parameters()}
+    held = {n: p._local_tensor.numel() for n, p in t.model.named_parameters()}
+    assert all((held[n] > 0) == (id(p) in mine) for n, p in t.model.named_parameters()), held
+    assert sum(held.values()) * 2 < sum(p.numel() for p in t.model.parameters())
     res = t.fit()
     out = {"run": (res.losses, res.val_loss, t._grad_norm, t.parallel.model_state_dict(),
                    t.parallel.optimizer_state_dict(t.optimizer), t.parallel.describe(), t.parallel.metrics())}

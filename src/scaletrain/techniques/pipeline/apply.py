@@ -82,7 +82,10 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
         extra["tp"] = tpp.setup(model, dp=dp, pp=pp, tp=tp, device_type=dev.type)
         extra["backward_context"] = tpp.backward_context
         loss_fn = tpp.vocab_parallel_loss(loss_fn)
-    return PipelineRuntime(model, schedule, microbatches, pp=pp, dp=dp, virtual=v, bounds=bounds, loss_fn=loss_fn,
-                           example_input=example, device=device, timeout_s=timeout_s, forward_context=forward_context,
-                           record_events=record_events, remat=remat, remat_budget=remat_budget,
-                           remat_precision=remat_precision, **extra)
+    rt = PipelineRuntime(model, schedule, microbatches, pp=pp, dp=dp, virtual=v, bounds=bounds, loss_fn=loss_fn,
+                         example_input=example, device=device, timeout_s=timeout_s, forward_context=forward_context,
+                         record_events=record_events, remat=remat, remat_budget=remat_budget,
+                         remat_precision=remat_precision, **extra)
+    if tp > 1:  # keep only this rank's stages' shards
+        tpp.free_nonlocal(model, rt.plan.local_tensors)
+    return rt

@@ -87,6 +87,8 @@ class ParamPlan:
                         for i in range(len(uniq))]
         owner_stage = [min(users[i]) for i in range(len(uniq))]
         self.local = [i for i in range(len(uniq)) if pp_rank in self.holders[i]]
+        self.local_tensors = [uniq[i] for i in self.local]
+        """This rank's parameters and buffers (each once)."""
         mine = [i for i in self.local if is_param[i]]
         self.params: list[nn.Parameter] = [uniq[i] for i in mine]  # type: ignore[misc]
         """This rank's parameters, each once."""
@@ -195,6 +197,11 @@ class ParamPlan:
     def sync_full_model(self) -> None:
         """Broadcast every parameter and buffer from its first holder to all ranks of this
         replica, so each process's model is the whole, current model. Collective over the replica."""
+        if self.tp is not None:
+            from scaletrain.errors import UserError
+
+            raise UserError("with tensor parallelism every rank keeps only its stages' shards; gather the model "
+                            "with PipelineStrategy.model_state_dict")
         if self.pp == 1:
             return
         g = self.group(self.replica_ranks)

@@ -326,18 +326,19 @@ class PipelineStrategy(Strategy):
     # ------------------------------------------------------------------ state
     def model_state_dict(self) -> dict[str, Any]:
         """The whole model (single-process layout), current on every rank. Collective."""
-        self.runtime.sync_full_model()
-        if self.runtime.tp is not None:
-            from scaletrain.techniques.tensor_parallel import full_state_dict
+        rt = self.runtime
+        if rt.tp is not None:  # each stage's TP group gathers its tensors; one rank per stage shares them
+            from .tensor_parallel import gather_model_state
 
-            return full_state_dict(self.model)  # collective over the TP group
+            return gather_model_state(self.model, rt.plan.local_tensors, rt.tp.tp_rank == 0 and rt.dp_rank == 0)
+        rt.sync_full_model()
         return self.model.state_dict()
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        if self.runtime.tp is not None:  # this rank's TP shards of every tensor
+        if self.runtime.tp is not None:  # this rank's TP shards of its stages' tensors
             from .tensor_parallel import load_full_state
 
-            load_full_state(self.model, state)
+            load_full_state(self.model, state, self.runtime.plan.local_tensors)
             return
         self.model.load_state_dict(state)  # every rank loads the whole model; stages share its tensors
 

@@ -3,9 +3,10 @@
 Layout. ``world = dp · pp · tp`` processes on a (dp, pp, tp) DeviceMesh, tp innermost (Megatron's
 placement: a stage's TP ranks are neighbours): global rank ``(d·P + p)·T + t``. Every process
 builds the whole model and :func:`~scaletrain.techniques.tensor_parallel.apply_tensor_parallel`
-shards *all* of it over its TP group before the runtime cuts it into stages (simple and exact;
-each process holds the TP shards of every block, not just of its stages' — memory the runtime
-never touches, acceptable for now).
+shards *all* of it over its TP group before the runtime cuts it into stages (simple and exact);
+then :func:`free_nonlocal` empties the shards of the blocks this rank's stages do not use, so a
+process keeps 1/T of its own stages' parameters only (transiently, at construction, 1/T of the
+whole model).
 
 Each TP index ``t`` runs its own pp × dp pipeline over the ranks with that index
 (:func:`layouts`), with the runtime's usual ``ranks[r·dp + d]`` order: a stage's boundary
@@ -17,8 +18,10 @@ the gradient norm sums sharded parameters' squares over the TP group and counts 
 once (:meth:`.grads.ParamPlan.clip_`). The last stage's loss is the vocabulary-parallel
 cross-entropy under ``loss_parallel`` (forward and backward), the logits never gathered.
 
-Checkpoints stay in the single-process layout: shards gathered (fused QKV rows un-permuted) on
-save, a full state sharded back on load (:func:`load_full_state`, :func:`shard_full`).
+Checkpoints stay in the single-process layout: each stage's TP group gathers its tensors (fused
+QKV rows un-permuted) and one rank per stage shares them with every process
+(:func:`gather_model_state`); a full state is sharded back on load, each rank taking its own
+stages' shards (:func:`load_full_state`, :func:`shard_full`).
 """
 
 from __future__ import annotations
@@ -174,13 +177,54 @@ def gather_full(model: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a single-process-layout model state into the TP model (this rank's shards)."""
+def free_nonlocal(model: nn.Module, keep: list[torch.Tensor]) -> None:
+    """Empty the local shards of every DTensor parameter/buffer of ``model`` not in ``keep`` (the
+    tensors this rank's stages use): their storage is released; their DTensor metadata (global
+    shape) stays, and any use of them would fail loudly."""
+    kept = {id(t) for t in keep}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in kept and isinstance(t, DTensor):
+            t._local_tensor.set_()
+
+
+@torch.no_grad()
+def gather_model_state(model: nn.Module, local_tensors: list[torch.Tensor], share: bool) -> dict[str, torch.Tensor]:
+    """The single-process-layout model state on every process. ``local_tensors``: this rank's
+    stages' tensors; ``share``: whether this rank contributes them (one rank per stage: TP rank
+    0 of data-parallel replica 0). Collective over the world (TP groups, then all processes)."""
+    import torch.distributed as dist
+
+    mine = {id(t) for t in local_tensors}
+    own = model.state_dict(keep_vars=True)
+    part = {}
+    for name, t in own.items():
+        if id(t) in mine:
+            full = gather_full(model, name, t)  # collective over the TP group, same order on its ranks
+            if share:
+                part[name] = full.detach().cpu().clone()
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part if share else None)
+    state: dict[str, torch.Tensor] = {}
+    for p in parts:
+        state.update(p or {})
+    missing = [k for k in own if k not in state]
+    if missing:
+        raise RuntimeError(f"no pipeline stage holds {missing[:3]}")
+    return {k: state[k] for k in own}
+
+
+@torch.no_grad()
+def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], local_tensors: list[torch.Tensor]) -> None:
+    """Load a single-process-layout model state into the TP model: this rank's shards of
+    ``local_tensors`` (its stages'; the other blocks hold nothing)."""
     own = model.state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise KeyError(f"state dict keys differ: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    mine = {id(t) for t in local_tensors}
     for name, t in own.items():
+        if id(t) not in mine:
+            continue
         full = state[name]
         if tuple(full.shape) != tuple(t.shape):
             raise RuntimeError(f"size mismatch for {name}: checkpoint {tuple(full.shape)}, model {tuple(t.shape)}")
