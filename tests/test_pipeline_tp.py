@@ -73,7 +73,8 @@ def test_models_tp_cannot_split_are_refused_before_any_collective():
     from scaletrain.techniques.pipeline.strategy import PipelineStrategy
 
     cfg = pp_tp_cfg()
-    for model, needle in ((models.get("gpt2-tiny", n_layer=2, n_embd=32, n_head=1), "parallel.tp=2 must divide n_head=1"),
+    for model, needle in ((models.get("gpt2-tiny", n_layer=2, n_embd=32, n_head=1),
+                           "parallel.tp=2 must divide n_head=1"),
                           (models.get("gpt2-tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=255),
                            "parallel.tp=2 must divide vocab_size=255")):
         trainer = SimpleNamespace(cfg=cfg, accum=M, micro_batch=2, task="lm", model=model, model_name="m",
