@@ -7,7 +7,8 @@
   parameters (gathered to the single-process layout) and SGD momentum (renumbered, gathered) as
   a one-process Trainer; then a run resumed at step 2 from the one-process checkpoint (model and
   momentum sharded back) continues with the one-process losses; interleaved, zb1p and chimera give
-  the same losses and clipped gradient norms; the TP traffic measured inside each rank's stages
+  the same losses and clipped gradient norms; with sequence parallelism (half the point-to-point
+  bytes) the same losses and parameters; the TP traffic measured inside each rank's stages
   equals the per-block prediction; bf16 autocast within 1e-2 of one process's bf16;
 * gloo, 2 + 4 processes (slow): the asynchronous schedules (pipedream, pipedream-2bw) at pp=2 x
   tp=2 give the pp=2 pipeline's losses;
@@ -52,7 +53,9 @@ def _quiet(s: str) -> None:
 
 # --------------------------------------------------------------------------- no processes
 @pytest.mark.parametrize("extra, needle", [
-    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true is not supported yet; allowed: false"),
+    (["parallel.sequence_parallel=true", "parallel.schedule=zb1p"], "allowed with sequence parallelism: gpipe,"),
+    (["parallel.sequence_parallel=true", "data.seq_len=33"], "data.seq_len=33 to be a multiple of parallel.tp=2"),
+    (["parallel.tp=1", "parallel.sequence_parallel=true"], "needs parallel.tp > 1; allowed with tp=1: false"),
     (["parallel.cp=2"], "parallel.cp=2 is not supported yet"),
     (["memory.remat.method=periodic"], "allowed: memory.remat.method=none"),
     (["train.precision=fp16"], "allowed: fp32, bf16"),
@@ -66,6 +69,7 @@ def test_tp_with_pp_refusals_are_one_line(extra, needle):
 def test_tp_with_pp_is_accepted():
     check_config(pp_tp_cfg(), M)
     check_config(pp_tp_cfg("parallel.schedule=interleaved"), M)
+    check_config(pp_tp_cfg("parallel.sequence_parallel=true"), M)
 
 
 def test_models_tp_cannot_split_are_refused_before_any_collective():
@@ -127,6 +131,10 @@ def _worker(rank: int, world: int, one_dir: str, full: bool) -> dict:
         t = Trainer(pp_tp_cfg(f"parallel.schedule={s}"), None, log=_quiet)
         out[s] = (t.fit().losses, t._grad_norm, t.parallel.metrics())
         t.close()
+    t = Trainer(pp_tp_cfg("parallel.sequence_parallel=true"), None, log=_quiet)
+    res = t.fit()
+    out["sp"] = (res.losses, res.val_loss, t._grad_norm, t.parallel.model_state_dict(), t.parallel.metrics())
+    t.close()
     t = Trainer(pp_tp_cfg("train.precision=bf16"), None, log=_quiet)
     res = t.fit()
     out["bf16"] = (res.losses, res.val_loss)
@@ -157,6 +165,12 @@ def check(results: list[dict], ref, how: str, full: bool, ref_bf16=None) -> None
             assert res[s][0] == pytest.approx(ref_losses, rel=1e-5), (s, rank)
             assert res[s][1] == pytest.approx(ref_norm, rel=1e-5), (s, rank)
             check_tp_bytes(res[s][2])
+        losses, val, norm, params, metrics = res["sp"]  # sequence parallelism: the same parity
+        assert losses == pytest.approx(ref_losses, rel=1e-5) and val == pytest.approx(ref_val, rel=1e-5), rank
+        assert norm == pytest.approx(ref_norm, rel=1e-5), rank
+        assert max(rel_err(params[k], ref_params[k]) for k in ref_params) <= 1e-5, rank
+        check_tp_bytes(metrics)
+        assert metrics["p2p_bytes"] * 2 == res["run"][6]["p2p_bytes"]  # each TP rank sends its s/2 positions
         losses, val = res["bf16"]  # autocast in every stage: bf16 GEMMs of other shapes may round apart
         assert losses == pytest.approx(ref_bf16[0], rel=1e-2) and val == pytest.approx(ref_bf16[1], rel=1e-2)
 

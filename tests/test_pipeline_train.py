@@ -61,7 +61,7 @@ def _quiet(s: str) -> None:
 # --------------------------------------------------------------------------- no processes
 @pytest.mark.parametrize("extra, needle", [
     (["parallel.zero=1"], "parallel.zero=1"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tp > 1"),
     (["parallel.cp=2"], "parallel.cp=2"),
     (["parallel.compression=topk"], "parallel.compression=topk"),
     (["parallel.schedule=zb1p", "memory.remat.method=periodic"], "memory.remat.method=periodic"),

@@ -59,7 +59,7 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
                      device: torch.device | str | None = None, timeout_s: float = 300.0, balance: str = "profile",
                      forward_context: Callable[[], ContextManager] | None = None,
                      record_events: bool = False, remat: str = "none", remat_budget: int | str | None = None,
-                     remat_precision: str = "fp32", tp: int = 1) -> PipelineRuntime:
+                     remat_precision: str = "fp32", tp: int = 1, sequence_parallel: bool = False) -> PipelineRuntime:
     """Build the :class:`PipelineRuntime` for this process (call on every process of the job).
 
     ``micro_batch`` is samples per micro-batch: ``global_batch = dp × microbatches × micro_batch``.
@@ -75,11 +75,15 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
     extra: dict = {}
     if tp > 1:
         from . import tensor_parallel as tpp
-        from .stage import boundary_specs
+        from .stage import TensorSpec, boundary_specs
 
         dev = torch.device(device) if device is not None else next(model.parameters()).device
-        extra["specs"] = boundary_specs(to_chain(model).blocks, bounds, example, dev)
-        extra["tp"] = tpp.setup(model, dp=dp, pp=pp, tp=tp, device_type=dev.type)
+        specs = boundary_specs(to_chain(model).blocks, bounds, example, dev)
+        if sequence_parallel:  # stage boundaries carry this rank's s / tp positions
+            specs = [specs[0], *(TensorSpec(torch.Size((sp.shape[0], sp.shape[1] // tp, *sp.shape[2:])), sp.dtype)
+                                 for sp in specs[1:-1]), specs[-1]]
+        extra["specs"] = specs
+        extra["tp"] = tpp.setup(model, dp=dp, pp=pp, tp=tp, device_type=dev.type, sequence_parallel=sequence_parallel)
         extra["backward_context"] = tpp.backward_context
         loss_fn = tpp.vocab_parallel_loss(loss_fn)
     rt = PipelineRuntime(model, schedule, microbatches, pp=pp, dp=dp, virtual=v, bounds=bounds, loss_fn=loss_fn,

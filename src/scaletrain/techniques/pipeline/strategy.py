@@ -38,8 +38,10 @@ stream (warm-up) from the checkpoint.
 Tensor parallelism inside the stages (``parallel.tp`` > 1, :mod:`.tensor_parallel`): world =
 dp × pp × tp, every stage's blocks Megatron-sharded over its TP group, the vocabulary-parallel
 loss on the last stage; checkpoints stay in the single-process layout (shards gathered, the fused
-QKV rows un-permuted; sharded back on load); fp32 and bf16, every schedule. Refused with TP:
-sequence parallelism, context and expert parallelism, rematerialization.
+QKV rows un-permuted; sharded back on load); fp32 and bf16, every schedule. With
+``parallel.sequence_parallel`` the stage boundaries carry each TP rank's s/tp positions (1/tp of
+the point-to-point bytes); not with zb1p. Refused with TP: context and expert parallelism,
+rematerialization.
 
 Supported: every schedule, fp32 and bf16;
 ``memory.remat.method`` / ``memory.remat.budget`` run a rematerialization schedule inside every
@@ -80,14 +82,21 @@ def check_config(cfg: Any, microbatches: int, *, offload: bool = False, device_t
         if getattr(p, key) > 1:
             raise ConfigError(f"{head} with parallel.{key}={getattr(p, key)} is not supported yet; allowed with a "
                               f"pipeline: parallel.tp >= 1 with parallel.cp=1, parallel.ep=1")
-    if getattr(p, "sequence_parallel", False):
-        raise ConfigError(f"{head} with parallel.sequence_parallel=true is not supported yet; allowed: false "
-                          f"(parallel.tp runs inside the stages without sequence parallelism)")
+    if getattr(p, "sequence_parallel", False) and p.tp == 1:
+        raise ConfigError(f"{head} with parallel.sequence_parallel=true needs parallel.tp > 1; allowed with tp=1: "
+                          f"false")
     if p.tp > 1:
         tp_head = f"{head} with parallel.tp={p.tp}"
         if mem.remat.method != "none":
             raise ConfigError(f"{tp_head} and memory.remat.method={mem.remat.method} is not supported yet; "
                               f"allowed: memory.remat.method=none")
+        if p.sequence_parallel and p.schedule == "zb1p":
+            raise ConfigError(f"{tp_head} parallel.sequence_parallel=true and parallel.schedule=zb1p is not "
+                              f"supported yet (deferred weight gradients of sequence-parallel layers); allowed with "
+                              f"sequence parallelism: gpipe, 1f1b, interleaved, chimera, pipedream, pipedream-2bw")
+        if p.sequence_parallel and cfg.data.seq_len % p.tp:
+            raise ConfigError(f"{tp_head} and parallel.sequence_parallel=true needs data.seq_len="
+                              f"{cfg.data.seq_len} to be a multiple of parallel.tp={p.tp}")
     if p.zero:
         raise ConfigError(f"{head} with parallel.zero={p.zero} is not supported; allowed: parallel.zero=0 (the "
                           f"pipeline averages each stage's gradients over its data-parallel replicas itself)")
@@ -196,7 +205,8 @@ class PipelineStrategy(Strategy):
                                   loss_fn=trainer.loss_fn, seq_len=seq, virtual=v, device=trainer.device,
                                   timeout_s=p.timeout_s, balance=p.balance, forward_context=trainer.autocast,
                                   remat=cfg.memory.remat.method, remat_budget=cfg.memory.remat.budget or None,
-                                  remat_precision=cfg.train.precision, tp=p.tp)
+                                  remat_precision=cfg.train.precision, tp=p.tp,
+                                  sequence_parallel=p.sequence_parallel)
         except ConfigError:
             raise
         except UserError as e:
@@ -207,7 +217,8 @@ class PipelineStrategy(Strategy):
         if rt.tp is not None:
             from .tensor_parallel import predicted_tp_bytes
 
-            strategy._tp_predicted = predicted_tp_bytes(trainer.model, rt, trainer.micro_batch, seq or 1)
+            strategy._tp_predicted = predicted_tp_bytes(trainer.model, rt, trainer.micro_batch, seq or 1,
+                                                        sequence_parallel=p.sequence_parallel)
         if trainer.accum < p.pp:
             trainer.log(f"note: {trainer.accum} micro-batch(es) per step over parallel.pp={p.pp} stages leaves the "
                         f"pipeline idle {strategy.bubble_predicted:.0%} of the time (predicted); set "

@@ -1,5 +1,9 @@
 """Tensor parallelism inside pipeline stages (TP × PP, optionally × DP): the glue.
 
+Sequence parallelism (``sequence_parallel``): the blocks' outputs are this rank's s/t positions,
+so each TP rank sends only its slice across a stage boundary (Megatron's scatter/gather of
+pipeline messages, for free) — the boundary specs say [b, s/t, h].
+
 Layout. ``world = dp · pp · tp`` processes on a (dp, pp, tp) DeviceMesh, tp innermost (Megatron's
 placement: a stage's TP ranks are neighbours): global rank ``(d·P + p)·T + t``. Every process
 builds the whole model and :func:`~scaletrain.techniques.tensor_parallel.apply_tensor_parallel`
@@ -10,8 +14,8 @@ whole model).
 
 Each TP index ``t`` runs its own pp × dp pipeline over the ranks with that index
 (:func:`layouts`), with the runtime's usual ``ranks[r·dp + d]`` order: a stage's boundary
-activation is replicated over its TP group (no sequence parallelism), so every TP rank sends its
-own copy to the same-index rank of the next stage. Collectives of the pipeline (tied ``wte``
+activation is replicated over its TP group (without sequence parallelism), so every TP rank
+sends its own copy to the same-index rank of the next stage. Collectives of the pipeline (tied ``wte``
 gradient between first and last stage, data-parallel all-reduce and initial broadcast, Chimera's
 GRAD_SYNC, checkpoint broadcasts) run on the local shards (``to_local()``) within one TP index;
 the gradient norm sums sharded parameters' squares over the TP group and counts replicated ones
@@ -60,7 +64,8 @@ def layouts(dp: int, pp: int, tp: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple((d * pp + r) * tp + t for r in range(pp) for d in range(dp)) for t in range(tp))
 
 
-def setup(model: nn.Module, *, dp: int, pp: int, tp: int, device_type: str = "cpu") -> TPLayout:
+def setup(model: nn.Module, *, dp: int, pp: int, tp: int, device_type: str = "cpu",
+          sequence_parallel: bool = False) -> TPLayout:
     """Build the (dp, pp, tp) mesh over the initialised world and shard ``model`` (whole, in place)
     over its TP dimension. Collective over the world; every process passes the same weights."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -69,7 +74,7 @@ def setup(model: nn.Module, *, dp: int, pp: int, tp: int, device_type: str = "cp
 
     mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     tp_mesh = mesh["tp"]
-    apply_tensor_parallel(model, tp_mesh)
+    apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
     return TPLayout(tp, tp_mesh.get_local_rank(), tp_mesh.get_group(), layouts(dp, pp, tp), mesh)
 
 
@@ -121,23 +126,34 @@ def tp_comm_counter() -> Any:
     return _TPCounter()
 
 
-def predicted_tp_bytes(model: nn.Module, runtime: Any, micro_batch: int, seq: int, act_bytes: int = 4) -> float:
-    """Wire bytes of one rank's TP collectives in one window (ring model, as
-    :func:`scaletrain.techniques.tensor_parallel.tp_comm_bytes_per_step`, counted per local block):
-    with A = b·s·h·act_bytes, the embedding all-reduces A in the forward, a transformer block 2 A in
-    the forward and 2 A in the backward (inputs of c_attn and c_fc), the head A in the backward
-    (lm_head's input) and 3 fp32 vectors of b·s in the vocabulary-parallel loss; times the forwards
-    of each local stage in the schedule. Exact for fp32; an upper bound under bf16 autocast."""
+def predicted_tp_bytes(model: nn.Module, runtime: Any, micro_batch: int, seq: int, act_bytes: int = 4,
+                       sequence_parallel: bool = False) -> float:
+    """Wire bytes of one rank's DTensor collectives in one window (ring model, as
+    :func:`scaletrain.techniques.tensor_parallel.tp_comm_bytes_per_step`, counted per local block
+    and micro-batch; f = (t-1)/t, A = b·s·h·act_bytes). Without SP: the embedding all-reduces A
+    in the forward, a transformer block 2 A in the forward and 2 A in the backward (inputs of
+    c_attn and c_fc), the head A in the backward (lm_head's input) — 2 f each. With SP every one
+    becomes a reduce-scatter / all-gather pair (f A each, twice as many ops, the same bytes), plus
+    the all-reduce of the replicated parameters that saw s/t positions: wpe (P·h), 2 LayerNorms
+    per block (4 h), ln_f (2 h); the re-gathers of ``regather`` are ``torch.distributed`` calls
+    (in the ledger, not here). The vocabulary-parallel loss all-reduces 3 fp32 vectors of b·s.
+    Times the forwards of each local stage in the schedule. Exact for fp32 and the synchronous
+    schedules (an asynchronous stream's window holds the forwards up to its pause, not exactly M);
+    an upper bound under bf16 autocast."""
     t = runtime.tp.tp
-    A = micro_batch * seq * model.config.n_embd * act_bytes
+    f = (t - 1) / t
+    h = model.config.n_embd
+    A = micro_batch * seq * h * act_bytes
+    ar = (lambda n: 2 * f * n * 4) if sequence_parallel else (lambda n: 0.0)  # replicated params' grads
+    loss = 2 * f * 3 * micro_batch * seq * 4
+    embed, block, head = 2 * f * A + ar(model.config.n_positions * h), 8 * f * A + ar(4 * h), 2 * f * A + ar(2 * h)
     acts = runtime.schedule_for(1).actions[runtime.pp_rank]
-    total = 0
+    total = 0.0
     for (pipe, stage), rep in runtime.replicas.items():
         forwards = sum(1 for a in acts if a.kind == "F" and a.stage == stage and a.pipe == pipe)
-        per = sum(A if blk is model.embed else A + 3 * micro_batch * seq * 4 if blk is model.head else 4 * A
-                  for blk in rep.module)
+        per = sum(embed if blk is model.embed else head + loss if blk is model.head else block for blk in rep.module)
         total += forwards * per
-    return 2 * (t - 1) / t * total
+    return total
 
 
 # --------------------------------------------------------------------------- single-process layout
