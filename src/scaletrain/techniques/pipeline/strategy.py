@@ -193,6 +193,11 @@ class PipelineStrategy(Strategy):
             what = "a GPT-2 model whose heads and vocabulary parallel.tp divides" if p.tp > 1 else \
                 "a model cut into blocks with an input_spec"
             raise ConfigError(f"parallel.pp={p.pp} needs {what}: {e}") from None
+        if p.tp > 1 and getattr(getattr(trainer.model, "config", None), "dropout", 0.0) > 0:
+            raise ConfigError(f"parallel.pp={p.pp} with parallel.tp={p.tp} and model dropout="
+                              f"{trainer.model.config.dropout} is not supported yet (each rank draws its own "
+                              f"masks, but a TP group's replicated activations need the same); allowed: "
+                              f"model.overrides.dropout=0")
         if callable(getattr(trainer.model, "aux_loss", None)):
             raise ConfigError(f"parallel.pp={p.pp} with {trainer.model_name}, whose auxiliary loss (mixture-of-experts "
                               f"load balancing) spans all stages, is not supported yet; allowed: parallel.pp=1")
