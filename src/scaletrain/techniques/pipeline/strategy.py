@@ -41,7 +41,8 @@ loss on the last stage; checkpoints stay in the single-process layout (shards ga
 QKV rows un-permuted; sharded back on load); fp32 and bf16, every schedule. With
 ``parallel.sequence_parallel`` the stage boundaries carry each TP rank's s/tp positions (1/tp of
 the point-to-point bytes); not with zb1p. Refused with TP: context and expert parallelism,
-rematerialization.
+rematerialization, model dropout > 0 (per-rank masks would split a TP group's replicated
+activations).
 
 Supported: every schedule, fp32 and bf16;
 ``memory.remat.method`` / ``memory.remat.budget`` run a rematerialization schedule inside every
