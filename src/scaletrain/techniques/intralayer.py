@@ -249,6 +249,12 @@ def check_config(cfg: Any, model: nn.Module, world: int) -> None:
         raise ConfigError(f"parallel.tp={tp} splits dense MLPs; {type(model).__name__} has mixture-of-experts "
                           f"layers: use parallel.ep instead")
     c = model.config
+    if tp > 1 and getattr(c, "dropout", 0.0) > 0:
+        # every rank seeds its own RNG (trainer: seed + rank), so dropout masks would differ inside
+        # a TP group and the activations DTensor treats as Replicate would silently diverge
+        raise ConfigError(f"parallel.tp={tp} with model dropout={c.dropout} is not supported yet (each rank draws "
+                          f"its own dropout masks, so a TP group's replicated activations would differ); allowed: "
+                          f"model.overrides.dropout=0")
     if tp > 1:
         for key, v in (("n_head", c.n_head), ("vocab_size", c.vocab_size)):
             if v % tp:
