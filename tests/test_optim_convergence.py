@@ -8,6 +8,9 @@ Measured (2026-11-22, 2-core CPU): AdamW 2.479 at batch 16 x 200 steps; adam 2.4
 no decay, every tensor adapted) 2.474 (+1.7 %; the ImageNet-style recipe before it, +3.8 %).
 """
 
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 
 from scaletrain.techniques.optim.recipes import RECIPES, recipe
@@ -27,14 +30,32 @@ def _val(extra):
     return val
 
 
+def _val_one_thread(extra):
+    import torch
+
+    torch.set_num_threads(1)
+    return _val(extra)
+
+
+def _vals(runs: dict[str, list[str]]) -> dict[str, float]:
+    """The runs in two one-thread processes: on 2 cores that is ~1.5x faster than one process with
+    two threads (a model this small barely uses the second thread) and degrades gracefully when
+    the machine is shared (two spinning intra-op threads do not)."""
+    with ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("spawn")) as ex:
+        futures = {name: ex.submit(_val_one_thread, extra) for name, extra in runs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
 @pytest.mark.slow
 def test_every_optimizer_within_3_percent_of_adamw_and_large_batch_lamb_lars():
     fast = {"adam8bit": ["optim.options.fused=false"], "adamw8bit": ["optim.options.fused=false"]}  # no compile
-    vals = {name: _val(LARGE + recipe(name) + fast.get(name, [])) for name in RECIPES}
+    runs = {"adamw (batch 2)": SMALL + recipe("adamw")}  # the longest run first
+    runs.update({name: LARGE + recipe(name) + fast.get(name, []) for name in RECIPES})
+    vals = _vals(runs)
+    small = vals.pop("adamw (batch 2)")
     ref = vals["adamw"]
     for name, v in vals.items():
         assert v <= ref * 1.03, (name, v, ref)
-    small = _val(SMALL + recipe("adamw"))
     assert vals["lamb"] <= small * 1.03, (vals["lamb"], small)
     assert vals["lars"] <= small * 1.03, (vals["lars"], small)
     assert max(vals.values()) < 2.6 < 3.32  # all far below the byte-unigram entropy of the text
