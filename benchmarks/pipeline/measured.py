@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MB, RESULTS, SEQ, example_input, lm_loss, make_model, random_microbatches, write_json  # noqa: E402
 
 from scaletrain.techniques.pipeline import SCHEDULES, Link, StageCosts, build, simulate, summarise  # noqa: E402
+from scaletrain.techniques.pipeline.schedules import Action  # noqa: E402
+from scaletrain.techniques.pipeline.simulate import message_key  # noqa: E402
 from scaletrain.testing import run_distributed  # noqa: E402
 
 M = 8
@@ -202,11 +204,11 @@ def _delivery(comm: list, boundary: list[float], link: Link) -> dict:
     """Per message: from the later of (send posted, receiver waiting) to the receive's end, i.e. the
     delivery time the link model predicts as ``latency + bytes / bandwidth``; median and 90th
     percentile over the step's messages, and the link model's figure for a boundary tensor."""
-    key = {"SEND_F": lambda c: ("F", c[6], c[5] + 1, c[2]), "RECV_F": lambda c: ("F", c[6], c[5], c[2]),
-           "SEND_B": lambda c: ("B", c[6], c[5] - 1, c[2]), "RECV_B": lambda c: ("B", c[6], c[5], c[2])}
-    sent = {key[c[1]](c): c[4] for c in comm if c[1] in ("SEND_F", "SEND_B")}
-    d = sorted(c[4] - max(c[3], sent[key[c[1]](c)]) for c in comm
-               if c[1] in ("RECV_F", "RECV_B") and key[c[1]](c) in sent)
+    def key(c) -> tuple:  # the simulator's send/receive matching, on a (rank, kind, mb, start, end, stage, pipe) event
+        return message_key(Action(c[1], c[5], c[2], pipe=c[6]))
+
+    sent = {key(c): c[4] for c in comm if c[1] in ("SEND_F", "SEND_B")}
+    d = sorted(c[4] - max(c[3], sent[key(c)]) for c in comm if c[1] in ("RECV_F", "RECV_B") and key(c) in sent)
     if not d:
         return {}
     return {"n_messages": len(d), "median_s": _median(d), "mean_s": _mean(d), "p90_s": d[int(0.9 * (len(d) - 1))],

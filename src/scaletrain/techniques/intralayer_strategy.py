@@ -371,12 +371,9 @@ class IntraLayerStrategy(Strategy):
         return self.il.full_state_dict(self.model)
 
     def _tp_perm(self, e: _Local) -> torch.Tensor | None:
-        if self.il.tp > 1 and (e.name.endswith("attn.c_attn.weight") or e.name.endswith("attn.c_attn.bias")):
-            from scaletrain.techniques.tensor_parallel import qkv_permutation
+        from scaletrain.techniques.tensor_parallel import qkv_row_permutation
 
-            c = self.model.config
-            return qkv_permutation(c.n_embd, c.n_head, self.il.tp)
-        return None
+        return qkv_row_permutation(self.model, e.name, self.il.tp)
 
     def _localize(self, e: _Local, full: torch.Tensor) -> torch.Tensor:
         """This rank's tensor of a single-process-layout ``full`` value of ``e``'s shape."""

@@ -288,6 +288,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) ->
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def qkv_row_permutation(model: nn.Module, name: str, tp: int) -> torch.Tensor | None:
+    """The row permutation :func:`apply_tensor_parallel` applied to parameter ``name`` of a GPT-2
+    (the fused QKV weight and bias), None for every other parameter or without TP. A TP shard of
+    the single-process tensor ``full`` is ``full[perm]`` chunked; ``gathered[argsort(perm)]``
+    goes back."""
+    if tp <= 1 or not (name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias")):
+        return None
+    return qkv_permutation(model.config.n_embd, model.config.n_head, tp)
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain single-device state dict of a TP model: shards gathered, fused QKV un-permuted.
 
@@ -303,14 +313,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         v = v.full_tensor() if isinstance(v, DTensor) else v
         out[name] = v.detach().clone()
     if info is not None:
-        inv = {}
         for key in list(out):
-            if key.endswith("attn.c_attn.weight") or key.endswith("attn.c_attn.bias"):
-                n = out[key].shape[0] // 3
-                h = model.config.n_embd
-                n_head = model.config.n_head
-                perm = inv.setdefault(n, torch.argsort(qkv_permutation(h, n_head, info.tp)))
-                out[key] = out[key][perm]
+            perm = qkv_row_permutation(model, key, info.tp)
+            if perm is not None:
+                out[key] = out[key][torch.argsort(perm)]
     return out
 
 

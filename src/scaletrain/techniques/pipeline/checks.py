@@ -210,25 +210,25 @@ def send_releases(schedule: Schedule) -> list[dict[int, list[int]]]:
     such receive later in the list are released when the step drains. Only direct causality
     (a message back from the same peer) is used; it depends on the lists, not on timing.
     """
-    from .simulate import _match  # local import: simulate imports this module's users
+    from .simulate import message_key  # local import: simulate imports this module's users
 
     recv_at: dict[tuple, int] = {}  # matching key -> index of the receive on its rank
     send_at: dict[tuple, int] = {}  # matching key -> index of the send on its rank
     for acts in schedule.actions:
         for i, a in enumerate(acts):
             if a.kind in (RECV_F, RECV_B):
-                recv_at[_match(a)] = i
+                recv_at[message_key(a)] = i
             elif a.kind in (SEND_F, SEND_B):
-                send_at[_match(a)] = i
+                send_at[message_key(a)] = i
     out: list[dict[int, list[int]]] = []
     for acts in schedule.actions:
         # receives on this rank, in order: (index, peer, index of the matching send on the peer)
-        recvs = [(i, a.peer, send_at[_match(a)]) for i, a in enumerate(acts) if a.kind in (RECV_F, RECV_B)]
+        recvs = [(i, a.peer, send_at[message_key(a)]) for i, a in enumerate(acts) if a.kind in (RECV_F, RECV_B)]
         rel: dict[int, list[int]] = {}
         for i, a in enumerate(acts):
             if a.kind not in (SEND_F, SEND_B):
                 continue
-            got = recv_at[_match(a)]  # the peer's receive of this message
+            got = recv_at[message_key(a)]  # the peer's receive of this message
             for ri, q, sj in recvs:
                 if ri > i and q == a.peer and sj > got:
                     rel.setdefault(ri, []).append(i)

@@ -163,7 +163,7 @@ class DeadlockError(RuntimeError):
     """The action lists cannot all complete: every unfinished rank waits on a peer."""
 
 
-def _match(a: Action) -> tuple:
+def message_key(a: Action) -> tuple:
     """Key shared by a send and the receive it feeds."""
     if a.kind == SEND_F:
         return (F, a.pipe, a.stage + 1, a.mb)
@@ -235,12 +235,12 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
                 continue
             a = acts[r][ptr[r]]
             if a.kind in (RECV_F, RECV_B):
-                if p2p == "rendezvous" or _match(a) not in arrival:
+                if p2p == "rendezvous" or message_key(a) not in arrival:
                     continue
             elif a.kind in (SEND_F, SEND_B) and p2p == "rendezvous":
                 q = a.peer
                 if ptr[q] >= len(acts[q]) or acts[q][ptr[q]].kind not in (RECV_F, RECV_B) \
-                        or _match(acts[q][ptr[q]]) != _match(a):
+                        or message_key(acts[q][ptr[q]]) != message_key(a):
                     continue
             elif a.kind == GRAD_SYNC:
                 q = a.peer
@@ -260,7 +260,7 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
             events.append(Event(r, a.kind, a.mb, start, end, a.stage, a.pipe))
             clock[r] = end
         elif a.kind in (SEND_F, SEND_B) and p2p == "eager":
-            arrival[_match(a)] = transfer(r, a.peer, start, msg_bytes(a))
+            arrival[message_key(a)] = transfer(r, a.peer, start, msg_bytes(a))
         elif a.kind in (SEND_F, SEND_B):  # rendezvous: both sides finish with the transfer
             q = a.peer
             end = transfer(r, q, start, msg_bytes(a))
@@ -268,7 +268,7 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
             ptr[q] += 1
             remaining -= 1
         elif a.kind in (RECV_F, RECV_B):
-            clock[r] = max(start, arrival.pop(_match(a)))
+            clock[r] = max(start, arrival.pop(message_key(a)))
         elif a.kind == GRAD_SYNC:  # 2-rank all-reduce of one stage's gradients
             q = a.peer
             sync = costs._get("sync_s", a.stage) if costs.sync_s is not None else \

@@ -158,12 +158,10 @@ def predicted_tp_bytes(model: nn.Module, runtime: Any, micro_batch: int, seq: in
 
 # --------------------------------------------------------------------------- single-process layout
 def _qkv_perm(model: nn.Module, name: str) -> torch.Tensor | None:
-    from scaletrain.techniques.tensor_parallel import qkv_permutation, tp_info
+    from scaletrain.techniques.tensor_parallel import qkv_row_permutation, tp_info
 
     info = tp_info(model)
-    if info is None or not (name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias")):
-        return None
-    return qkv_permutation(model.config.n_embd, model.config.n_head, info.tp)
+    return None if info is None else qkv_row_permutation(model, name, info.tp)
 
 
 def shard_full(model: nn.Module, name: str, like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

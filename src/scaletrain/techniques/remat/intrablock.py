@@ -132,14 +132,19 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _fresh_inputs(example_input) -> tuple:
+    """The block's inputs as a tuple of detached copies (floating ones requiring grad, as in training)."""
+    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+    return tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+                 for t in inputs)
+
+
 def trace_block(block: nn.Module, example_input, peak_flops: float = PEAK_FLOPS,
                 bandwidth: float = BANDWIDTH) -> list[OpNode]:
     """The aten ops of one forward of ``block`` (see the module docstring)."""
-    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
     # traced with autograd on, as in training (some ops, e.g. attention, pick other kernels
     # under no_grad), on detached copies so nothing leaks into the caller's graph
-    inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
-                   for t in inputs)
+    inputs = _fresh_inputs(example_input)
     rec = _Recorder(peak_flops, bandwidth)
     with torch.enable_grad(), rec:
         block(*inputs)
@@ -151,9 +156,7 @@ def trace_block(block: nn.Module, example_input, peak_flops: float = PEAK_FLOPS,
 def plain_saved_bytes(block: nn.Module, example_input) -> int:
     """Bytes plain autograd keeps for ``block``'s backward beyond its input and parameters: the
     distinct storages of the tensors it saves (``saved_tensors_hooks``), one forward."""
-    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
-    inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
-                   for t in inputs)
+    inputs = _fresh_inputs(example_input)
     skip = {t.untyped_storage().data_ptr() for t in (*inputs, *block.parameters(), *block.buffers())
             if isinstance(t, torch.Tensor)}
     seen: dict[int, int] = {}
