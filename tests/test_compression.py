@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from scaletrain.techniques import compression as C
+from scaletrain.techniques.data_parallel import compression as C
 from scaletrain.testing import run_distributed
 
 

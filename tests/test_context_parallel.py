@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain import models
-from scaletrain.techniques import sequence_parallel as sp
+from scaletrain.techniques import context_parallel as sp
 from scaletrain.testing import run_distributed
 
 SHAPE = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
@@ -49,7 +49,7 @@ def _train_cp(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from scaletrain.measure.tracker import MemoryTracker
-    from scaletrain.techniques.comm_count import CommCounter
+    from scaletrain.measure.comm import CommCounter
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     m = sp.apply_context_parallel(build(), mesh["cp"])

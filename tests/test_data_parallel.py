@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from scaletrain.errors import ConfigError
-from scaletrain.techniques import data_parallel as dp
+from scaletrain.measure import comm as ledger
+from scaletrain.techniques.data_parallel import launch as dp
 from scaletrain.testing import run_distributed
 from scaletrain.train.config import load_config
 
@@ -43,8 +44,8 @@ def test_backend_and_command():
 
 def test_ledger_counts_ring_bytes(monkeypatch):
     """Bytes received per rank by ring algorithms (the convention of REFERENCES.md)."""
-    monkeypatch.setattr(dp, "_group_size", lambda g: 4)
-    led = dp.CommLedger()
+    monkeypatch.setattr(ledger, "_ledger_group_size", lambda g: 4)
+    led = ledger.CommLedger()
     t = torch.zeros(1000)  # 4000 bytes
     led.record("all_reduce", {"tensor": t}, None)
     led.record("reduce_scatter_single", {"output": t[:250], "input": t}, None)
@@ -74,7 +75,7 @@ def test_comm_failure_message():
     class Timeout(RuntimeError):
         pass
 
-    dp.LEDGER.last = ("reduce_scatter_single", 3 * 2**20, 4)
+    ledger.LEDGER.last = ("reduce_scatter_single", 3 * 2**20, 4)
     f = dp.explain_comm_failure(Timeout("[gloo] Timed out waiting 3000ms for recv operation"), 2, 6, 3.0)
     assert str(f).startswith("rank 2: reduce_scatter_single of 3.00 MiB over 4 ranks at step 7 timed out after 3 s")
     assert dp.explain_comm_failure(ValueError("unrelated"), 0, 0, 3.0) is None

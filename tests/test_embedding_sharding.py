@@ -59,8 +59,8 @@ def reference(world: int):
 def _train_sharded(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from scaletrain.techniques.comm_count import CommCounter
-    from scaletrain.techniques.sequence_parallel import average_gradients
+    from scaletrain.measure.comm import CommCounter
+    from scaletrain.techniques.context_parallel import average_gradients
 
     # the single-device gradient of the first global batch, to compare with this rank's sparse one
     # (Adagrad is invariant to the gradient's scale, so parameters alone would not catch a wrong 1/W)

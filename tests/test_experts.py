@@ -57,7 +57,7 @@ def _train_ep(rank: int, world: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from scaletrain.techniques.comm_count import CommCounter
+    from scaletrain.measure.comm import CommCounter
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     m = ep_mod.apply_expert_parallel(build(), mesh["ep"])

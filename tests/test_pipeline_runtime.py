@@ -300,7 +300,7 @@ def emulate_async(schedule: str, n_steps: int) -> tuple[list[float], dict[str, t
 
 
 def _async_worker(rank: int, world: int) -> dict:
-    from scaletrain.techniques.data_parallel import CommFailure
+    from scaletrain.techniques.data_parallel.launch import CommFailure
     from scaletrain.techniques.pipeline.runtime import PipelineRuntime
 
     out: dict = {(kind, s, 2, 1): _train(kind, s, 2, 1) for s in SYNC for kind in ("gpt2", "mlp")}

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from scaletrain.errors import ConfigError
-from scaletrain.techniques import zero
+from scaletrain.measure import model_states
+from scaletrain.techniques.data_parallel import cost as zero
 from scaletrain.train.config import load_config
 from scaletrain.train.trainer import Trainer
 
@@ -32,7 +33,7 @@ def test_bf16_parameters_with_fp32_masters_train_like_fp32_and_cost_16_bytes(tmp
     # model-state bytes after a backward: ZeRO's 2 + 2 + (4 + 8) per parameter for mixed-precision Adam
     t.parallel.run_micro_batches(t, iter(t._make_train_loader(0)))
     n = sum(p.numel() for p in t.model.parameters())
-    got = zero.measure_model_state_bytes(t.model, t.optimizer)
+    got = model_states.measure_model_state_bytes(t.model, t.optimizer)
     want = zero.model_state_bytes(n, 0, 1, precision="bf16")
     for k in ("params", "grads", "optimizer"):
         assert getattr(got, k) == pytest.approx(getattr(want, k), rel=0.01), k

@@ -54,7 +54,7 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 def _train_tp(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from scaletrain.techniques.comm_count import CommCounter, DTensorMemoryTracker
+    from scaletrain.measure.comm import CommCounter, DTensorMemoryTracker
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = {}
@@ -119,9 +119,9 @@ def test_unsupported_layouts_are_user_errors():
     from scaletrain.errors import UserError
 
     with pytest.raises(UserError, match="use parallel.ep"):
-        tp._check_model(models.get("gpt2-moe", device="meta"), 2)
+        tp.check_model(models.get("gpt2-moe", device="meta"), 2)
     with pytest.raises(UserError, match="divide n_head"):
-        tp._check_model(build(), 3)
+        tp.check_model(build(), 3)
 
 
 def test_cost_face_matches_single_device_measurement():

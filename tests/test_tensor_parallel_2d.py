@@ -59,7 +59,7 @@ def reference(spec, dp: int):
 def _train(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from scaletrain.techniques.comm_count import CommCounter
+    from scaletrain.measure.comm import CommCounter
 
     # the traffic counter must see sub-groups' sizes (c10d ops carry them boxed)
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

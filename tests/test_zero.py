@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from scaletrain.techniques import zero
+from scaletrain.techniques.data_parallel import cost as zero
 from scaletrain.testing import run_distributed
 
 TINY = ["model.overrides.n_layer=2", "model.overrides.n_embd=64", "model.overrides.n_head=2", "data.seq_len=32",

@@ -4,10 +4,10 @@ Same GPT-2 shape, same weights (seed), same batches, same AdamW, fp32, gradient 
 ``--world`` CPU processes with gloo (one thread each), in one invocation, rounds interleaved so
 that machine load hits every variant alike. Variants:
 
-- ``scaletrain-zero2``: :class:`scaletrain.techniques.zero.ZeroStrategy` (stage 2);
+- ``scaletrain-zero2``: :class:`scaletrain.techniques.data_parallel.zero.ZeroStrategy` (stage 2);
 - ``deepspeed-zero2`` / ``deepspeed-zero3``: ``deepspeed.initialize`` with ``zero_optimization.stage``
   2 / 3, ``overlap_comm``, bucket sizes set to the same 25 MiB as ours (``DS_ACCELERATOR=cpu``);
-- ``scaletrain-zero3``: :class:`scaletrain.techniques.zero.FSDPStrategy` (fully_shard per block,
+- ``scaletrain-zero3``: :class:`scaletrain.techniques.fsdp.FSDPStrategy` (fully_shard per block,
   root resharded too, explicit prefetch, optimizer on local shards);
 - ``fully_shard``: plain FSDP2 as its docs show it (per block + root, default resharding, the
   optimizer on the DTensor parameters) — the native path stage 3 builds on;
@@ -117,15 +117,15 @@ def _run(rank: int, world: int, variant: str, args) -> dict:
             opt.zero_grad(set_to_none=True)
             return loss
     else:
-        from scaletrain.techniques import data_parallel as dpm
-        from scaletrain.techniques import zero
+        from scaletrain.techniques.data_parallel import ddp as dpm
+        from scaletrain.techniques.data_parallel import fsdp, zero
 
         if variant == "ddp":
             strat = dpm.DDPStrategy(model, rank, world, device, bucket_mb=BUCKET_MB)
         elif variant == "scaletrain-zero2":
             strat = zero.ZeroStrategy(model, 2, rank, world, device, bucket_mb=BUCKET_MB)
         else:
-            strat = zero.FSDPStrategy(model, rank, world, device)
+            strat = fsdp.FSDPStrategy(model, rank, world, device)
         opt = strat.build_optimizer(lambda m: torch.optim.AdamW(m.parameters(), **opt_kw))
         fwd = strat.forward_module
 

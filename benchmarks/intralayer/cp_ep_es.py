@@ -47,8 +47,8 @@ def _cp(rank: int, world: int, a: dict) -> dict:
 
     from scaletrain import models
     from scaletrain.measure.tracker import MemoryTracker
-    from scaletrain.techniques import sequence_parallel as sp
-    from scaletrain.techniques.comm_count import CommCounter
+    from scaletrain.techniques import context_parallel as sp
+    from scaletrain.measure.comm import CommCounter
 
     torch.manual_seed(0)
     m = models.get("gpt2-tiny", n_layer=a["n_layer"], n_embd=a["n_embd"], n_head=4, vocab_size=256,
@@ -75,7 +75,7 @@ def _ep(rank: int, world: int, a: dict) -> dict:
 
     from scaletrain import models
     from scaletrain.techniques import experts
-    from scaletrain.techniques.comm_count import CommCounter
+    from scaletrain.measure.comm import CommCounter
 
     torch.manual_seed(0)
     m = models.get("gpt2-moe", n_layer=a["n_layer"], n_embd=a["n_embd"], n_head=4, vocab_size=256,
@@ -95,7 +95,7 @@ def _ep(rank: int, world: int, a: dict) -> dict:
 def _es(rank: int, world: int, a: dict) -> dict:
     from scaletrain import models
     from scaletrain.techniques import embedding_sharding as es
-    from scaletrain.techniques.comm_count import CommCounter
+    from scaletrain.measure.comm import CommCounter
 
     torch.manual_seed(0)
     m = es.apply_embedding_sharding(models.get("dlrm-mini"))
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from scaletrain.testing import run_distributed
     from scaletrain.techniques import embedding_sharding as es
     from scaletrain.techniques import experts
-    from scaletrain.techniques import sequence_parallel as sp
+    from scaletrain.techniques import context_parallel as sp
 
     degrees = [int(d) for d in args.degrees.split(",")]
     rows: dict[str, list] = {"cp": [], "ep": [], "embedding_sharding": []}

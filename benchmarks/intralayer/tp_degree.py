@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, a: dict) -> dict:
 
     from scaletrain import models
     from scaletrain.techniques import tensor_parallel as tp
-    from scaletrain.techniques.comm_count import CommCounter, DTensorMemoryTracker
+    from scaletrain.measure.comm import CommCounter, DTensorMemoryTracker
     from scaletrain.techniques.intralayer import setup_intralayer
 
     torch.manual_seed(0)

@@ -86,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _data_parallel(est, args: argparse.Namespace) -> dict:
-    """The ZeRO cost face (:func:`scaletrain.techniques.zero.data_parallel_estimate`) for this step."""
+    """The ZeRO cost face (:func:`scaletrain.techniques.data_parallel.cost.data_parallel_estimate`) for this step."""
     from scaletrain.errors import UserError
-    from scaletrain.techniques.zero import data_parallel_estimate
+    from scaletrain.techniques.data_parallel.cost import data_parallel_estimate
 
     if args.dp < 1 or (args.hsdp and (args.zero == 0 or args.dp % args.hsdp)):
         raise UserError(f"--dp {args.dp} --hsdp {args.hsdp}: --dp must be >= 1 and --hsdp must divide it "

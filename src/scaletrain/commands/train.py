@@ -40,7 +40,7 @@ def _relaunch(args: argparse.Namespace) -> int:
     import os
     import subprocess
 
-    from scaletrain.techniques.data_parallel import torchrun_command
+    from scaletrain.techniques.data_parallel.launch import torchrun_command
 
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node={args.nproc_per_node} is not allowed; must be >= 1")
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except ConfigError:
-        from scaletrain.techniques.data_parallel import launch_env
+        from scaletrain.techniques.data_parallel.launch import launch_env
 
         if launch_env().rank != 0:  # the same config error on every rank: rank 0 says it once
             return 2

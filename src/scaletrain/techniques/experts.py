@@ -144,6 +144,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, aux_group: dist
     return model
 
 
+def is_expert_param(p: torch.Tensor) -> bool:
+    """True for a parameter holding this rank's slice of the experts (made by :func:`apply_expert_parallel`)."""
+    return bool(getattr(p, _EXPERT_FLAG, False))
+
+
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """Parameters sharded by expert parallelism (to exclude from the plain DP all-reduce)."""
     return [p for p in model.parameters() if getattr(p, _EXPERT_FLAG, False)]

@@ -60,7 +60,7 @@ class IntraLayer:
         """This rank's part of a data-parallel batch: under CP its tokens in the balanced layout."""
         if self.cp == 1:
             return x, y
-        from scaletrain.techniques.sequence_parallel import shard_sequence
+        from scaletrain.techniques.context_parallel import shard_sequence
 
         r = self.mesh["cp"].get_local_rank()
         return shard_sequence(x, r, self.cp), shard_sequence(y, r, self.cp)
@@ -181,7 +181,7 @@ def setup_intralayer(model: nn.Module, *, tp: int = 1, cp: int = 1, ep: int = 1,
 
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
     if cp > 1:
-        from scaletrain.techniques.sequence_parallel import apply_context_parallel
+        from scaletrain.techniques.context_parallel import apply_context_parallel
 
         apply_context_parallel(model, mesh["cp"])
     if ep > 1 or (cp > 1 and _has_moe(model)):
@@ -308,7 +308,7 @@ def predict(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: int, seq:
             act_bytes: int = 4) -> dict[str, float]:
     """Bytes received per rank per optimizer step and per-rank model-state bytes (fp32), from the
     cost faces (module docstring). ``micro_batch``: samples per data-parallel rank and micro-batch."""
-    from scaletrain.techniques import zero as zero_mod
+    from scaletrain.techniques.data_parallel import cost as zero_mod
 
     intra = 0.0
     if il.tp > 1:
@@ -317,7 +317,7 @@ def predict(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: int, seq:
         intra += tp_comm_bytes_per_step(cfg, il.tp, micro_batch, seq, sequence_parallel=il.sequence_parallel,
                                         act_bytes=act_bytes, micro_batches=accum)["wire_bytes"]
     if il.cp > 1:
-        from scaletrain.techniques.sequence_parallel import cp_comm_bytes_per_step
+        from scaletrain.techniques.context_parallel import cp_comm_bytes_per_step
 
         intra += cp_comm_bytes_per_step(cfg, il.cp, micro_batch, seq, act_bytes=act_bytes,
                                         micro_batches=accum)["total"]

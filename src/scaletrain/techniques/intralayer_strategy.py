@@ -26,7 +26,7 @@ What one optimizer step does on each rank (``world = dp x cp x tp``, ``dp = dp_r
 
 Traffic. The trainer's ledger only sees ``torch.distributed`` calls; DTensor's functional
 collectives and the ring's send/recv are not among them. So the forward/backward runs under a
-:class:`~scaletrain.techniques.comm_count.CommCounter` (ledger paused) and its bytes are added to
+:class:`~scaletrain.measure.comm.CommCounter` (ledger paused) and its bytes are added to
 the ledger (ring algorithms: bytes sent = bytes received per rank) — on the steps the trainer
 logs, since the counter sees every op (~6 % of a CPU step here). The prediction
 (:meth:`metrics`) is built from the cost faces: ``tp_comm_bytes_per_step``,
@@ -62,9 +62,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.techniques.data_parallel import LEDGER, Strategy
+from scaletrain.measure.comm import LEDGER
+from scaletrain.techniques.runtime import Strategy
 from scaletrain.techniques.intralayer import check_config, local_param_counts, predict
-from scaletrain.techniques.zero_sharded import ShardedStrategy, _Entry, check_state_keys, shard_rows
+from scaletrain.techniques.data_parallel.sharded import ShardedStrategy, _Entry, check_state_keys, shard_rows
 
 # --------------------------------------------------------------------------- local tensors
 
@@ -181,7 +182,7 @@ class IntraLayerStrategy(Strategy):
 
     # -- the micro-batch loop ------------------------------------------------------------
     def run_micro_batches(self, trainer: Any, it: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        from scaletrain.techniques.comm_count import CommCounter
+        from scaletrain.measure.comm import CommCounter
 
         il, step_loss = self.il, 0.0
         self.intra_bytes = 0.0

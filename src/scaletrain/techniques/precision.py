@@ -6,9 +6,9 @@ master copies (4 bytes) with fp32 states (K bytes: Adam 8) — ZeRO's 2 + 2 + 12
 parameter with Adam, against 4 + 4 + 8 for fp32 parameters. Compute dtype is ``train.precision``:
 with 16-bit parameters the matmuls run in that dtype whether or not autocast is on.
 
-Cost face: :func:`scaletrain.techniques.zero.bytes_per_param` with precision "bf16"/"fp16"
+Cost face: :func:`scaletrain.techniques.data_parallel.cost.bytes_per_param` with precision "bf16"/"fp16"
 (the same numbers; with ``parallel.zero=1/2`` the masters and states are sharded by
-:class:`~scaletrain.techniques.zero.ZeroStrategy`, which takes the same ``param_dtype``).
+:class:`~scaletrain.techniques.data_parallel.zero.ZeroStrategy`, which takes the same ``param_dtype``).
 
 Apply face (one process): :class:`MasterWeightsStrategy`. Order in a step: backward fills the
 16-bit ``.grad``; ``prepare_step`` copies each into an fp32 master gradient; the loss scaler
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError
-from scaletrain.techniques.data_parallel import Strategy
+from scaletrain.techniques.runtime import Strategy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -97,6 +97,11 @@ class RematConfig:
                       choices=("none", "periodic", "revolve", "optimal", "ilp", "dtr"))
     budget: str = opt("", "memory budget for activations of a step (with parallel.pp > 1: of one micro-batch in "
                           "one stage): bytes or a string like '1.5GiB'; empty = none")
+    blocks: str = opt("none", "blocks recomputed whole in the backward (activation checkpointing of chosen Chain "
+                              "blocks, as torchtitan's full AC): none, all, or a list like '1,3,5'")
+    selective: str = opt("none", "selective recompute: attention = recompute the attention core (QK^T, softmax, "
+                                 "dropout, x V) of every transformer block, keep the rest (Korthikanti et al. 2022)",
+                         choices=("none", "attention"))
 
 
 @dataclass

@@ -12,7 +12,7 @@ the data position — is checkpointed, so a resumed run continues bitwise identi
 
 Data parallelism (``parallel.*``): started by torchrun (or ``scaletrain train --nproc-per-node``),
 every process runs this same loop on its share of each global batch. A strategy object from
-:mod:`scaletrain.techniques.data_parallel` / :mod:`~scaletrain.techniques.zero` wraps the steps
+:mod:`scaletrain.techniques.data_parallel` / :mod:`~scaletrain.techniques.data_parallel.zero` wraps the steps
 above (no-sync for early micro-batches, gradient reduction, sharded clipping, the parameter
 all-gather after the step); logged losses are averaged over ranks, so they equal a single
 process's on the same global batch. Only rank 0 writes files and prints; checkpoints are always
@@ -39,7 +39,10 @@ from torch import nn
 from scaletrain import models as model_registry
 from scaletrain.data import build_loader, get_dataset
 from scaletrain.errors import ConfigError
-from scaletrain.techniques import data_parallel as dp
+from scaletrain.measure.comm import LEDGER
+from scaletrain.techniques.data_parallel import launch
+from scaletrain.techniques.data_parallel.ddp import DDPStrategy
+from scaletrain.techniques.runtime import Strategy
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import MetricsWriter, ProgressBar
@@ -107,13 +110,13 @@ class Trainer:
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.resume = resume
-        env = dp.launch_env()
+        env = launch.launch_env()
         self.device = resolve_device(cfg.train.device, env.local_rank)
-        self._created_group = dp.init_process_group(self.device, cfg.parallel.timeout_s)
+        self._created_group = launch.init_process_group(self.device, cfg.parallel.timeout_s)
         try:
             self._setup(cfg, model, log)
         except BaseException:
-            dp.shutdown(self._created_group)  # a bad config must not leave the process group behind
+            launch.shutdown(self._created_group)  # a bad config must not leave the process group behind
             raise
 
     def _setup(self, cfg: Config, model: nn.Module | None, log: Callable[[str], None] | None) -> None:
@@ -134,7 +137,7 @@ class Trainer:
         if self.world > 1:  # per-rank streams for dropout etc. (the data order has its own generator)
             torch.manual_seed(cfg.train.seed + 1_000_003 * self.rank)
             random.seed(cfg.train.seed + 1_000_003 * self.rank)
-            dp.LEDGER.install()
+            LEDGER.install()
         self.optimizer = self.parallel.build_optimizer(self._build_optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         self.scaler = self.parallel.make_scaler(self.device, cfg.train.precision == "fp16")
@@ -224,7 +227,7 @@ class Trainer:
         mem = self.cfg.memory
         return mem.offload != OffloadConfig() or bool(mem.device_budget)
 
-    def _build_parallel(self) -> dp.Strategy:
+    def _build_parallel(self) -> Strategy:
         """The strategy: pipeline (``parallel.pp``), intra-layer (``parallel.tp/cp/ep``), offload
         (``memory.offload``), else data parallelism for ``parallel.zero`` (a no-op for one rank)."""
         p, world = self.cfg.parallel, self.world
@@ -249,23 +252,24 @@ class Trainer:
 
         stored = param_dtype(self.cfg.train.params_dtype)
         if world == 1:
-            return MasterWeightsStrategy(self.model, stored) if stored is not None else dp.Strategy(self.model)
+            return MasterWeightsStrategy(self.model, stored) if stored is not None else Strategy(self.model)
         if stored is not None and p.zero not in (1, 2):
             raise ConfigError(f"train.params_dtype={self.cfg.train.params_dtype} with {world} processes needs "
                               f"parallel.zero=1 or 2 (they keep the fp32 masters sharded); got parallel.zero={p.zero}")
         half = stored or {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision)
         if p.zero == 0:
-            return dp.DDPStrategy(self.model, self.rank, world, self.device, bucket_mb=p.bucket_mb,
+            return DDPStrategy(self.model, self.rank, world, self.device, bucket_mb=p.bucket_mb,
                                   compression=p.compression, compression_rank=p.compression_rank,
                                   topk_ratio=p.topk_ratio, compression_warmup_steps=p.compression_warmup_steps,
                                   seed=self.cfg.train.seed)
-        from scaletrain.techniques import zero
+        from scaletrain.techniques.data_parallel.fsdp import FSDPStrategy
+        from scaletrain.techniques.data_parallel.zero import ZeroStrategy
 
         if p.zero in (1, 2):
-            s: dp.Strategy = zero.ZeroStrategy(self.model, p.zero, self.rank, world, self.device,
+            s: Strategy = ZeroStrategy(self.model, p.zero, self.rank, world, self.device,
                                                bucket_mb=p.bucket_mb, param_dtype=half, hsdp=p.hsdp)
         else:
-            s = zero.FSDPStrategy(self.model, self.rank, world, self.device, param_dtype=half, hsdp=p.hsdp)
+            s = FSDPStrategy(self.model, self.rank, world, self.device, param_dtype=half, hsdp=p.hsdp)
         warn = s.sharded_optimizer_warning(self.cfg.optim.name)  # type: ignore[attr-defined]
         if warn:
             self.log(f"warning: {warn}")
@@ -394,8 +398,8 @@ class Trainer:
         del self.optimizer, self.scheduler
         self.parallel = None  # type: ignore[assignment]
         if self.world > 1:
-            dp.LEDGER.uninstall()
-        dp.shutdown(self._created_group)
+            LEDGER.uninstall()
+        launch.shutdown(self._created_group)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -431,10 +435,10 @@ class Trainer:
     def _train_step(self, it: Any) -> float:
         """One optimizer step over ``accum`` micro-batches; returns the rank-averaged loss."""
         par = self.parallel
-        dp.LEDGER.reset()
+        LEDGER.reset()
         step_loss = par.run_micro_batches(self, it)
         if self.step == 1 and self.world > 1:  # optimizer states exist from the first step on
-            from scaletrain.techniques.zero import measure_model_state_bytes
+            from scaletrain.measure.model_states import measure_model_state_bytes
 
             m = measure_model_state_bytes(self.model, self.optimizer,
                                           extra_grads=getattr(par, "state_tensors", lambda: [])())
@@ -445,7 +449,7 @@ class Trainer:
         par.after_step()
         self.scheduler.step()
         par.zero_grad(self.optimizer)
-        self.comm_bytes = dp.LEDGER.total() if self.world > 1 else 0.0
+        self.comm_bytes = LEDGER.total() if self.world > 1 else 0.0
         return par.mean([step_loss])[0]
 
     def fit(self) -> TrainResult:
@@ -475,7 +479,7 @@ class Trainer:
                 try:
                     step_loss = self._train_step(it)
                 except Exception as exc:
-                    failure = dp.explain_comm_failure(exc, self.rank, self.step, cfg.parallel.timeout_s)
+                    failure = launch.explain_comm_failure(exc, self.rank, self.step, cfg.parallel.timeout_s)
                     if failure is None or self.world == 1:
                         raise
                     raise failure from None

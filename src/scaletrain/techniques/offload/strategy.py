@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.techniques.data_parallel import Strategy
+from scaletrain.techniques.runtime import Strategy
 from scaletrain.techniques.offload.pools import DeviceOutOfMemory
 from scaletrain.techniques.offload.runtime import OffloadRuntime, build_offload_runtime
 

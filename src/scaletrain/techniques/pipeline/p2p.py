@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from scaletrain.techniques.data_parallel import CommFailure
+from scaletrain.techniques.data_parallel.launch import CommFailure
 
 _GROUPS: dict[tuple, Any] = {}
 

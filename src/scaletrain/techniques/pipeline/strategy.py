@@ -64,7 +64,8 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.techniques.data_parallel import LEDGER, Strategy
+from scaletrain.measure.comm import LEDGER
+from scaletrain.techniques.runtime import Strategy
 
 from .apply import default_virtual, example_input, pipeline_runtime
 from .runtime import PipelineRuntime
@@ -185,9 +186,9 @@ class PipelineStrategy(Strategy):
             n_blocks = len(to_chain(trainer.model))
             example_input(trainer.model, trainer.micro_batch, seq)
             if p.tp > 1:  # before any collective: every rank refuses alike
-                from scaletrain.techniques.tensor_parallel import _check_model
+                from scaletrain.techniques.tensor_parallel import check_model
 
-                _check_model(trainer.model, p.tp)
+                check_model(trainer.model, p.tp)
         except ConfigError:
             raise
         except UserError as e:

@@ -107,10 +107,10 @@ def backward_context() -> contextlib.AbstractContextManager:
 
 
 def tp_comm_counter() -> Any:
-    """A :class:`~scaletrain.techniques.comm_count.CommCounter` keeping only DTensor's functional
+    """A :class:`~scaletrain.measure.comm.CommCounter` keeping only DTensor's functional
     collectives (the TP traffic inside the stages): the pipeline's own ``torch.distributed``
     calls are in the ledger already and its point-to-point bytes in ``p2p_bytes``."""
-    from scaletrain.techniques.comm_count import CommCounter, _classify
+    from scaletrain.measure.comm import CommCounter, _classify
 
     class _TPCounter(CommCounter):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from scaletrain.errors import UserError
-from scaletrain.techniques.tensor_parallel import (
+from .megatron import (
     _TP_ATTR,
     TPInfo,
     _reduce_partial_grads_eagerly,

@@ -21,8 +21,13 @@ tensor-parallel model can be measured storage by storage.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -182,3 +187,123 @@ class DTensorMemoryTracker(MemoryTracker):
 def local_tensors(tensors) -> list[torch.Tensor]:
     """Local shards of DTensors (plain tensors unchanged), e.g. to register with a tracker."""
     return [t._local_tensor if isinstance(t, DTensor) else t for t in tree_iter(tensors)]
+
+
+# --------------------------------------------------------------------------- the traffic ledger
+#
+# :class:`CommLedger` counts the bytes each collective moves by wrapping the ``torch.distributed``
+# functions that DDP comm hooks, FSDP2 and our own ZeRO code call. The convention is *bytes received
+# per rank by a bandwidth-optimal (ring) algorithm* for a tensor of ``S`` bytes on ``N`` ranks:
+# all-reduce ``2(N-1)/N * S``; reduce-scatter ``(N-1)/N * S_input``; all-gather ``(N-1)/N * S_output``;
+# broadcast ``(N-1)/N * S`` (every non-root rank receives S); all-to-all ``(N-1)/N * S``
+# (REFERENCES.md, "Communication"). DDP moves ``2 Psi (N-1)/N`` elements per step, ZeRO-3
+# ``3 Psi (N-1)/N`` (ZeRO paper section 7). :class:`CommCounter` above sees what the ledger cannot
+# (DTensor's functional collectives, point-to-point); its wire bytes are added with ``LEDGER.add``.
+
+
+def _ledger_group_size(group: Any) -> int:
+    return dist.get_world_size(group) if group is not None else dist.get_world_size()
+
+
+# name -> function(bound arguments, N) -> bytes received per rank (module docstring convention)
+_TRAFFIC: dict[str, Callable[[dict[str, Any], int], float]] = {
+    "all_reduce": lambda a, n: 2 * (n - 1) / n * _nbytes(a["tensor"]),
+    "reduce_scatter_tensor": lambda a, n: (n - 1) / n * _nbytes(a["input"]),
+    "reduce_scatter_single": lambda a, n: (n - 1) / n * _nbytes(a["input"]),
+    "reduce_scatter": lambda a, n: (n - 1) / n * sum(_nbytes(t) for t in a["input_list"]),
+    "all_gather_into_tensor": lambda a, n: (n - 1) / n * _nbytes(a["output_tensor"]),
+    "all_gather_single": lambda a, n: (n - 1) / n * _nbytes(a["output_tensor"]),
+    "all_gather": lambda a, n: (n - 1) * _nbytes(a["tensor"]),
+    "broadcast": lambda a, n: (n - 1) / n * _nbytes(a["tensor"]),
+    "all_to_all_single": lambda a, n: (n - 1) / n * _nbytes(a["input"]),
+}
+
+
+class CommLedger:
+    """Counts bytes per collective (see the module docstring) and remembers the last one started.
+
+    One ledger per process (:data:`LEDGER`); :meth:`install` wraps the ``torch.distributed``
+    functions in :data:`_TRAFFIC` (reference-counted, :meth:`uninstall` restores them).
+    ``paused()`` excludes bookkeeping traffic (loss averaging for the log) from the counts.
+    """
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.last: tuple[str, int, int] | None = None  # (collective, tensor bytes, ranks)
+        self._lock = threading.Lock()
+        self._paused = 0
+        self._installed = 0
+        self._originals: dict[str, Callable[..., Any]] = {}
+
+    # -- counting ------------------------------------------------------------------------
+    def record(self, name: str, args: dict[str, Any], group: Any) -> None:
+        n = _ledger_group_size(group)
+        traffic = _TRAFFIC[name](args, n) if n > 1 else 0.0
+        size = max((_nbytes(v) for v in args.values() if isinstance(v, torch.Tensor)), default=0)
+        with self._lock:
+            self.last = (name, size, n)
+            if self._paused:
+                return
+            self.bytes[name] = self.bytes.get(name, 0.0) + traffic
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def total(self) -> float:
+        """Bytes received per rank so far (all collectives)."""
+        with self._lock:
+            return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes.clear()
+            self.calls.clear()
+
+    def add(self, name: str, nbytes: float, calls: int = 1) -> None:
+        """Count traffic measured elsewhere (collectives the wrappers cannot see: DTensor's
+        functional collectives, point-to-point rings), in this ledger's convention."""
+        with self._lock:
+            self.bytes[name] = self.bytes.get(name, 0.0) + nbytes
+            self.calls[name] = self.calls.get(name, 0) + calls
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        with self._lock:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+
+    # -- patching ------------------------------------------------------------------------
+    def install(self) -> None:
+        if self._installed == 0:
+            for name in _TRAFFIC:
+                orig = getattr(dist, name, None)
+                if orig is None:
+                    continue
+                self._originals[name] = orig
+                setattr(dist, name, self._wrap(name, orig))
+        self._installed += 1
+
+    def uninstall(self) -> None:
+        self._installed = max(0, self._installed - 1)
+        if self._installed == 0:
+            for name, orig in self._originals.items():
+                setattr(dist, name, orig)
+            self._originals.clear()
+
+    def _wrap(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(orig)
+
+        @functools.wraps(orig)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(*args, **kwargs)
+            self.record(name, bound.arguments, bound.arguments.get("group"))
+            return orig(*args, **kwargs)
+
+        return counted
+
+
+LEDGER = CommLedger()
+"""The process-wide traffic ledger."""

@@ -16,7 +16,7 @@ Apply face — :func:`apply_tensor_parallel(model, tp_mesh, sequence_parallel=Fa
 Per layer this gives Megatron's two all-reduces of [b, s, h] in the forward (attention-out,
 MLP-out) and two in the backward (the inputs of the column-parallel layers), plus one each for
 the embedding and the head. With ``sequence_parallel=True`` (Korthikanti et al. 2022, see
-:mod:`scaletrain.techniques.sequence_parallel`) every all-reduce becomes a reduce-scatter / all-gather
+:mod:`scaletrain.techniques.context_parallel`) every all-reduce becomes a reduce-scatter / all-gather
 pair and the LayerNorm/dropout/residual regions hold only ``s / t`` tokens; with ``regather``
 (the default) the column-parallel layers also keep only their input's ``s / t`` slice for the
 backward and all-gather it again there, as Megatron does.
@@ -55,6 +55,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from scaletrain.errors import UserError
+
+from .sequence import keep_sequence_shard_for_backward
 
 _TP_ATTR = "_scaletrain_tp"  # set on the model: TPInfo
 
@@ -147,7 +149,7 @@ def _replicate_leftovers(model: nn.Module, mesh: DeviceMesh) -> None:
             replicate_module(mod, mesh)
 
 
-def _check_model(model: nn.Module, tp: int) -> None:
+def check_model(model: nn.Module, tp: int) -> None:
     for attr in ("embed", "h", "head", "config"):
         if not hasattr(model, attr):
             raise UserError(f"tensor parallelism supports the GPT-2 layout (embed, h, head); "
@@ -182,10 +184,10 @@ def _reduce_partial_grads_eagerly(model: nn.Module) -> None:
             p.register_post_accumulate_grad_hook(hook)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
-                          regather: bool = True) -> nn.Module:
-    """Shard a GPT-2 (``scaletrain.models.gpt2.GPT2`` or a subclass, or a Hugging Face
-    ``GPT2LMHeadModel`` — see :mod:`tensor_parallel_hf`) over ``tp_mesh`` in place.
+def apply_megatron(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+                   regather: bool = True) -> nn.Module:
+    """Shard a GPT-2 (``scaletrain.models.gpt2.GPT2`` or a subclass) over ``tp_mesh`` in place
+    (Hugging Face's GPT-2 layout: :mod:`.hf`; both through :func:`scaletrain.techniques.tensor_parallel.apply_tensor_parallel`).
 
     ``tp_mesh`` is a 1-D DeviceMesh (e.g. ``mesh["tp"]`` of a 2-D (dp, tp) mesh). Every rank must
     hold the same initial weights (rank 0's are scattered). The model's output becomes a DTensor
@@ -200,13 +202,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     t = tp_mesh.size()
     if getattr(model, _TP_ATTR, None) is not None:
         raise UserError("apply_tensor_parallel was already applied to this model")
-    from scaletrain.techniques.tensor_parallel_hf import apply_tensor_parallel_hf, is_hf_gpt2
-
-    if is_hf_gpt2(model):  # Hugging Face GPT-2: same split, HF's own forward
-        if sequence_parallel:
-            raise UserError("sequence parallelism is not supported for Hugging Face GPT-2; use parallel.tp alone")
-        return apply_tensor_parallel_hf(model, tp_mesh)
-    _check_model(model, t)
+    check_model(model, t)
     rank = tp_mesh.get_local_rank()
     sp = bool(sequence_parallel)
     seq_in = Shard(1) if sp else Replicate()
@@ -246,8 +242,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         parallelize_module(block, tp_mesh, plan)
 
     if sp and regather:
-        from scaletrain.techniques.sequence_parallel import keep_sequence_shard_for_backward
-
         for block in model.h:
             keep_sequence_shard_for_backward(block.attn.c_attn, tp_mesh)
             keep_sequence_shard_for_backward(block.mlp.c_fc, tp_mesh)
@@ -298,16 +292,12 @@ def qkv_row_permutation(model: nn.Module, name: str, tp: int) -> torch.Tensor | 
     return qkv_permutation(model.config.n_embd, model.config.n_head, tp)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The plain single-device state dict of a TP model: shards gathered, fused QKV un-permuted.
+def megatron_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain single-device state dict of a TP GPT-2: shards gathered, fused QKV un-permuted.
 
     Collective: every TP rank must call it. Loads into the unparallelised model.
     """
     info = tp_info(model)
-    from scaletrain.techniques.tensor_parallel_hf import hf_full_state_dict, is_hf_gpt2
-
-    if info is not None and is_hf_gpt2(model):
-        return hf_full_state_dict(model)
     out: dict[str, torch.Tensor] = {}
     for name, v in model.state_dict().items():
         v = v.full_tensor() if isinstance(v, DTensor) else v
@@ -329,136 +319,3 @@ def local_numel(model: nn.Module) -> int:
         seen.add(id(p))
         n += (p.to_local() if isinstance(p, DTensor) else p).numel()
     return n
-
-
-# --------------------------------------------------------------------------- cost face
-#
-# Shapes: l layers, h hidden, a heads, V vocabulary, P positions, b micro-batch, s sequence,
-# t TP degree. "Units" of activation are b·s·h elements.
-
-
-def tp_param_elements(cfg: Any, t: int) -> dict[str, int]:
-    """Parameter elements one TP rank holds: ``{"sharded": .., "replicated": .., "total": ..}``.
-
-    Sharded (divided by t): wte (= lm_head, tied) V·h; per layer c_attn 3h²+3h, attn c_proj h²,
-    c_fc 4h²+4h, mlp c_proj 4h² — i.e. 12h² + 7h. Replicated: wpe P·h; per layer two LayerNorms
-    (4h) and the two row-parallel biases (2h); ln_f 2h.
-    """
-    h, V, P, l = cfg.n_embd, cfg.vocab_size, cfg.n_positions, cfg.n_layer
-    sharded = (V * h + l * (12 * h * h + 7 * h)) // t
-    replicated = P * h + l * 6 * h + 2 * h
-    return {"sharded": sharded, "replicated": replicated, "total": sharded + replicated}
-
-
-def tp_activation_bytes(cfg: Any, t: int, batch: int, seq: int, *, sequence_parallel: bool = False,
-                        regather: bool = True, act_bytes: int = 4) -> dict[str, int]:
-    """Bytes saved for backward on one TP rank at the end of the forward (dropout off).
-
-    Derived for this GPT-2 (pre-LN, SDPA flash kernel that keeps its output and a log-sum-exp,
-    not the s×s scores) under DTensor's TP, and checked storage by storage with
-    :class:`~scaletrain.techniques.comm_count.DTensorMemoryTracker`. Per layer, in units of
-    b·s·h elements:
-
-    - without SP: 4 + 12/t — LayerNorm inputs (2) and the replicated inputs of c_attn and c_fc (2)
-      are whole; q, k, v (3), the attention output (1, also c_proj's input), the GELU input (4)
-      and the GELU output (4) are split by heads / columns. This is Korthikanti et al.'s
-      ``sbh(10 + 24/t)`` bytes in fp16 minus its 2 dropout-mask bytes, in elements.
-    - with SP and ``regather`` (Megatron): 16/t — everything is split: the LayerNorm inputs and
-      the residual along the sequence, and the inputs of c_attn and c_fc are kept as their s/t
-      slices and all-gathered again in the backward. Korthikanti's ``34 sbh / t`` (fp16 bytes,
-      with 2 dropout-mask bytes) is 16/t elements + masks: the same count.
-    - with SP, ``regather=False`` (plain DTensor): 2 + 14/t — the all-gathered inputs of c_attn
-      and c_fc (2 units) stay whole, because DTensor's Linear saves the gathered tensor.
-
-    plus per layer the LayerNorm statistics (4 b·s fp32, /t under SP) and the attention
-    log-sum-exp (b·(a/t)·s fp32). Embedding: the token ids (b·s int64) and positions (s int64,
-    s/t under SP). Head: ln_f's input and lm_head's input (2 units; SP: 2/t, or 1/t + 1 without
-    ``regather``), ln_f
-    statistics (2 b·s), targets (b·s int64), the vocab-parallel log-softmax (b·s·V/t fp32) and a
-    scalar.
-    """
-    h, a, V, l = cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_layer
-    b, s = batch, seq
-    unit = b * s * h * act_bytes
-    sp = sequence_parallel
-    rg = sp and regather
-    per_layer_units = (16 / t if rg else 2 + 14 / t) if sp else (4 + 12 / t)
-    ln_stats = 4 * b * s * 4 // (t if sp else 1)
-    lse = b * (a // t) * s * 4
-    layer = int(round(per_layer_units * unit)) + ln_stats + lse
-    embed = b * s * 8 + (s // t if sp else s) * 8
-    head_units = (2 / t if rg else 1 / t + 1) if sp else 2
-    head = int(round(head_units * unit)) + 2 * b * s * 4 // (t if sp else 1) + b * s * 8 + b * s * (V // t) * 4 + 4
-    return {"per_layer": layer, "layers": l * layer, "embedding": embed, "head": head,
-            "total": l * layer + embed + head}
-
-
-def tp_memory_per_rank(cfg: Any, t: int, batch: int, seq: int, *, sequence_parallel: bool = False,
-                       regather: bool = True, param_bytes: int = 4, grad_bytes: int = 4,
-                       optim_bytes_per_param: int = 8, act_bytes: int = 4, grads_kept: bool = False) -> dict[str, int]:
-    """Predicted bytes per TP rank: parameters, gradients, optimizer states (Adam fp32: 8 B per
-    parameter element; SGD with momentum: 4), activations at the end of the forward, and
-    ``peak``.
-
-    ``peak`` is early in the backward: parameters + optimizer states + activations + the largest
-    transient of the head's backward (+ gradients when ``grads_kept``, i.e. not
-    ``zero_grad(set_to_none=True)``).
-    The loss's backward holds 2 fp32 [b, s, V] buffers on one device (grad of the log-softmax
-    and of the logits); ``loss_parallel`` holds 3 of [b, s, V/t] plus 32 B per token of
-    bookkeeping (target masks and indices) — counted storage by storage with the tracker.
-    """
-    n = tp_param_elements(cfg, t)["total"]
-    act = tp_activation_bytes(cfg, t, batch, seq, sequence_parallel=sequence_parallel, regather=regather,
-                              act_bytes=act_bytes)["total"]
-    out = {"parameters": n * param_bytes, "gradients": n * grad_bytes, "optimizer_states": n * optim_bytes_per_param,
-           "activations": act}
-    tokens = batch * seq
-    loss_bwd = 2 * tokens * cfg.vocab_size * 4 if t == 1 else 3 * tokens * (cfg.vocab_size // t) * 4 + 32 * tokens
-    transient = loss_bwd
-    if sequence_parallel and t > 1:
-        # lm_head's backward under SP: the vocab-parallel logits' gradient (1 of the 3 loss buffers)
-        # + its full [b, s, h] input (re-gathered: the gathered buffer and its re-ordered copy, else
-        # the saved one is already counted) + the full input gradient + its reduce-scattered 1/t.
-        A = tokens * cfg.n_embd * act_bytes
-        transient = max(loss_bwd, loss_bwd // 3 + int((2 + 1 / t if regather else 1 + 1 / t) * A))
-    out["total"] = sum(out.values())
-    out["loss_backward"] = loss_bwd
-    out["backward_transient"] = transient
-    out["peak"] = (out["parameters"] + out["optimizer_states"] + act + transient
-                   + (out["gradients"] if grads_kept else 0))
-    return out
-
-
-def tp_comm_bytes_per_step(cfg: Any, t: int, batch: int, seq: int, *, sequence_parallel: bool = False,
-                           regather: bool = True, act_bytes: int = 4, micro_batches: int = 1) -> dict[str, Any]:
-    """Collectives one TP rank issues for the forward and backward of ``micro_batches``
-    micro-batches, and the bytes it sends (ring model, see :mod:`comm_count`).
-
-    A = b·s·h·act_bytes. Without SP: 2l + 1 all-reduces of A in the forward (embedding, and
-    attention-out and MLP-out of every layer) and 2l + 1 in the backward (the inputs of c_attn,
-    c_fc and lm_head); with SP each becomes an all-gather / reduce-scatter pair (same wire bytes
-    as the ring all-reduce), plus the all-reduce of the replicated parameters' gradients that saw
-    only s/t tokens: 4 LayerNorm vectors of h per layer, ln_f's 2, and wpe (P·h); with
-    ``regather`` 2l + 1 more all-gathers of A in the backward (c_attn, c_fc, lm_head inputs). The
-    vocabulary-parallel loss all-reduces 3 fp32 vectors of b·s (row max, sum of exponentials,
-    target logit) in the forward.
-    """
-    h, l, P = cfg.n_embd, cfg.n_layer, cfg.n_positions
-    A = batch * seq * h * act_bytes
-    f = (t - 1) / t
-    loss_ar = 3 * batch * seq * 4
-    if sequence_parallel:
-        ag = 4 * l + 2 + ((2 * l + 1) if regather else 0)
-        big = {"all_gather": (ag, ag * A), "reduce_scatter": (4 * l + 2, (4 * l + 2) * A)}
-        grad_ar_bytes = (4 * l * h + 2 * h + P * h) * 4
-        ar_count, ar_bytes = 3 + 4 * l + 2 + 1, loss_ar + grad_ar_bytes
-        wire = f * (ag + 4 * l + 2) * A + 2 * f * ar_bytes
-    else:
-        big = {}
-        ar_count, ar_bytes = (4 * l + 2) + 3, (4 * l + 2) * A + loss_ar
-        wire = 2 * f * ar_bytes
-    kinds = {k: {"count": c * micro_batches, "payload_bytes": b * micro_batches} for k, (c, b) in big.items()}
-    kinds["all_reduce"] = {"count": ar_count * micro_batches, "payload_bytes": ar_bytes * micro_batches}
-    if t == 1:
-        return {"kinds": {}, "wire_bytes": 0.0}
-    return {"kinds": kinds, "wire_bytes": wire * micro_batches}

@@ -1,0 +1,123 @@
+"""ZeRO's cost face (Rajbhandari et al., SC20): per-rank model-state bytes and bytes per step.
+
+With ``P, G, M, K`` bytes per parameter for the compute parameters, gradients, fp32 master
+weights and optimizer states, on ``N`` ranks
+
+    stage 0: (P + G + M + K) Psi         stage 2: P Psi + (G + M + K) Psi / N
+    stage 1: (P + G) Psi + (M + K) Psi/N stage 3: (P + G + M + K) Psi / N
+
+mixed-precision Adam (P = G = 2, M = 4, K = 8): 16, 4 + 12/N, 2 + 14/N, 16/N;
+fp32 Adam (P = G = 4, M = 0, K = 8): 16, 8 + 8/N, 4 + 12/N, 16/N.
+:func:`comm_bytes_per_step` — bytes received per rank per optimizer step: 2 Psi (N-1)/N elements for
+stages 0-2, 3 Psi (N-1)/N for stage 3 (ZeRO section 7), times element sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+from scaletrain.errors import ConfigError
+from scaletrain.measure.model_states import ModelStateBytes
+from scaletrain.techniques.data_parallel.sharded import shard_rows
+
+
+
+def bytes_per_param(precision: str, optim_state_bytes: float = 8.0) -> dict[str, float]:
+    """(P, G, M, K) of the cost face: ``fp32`` or ``mixed`` (bf16/fp16 compute + fp32 master).
+
+    ``optim_state_bytes``: K for the optimizer (Adam 8, SGD momentum 4, 8-bit Adam ~2.004).
+    """
+    if precision == "fp32":
+        return {"param": 4.0, "grad": 4.0, "master": 0.0, "optim": optim_state_bytes}
+    if precision in ("mixed", "bf16", "fp16"):
+        return {"param": 2.0, "grad": 2.0, "master": 4.0, "optim": optim_state_bytes}
+    raise ConfigError(f"precision {precision!r} is not allowed; allowed: fp32, mixed, bf16, fp16")
+
+
+def model_state_bytes(n_params: float, stage: int, dp: int, *, precision: str = "fp32",
+                      optim_state_bytes: float = 8.0) -> ModelStateBytes:
+    """Per-rank model-state bytes of ZeRO ``stage`` on ``dp`` ranks (module docstring).
+
+    Stage 3 as run by FSDP2 keeps no separate half-precision copy: its sharded fp32
+    parameters *are* the masters and its sharded gradients are fp32, so P + G + M = 4 + 4 + 0
+    per Psi/N instead of 2 + 2 + 4 — the same total.
+    """
+    _check(stage, dp)
+    b = bytes_per_param(precision, optim_state_bytes)
+    n, N = float(n_params), float(dp)
+    P, G, O = b["param"] * n, b["grad"] * n, (b["master"] + b["optim"]) * n
+    if stage == 0:
+        return ModelStateBytes(P, G, O)
+    if stage == 1:
+        return ModelStateBytes(P, G, O / N)
+    if stage == 2:
+        return ModelStateBytes(P, G / N, O / N)
+    if precision != "fp32":  # FSDP2: fp32 sharded params (= masters) and fp32 sharded grads
+        return ModelStateBytes(4 * n / N, 4 * n / N, b["optim"] * n / N)
+    return ModelStateBytes(P / N, G / N, O / N)
+
+
+def comm_bytes_per_step(n_params: float, stage: int, dp: int, *, grad_bytes: float = 4.0,
+                        param_bytes: float = 4.0, accum: int = 1, hsdp: int = 0) -> float:
+    """Bytes received per rank per optimizer step (ring algorithms; see data_parallel's ledger).
+
+    Stage 0: one all-reduce of the gradients (``no_sync`` for the first ``accum - 1``
+    micro-batches). Stage 1: one reduce-scatter of gradients (after accumulation) + one
+    all-gather of parameters. Stage 2: a reduce-scatter per micro-batch + one all-gather.
+    Stage 3: per micro-batch two all-gathers of parameters (forward, backward) + one
+    reduce-scatter. ``hsdp=G``: shard within groups of G ranks, and all-reduce the gradient
+    shards (Psi/G) across the dp/G replicas.
+    """
+    _check(stage, dp)
+    n, N = float(n_params), dp
+    if N <= 1:
+        return 0.0
+    G = hsdp or N
+    if N % G:
+        raise ConfigError(f"parallel.hsdp={hsdp} must divide parallel.dp={dp}")
+    R = N // G
+    ring = (G - 1) / G
+    rep = 2 * (R - 1) / R * n / G * grad_bytes if R > 1 else 0.0
+    if stage == 0:
+        return 2 * (N - 1) / N * n * grad_bytes
+    if stage == 1:
+        return ring * n * (grad_bytes + param_bytes) + rep
+    if stage == 2:
+        return accum * (ring * n * grad_bytes + rep) + ring * n * param_bytes
+    return accum * (ring * n * (2 * param_bytes + grad_bytes) + rep)
+
+
+def data_parallel_estimate(n_params: float, stage: int, dp: int, *, precision: str = "fp32",
+                           optim_state_bytes: float = 8.0, accum: int = 1, hsdp: int = 0) -> dict[str, Any]:
+    """What ``scaletrain estimate --dp N --zero S`` adds: per-rank model-state bytes (sharded over
+    the ``hsdp`` group when given, else all ``dp`` ranks) and bytes received per rank per step.
+
+    ``precision`` is the *storage* precision of parameters/gradients ("fp32", or "bf16"/"fp16" =
+    mixed with fp32 masters); ``optim_state_bytes`` is K of the optimizer (bytes per parameter).
+    """
+    shard = hsdp or dp
+    ms = model_state_bytes(n_params, stage, shard, precision=precision, optim_state_bytes=optim_state_bytes)
+    b = bytes_per_param(precision, optim_state_bytes)
+    comm = comm_bytes_per_step(n_params, stage, dp, grad_bytes=b["grad"], param_bytes=b["param"], accum=accum,
+                               hsdp=hsdp)
+    return {"dp": dp, "zero": stage, "hsdp": hsdp, "optim_state_bytes_per_param": optim_state_bytes,
+            "model_state_bytes_per_rank": {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer,
+                                           "total": ms.total},
+            "comm_bytes_per_step": comm}
+
+
+def shard_numel(shapes: Iterable[tuple[int, ...]], dp: int, rank: int) -> int:
+    """Exact parameter count rank ``rank`` owns when every tensor is row-sharded over ``dp``."""
+    total = 0
+    for s in shapes:
+        rows = s[0] if s else 1
+        total += shard_rows(rows, dp, rank)[2] * (math.prod(s[1:]) if len(s) > 1 else 1)
+    return total
+
+
+def _check(stage: int, dp: int) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={stage} is not allowed; allowed: 0, 1, 2, 3")
+    if dp < 1:
+        raise ConfigError(f"parallel.dp={dp} is not allowed; must be >= 1")
