@@ -115,6 +115,20 @@ def check_momentum(state: dict, ref_opt: dict) -> None:
 
 
 @pytest.mark.slow
+def test_tp_sp_zero2_with_remat_and_selective_recompute(tiny, tmp_path):
+    """Megatron's recompute on a TP x DP mesh: the blocks under nested checkpoints (periodic: two
+    segments) and the attention core recomputed selectively inside them, with sequence parallelism and
+    ZeRO-2 — the one-process losses and parameters, and the traffic predicted to the byte (the
+    recomputed blocks replay their forward collectives in the backward)."""
+    rows, state, stdout = cli(tmp_path / "run", "parallel.tp=2", "parallel.dp=2", "parallel.zero=2",
+                              "parallel.sequence_parallel=true", "memory.remat.method=periodic",
+                              "memory.remat.selective=attention")
+    assert "remat: periodic" in stdout and "selective" in stdout, stdout
+    check_parity(rows, state, tiny)
+    check_costs(rows)
+
+
+@pytest.mark.slow
 def test_cp4_with_accumulation(tiny, tmp_path):
     """`parallel.cp=4`: every rank holds 8 of the 32 tokens; 2 micro-batches per step."""
     rows, state, stdout = cli(tmp_path / "run", "parallel.cp=4", "train.micro_batch=4", "train.eval_batches=2")
@@ -148,7 +162,7 @@ def test_one_process_loss_includes_the_moe_auxiliary_loss():
     t = Trainer(load_config(None, TINY + MOE), None, log=lambda s: None)
     try:
         x, y = next(iter(t._make_train_loader(0)))
-        loss = float(t.plain_forward_backward(x, y, 1.0))
+        loss = float(t.forward_backward(x, y, 1.0))
         with torch.no_grad():
             ce = float(t.loss_fn(t.model(x), y))
         assert loss == pytest.approx(ce + float(t.model.aux_loss()), rel=1e-6) and loss > ce
@@ -157,20 +171,20 @@ def test_one_process_loss_includes_the_moe_auxiliary_loss():
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["parallel.tp=2", "parallel.cp=2"], "parallel.tp=2 cannot be combined with parallel.cp=2"),
-    (["parallel.ep=2"], "parallel.ep=2 needs a mixture-of-experts model"),
-    (MOE + ["parallel.tp=2"], "use parallel.ep instead"),
-    (["parallel.cp=4", "data.seq_len=36"], "data.seq_len=36 to be a multiple of 2 x cp = 8"),
-    (["parallel.tp=4", "model.overrides.n_head=2"], "parallel.tp=4 must divide the model's n_head=2"),
-    (["parallel.tp=2", "parallel.zero=3"], "parallel.zero=3 is not supported with parallel.tp/cp/ep; allowed: 0, 1, 2"),
-    (MOE + ["parallel.ep=8"], "parallel.ep=8 must divide the data-parallel size 4"),
+    (["parallel.tp=2", "parallel.cp=2"], "parallel.tp=2 with parallel.cp=2"),
+    (["parallel.ep=2"], "expert parallelism needs a mixture-of-experts model"),
+    (MOE + ["parallel.tp=2"], "allowed: parallel.ep"),
+    (["parallel.cp=4", "data.seq_len=36"], "allowed: data.seq_len a multiple of 8"),
+    (["parallel.tp=4", "model.overrides.n_head=2"], "parallel.tp=4: it must divide the model's n_head=2"),
+    (["parallel.tp=2", "parallel.zero=3"], "allowed: parallel.zero=0, 1 or 2 with tp/cp/ep"),
+    (MOE + ["parallel.ep=8"], "parallel.ep=8: it must divide the data-parallel size 4"),
     (["parallel.cp=2", "train.precision=fp16"], "allowed: fp32, bf16"),
-    (["parallel.sequence_parallel=true"], "needs parallel.tp > 1"),
+    (["parallel.sequence_parallel=true"], "allowed: parallel.tp > 1"),
     (["parallel.tp=2", "model.overrides.dropout=0.1"], "allowed: model.overrides.dropout=0"),
 ])
 def test_conflicts_are_one_line_config_errors(extra, needle):
     from scaletrain import models
-    from scaletrain.techniques.intralayer import check_config
+    from scaletrain.techniques.compat import check_config
 
     cfg = load_config(None, TINY + extra)
     model = models.get(cfg.model.name, device="meta", **cfg.model.overrides)

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from scaletrain.errors import ConfigError
-from scaletrain.techniques.pipeline.strategy import check_config
 from scaletrain.techniques.pipeline.tensor_parallel import layouts
 from scaletrain.testing import run_distributed
 from scaletrain.train import checkpoint as ckpt
@@ -37,6 +36,19 @@ TINY = ["model.overrides.n_layer=2", "model.overrides.n_embd=32", "model.overrid
 M = 4
 OTHER_SCHEDULES = ("interleaved", "zb1p", "chimera")
 
+
+
+def check_config(cfg, microbatches, offload=False):
+    """The compatibility table on ``cfg`` with a meta model (world = pp x tp x cp x max(dp, ep))."""
+    from scaletrain import models
+    from scaletrain.techniques import compat
+
+    if offload:
+        cfg.memory.offload.optimizer = "host"
+    p = cfg.parallel
+    world = p.pp * p.tp * p.cp * max(p.dp, p.ep, 1)
+    model = models.get(cfg.model.name, device="meta", **cfg.model.overrides)
+    compat.check_config(cfg, model, world=world, microbatches=microbatches)
 
 def pp_tp_cfg(*extra: str):
     return load_config(None, TINY + ["parallel.pp=2", "parallel.tp=2", "parallel.schedule=1f1b",
@@ -53,11 +65,10 @@ def _quiet(s: str) -> None:
 
 # --------------------------------------------------------------------------- no processes
 @pytest.mark.parametrize("extra, needle", [
-    (["parallel.sequence_parallel=true", "parallel.schedule=zb1p"], "allowed with sequence parallelism: gpipe,"),
-    (["parallel.sequence_parallel=true", "data.seq_len=33"], "data.seq_len=33 to be a multiple of parallel.tp=2"),
-    (["parallel.tp=1", "parallel.sequence_parallel=true"], "needs parallel.tp > 1; allowed with tp=1: false"),
-    (["parallel.cp=2"], "parallel.cp=2 is not supported yet"),
-    (["memory.remat.method=periodic"], "allowed: memory.remat.method=none"),
+    (["parallel.sequence_parallel=true", "parallel.schedule=zb1p"], "allowed: gpipe, 1f1b"),
+    (["parallel.sequence_parallel=true", "data.seq_len=33"], "data.seq_len a multiple of 2"),
+    (["parallel.tp=1", "parallel.sequence_parallel=true"], "allowed: parallel.tp > 1"),
+    (["parallel.cp=2"], "parallel.tp=2 with parallel.cp=2"),
     (["train.precision=fp16"], "allowed: fp32, bf16"),
 ])
 def test_tp_with_pp_refusals_are_one_line(extra, needle):
@@ -73,22 +84,19 @@ def test_tp_with_pp_is_accepted():
 
 
 def test_models_tp_cannot_split_are_refused_before_any_collective():
-    from types import SimpleNamespace
-
     from scaletrain import models
-    from scaletrain.techniques.pipeline.strategy import PipelineStrategy
+    from scaletrain.plan import Plan
+    from scaletrain.techniques import compat
 
-    cfg = pp_tp_cfg()
+    plan = Plan.from_config(pp_tp_cfg()).resolved(4)
     for model, needle in ((models.get("gpt2-tiny", n_layer=2, n_embd=32, n_head=1),
-                           "parallel.tp=2 must divide n_head=1"),
+                           "parallel.tp=2: it must divide the model's n_head=1"),
                           (models.get("gpt2-tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=255),
-                           "parallel.tp=2 must divide vocab_size=255"),
+                           "vocab_size=255"),
                           (models.get("gpt2-tiny", n_layer=2, n_embd=32, n_head=2, dropout=0.1),
-                           "dropout=0.1 is not supported yet")):
-        trainer = SimpleNamespace(cfg=cfg, accum=M, micro_batch=2, task="lm", model=model, model_name="m",
-                                  device="cpu", _offload_requested=lambda: False)
-        with pytest.raises(ConfigError, match="parallel.pp=2") as e:
-            PipelineStrategy.from_trainer(trainer)
+                           "allowed: model.overrides.dropout=0")):
+        with pytest.raises(ConfigError, match="parallel.tp=2") as e:
+            compat.check(plan, compat.Facts.of(model, world=4, device="cpu", seq_len=32, microbatches=M))
         assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -110,10 +118,10 @@ def reference(out_dir, *extra: str):
     return out
 
 
-def _worker(rank: int, world: int, one_dir: str, full: bool) -> dict:
+def _worker(rank: int, world: int, one_dir: str, full: bool, extra: tuple = ()) -> dict:
     from scaletrain.train.trainer import Trainer
 
-    t = Trainer(pp_tp_cfg(), None, log=_quiet)
+    t = Trainer(pp_tp_cfg(*extra), None, log=_quiet)
     # this rank keeps 1/tp of its own stages' parameters only; the other blocks' shards are empty
     mine = {id(p) for p in t.parallel.runtime.parameters()}
     held = {n: p._local_tensor.numel() for n, p in t.model.named_parameters()}
@@ -193,10 +201,13 @@ def test_pp2_tp2_1f1b_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_dp2_pp2_tp2_1f1b_equals_one_process(tmp_path):
-    """8 processes: each of the 2 data-parallel replicas is a pp=2 x tp=2 pipeline."""
+def test_dp2_pp2_tp2_zero1_remat_equals_one_process(tmp_path):
+    """8 processes, Megatron's 3-D with recompute: each of the 2 data-parallel replicas is a pp=2 x tp=2
+    pipeline whose stages run their blocks under nested checkpoints, optimizer states sharded over the
+    replicas (ZeRO-1). Losses, clipped norm, parameters and the consolidated momentum = one process."""
     ref = reference(None)
-    results = run_distributed(_worker, 8, "", False, timeout_s=240)
+    extra = ("parallel.zero=1", "memory.remat.method=periodic")
+    results = run_distributed(_worker, 8, "", False, extra, timeout_s=300)
     check(results, ref, "pipeline 1f1b over 2 stages x 2 dp x 2 tp, 4 micro-batches", False)
 
 

@@ -1,6 +1,7 @@
-"""Composition on one 4-rank DeviceMesh through :func:`setup_intralayer` (the trainer's entry):
-TP=2 (+SP) x DP=2, CP=2 x DP=2, and EP=2 x CP=2 on ``gpt2-moe`` — each with the losses and final
-parameters of the single-device model trained on the global batch."""
+"""Composition on one 4-rank DeviceMesh from the library's pieces (what the stack does):
+:func:`build_mesh` + :func:`apply_model_parallel`, gradients reduced by :class:`GradSync`, the global
+norm from its squares — TP=2 (+SP) x DP=2, CP=2 x DP=2, and EP=2 x CP=2 on ``gpt2-moe``, each with
+the losses and final parameters of the single-device model trained on the global batch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain import models
-from scaletrain.techniques.intralayer import setup_intralayer
+from scaletrain.techniques.mesh import apply_model_parallel, build_mesh
 from scaletrain.testing import run_distributed
 
 GPT = ("gpt2-tiny", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64))
@@ -67,23 +68,48 @@ def _train(rank: int, world: int) -> dict:
         dist.all_gather_single(torch.empty(4), torch.ones(2), group=groups[rank // 2])
         dist.all_reduce(torch.ones(3), group=groups[rank // 2])
     out: dict = {"comm": [(r.kind, r.group_size, r.wire_bytes) for r in comm.records]}
+    from scaletrain.techniques.data_parallel.grads import GradSync
+    from scaletrain.techniques.experts import is_expert_param
+
     for name, (spec, par) in CASES.items():
         m = build(spec)
-        il = setup_intralayer(m, world=world, **par)
+        mp = build_mesh(world=world, **par)
+        apply_model_parallel(m, mp)
+        groups = mp.sync_groups()
+        sync = GradSync([(n, p, "expert" if is_expert_param(p) else "dense", mp.replicas(p))
+                         for n, p in m.named_parameters()], groups, stage=0, device=torch.device("cpu"))
         opt = optimizer(m)
         losses = []
-        for x, y in global_batches(il.dp):
-            sl = slice(il.dp_rank * DP_BATCH, (il.dp_rank + 1) * DP_BATCH)
-            x, y = il.shard_batch(x[sl], y[sl])
-            with il.loss_context():
-                loss = il.loss(m, m(x), y)
+        for x, y in global_batches(mp.dp):
+            sl = slice(mp.dp_rank * DP_BATCH, (mp.dp_rank + 1) * DP_BATCH)
+            x, y = mp.shard_batch(x[sl], y[sl])
+            sync.begin_micro_batch(last=True)
+            with mp.loss_context():
+                loss = mp.loss(m, m(x), y)
                 loss.backward()
-            il.reduce_gradients(m)
-            il.clip_grad_norm(m, CLIP)
-            losses.append(il.mean(loss.detach()))
+            sync.end_micro_batch(last=True)
+            sync.prepare_step()
+            sq = sync.square_norm()
+            dist.all_reduce(sq)
+            sync.scale_grads(CLIP / (float(sq.sqrt()) + 1e-6))
+            for e in sync.entries:  # the optimizer below steps the parameters: hand the clipped grads back
+                if e.param.grad is not None:
+                    local = e.param.grad.to_local() if hasattr(e.param.grad, "to_local") else e.param.grad
+                    local.copy_(e.proxy.grad.view_as(local))
+            ls = torch.tensor(float(loss.detach().to_local() if hasattr(loss, "to_local") else loss.detach()),
+                              dtype=torch.float64)
+            dist.all_reduce(ls, group=mp.dense_group)
+            losses.append(float(ls) / mp.dense_size)
             opt.step()
             opt.zero_grad()
-        out[name] = (losses, il.full_state_dict(m))
+        state = {}
+        full = {n: mp.globalize(m, n, p, p.to_local() if hasattr(p, "to_local") else p.detach())
+                for n, p in m.named_parameters()}
+        for k, v in m.state_dict().items():
+            state[k] = full.get(k, v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        state["head.lm_head.weight"] = state["embed.wte.weight"]
+        sync.close()
+        out[name] = (losses, state)
     return out
 
 
@@ -105,10 +131,7 @@ def test_intralayer_compositions_match_single_device():
 def test_bad_layouts_are_user_errors():
     from scaletrain.errors import UserError
 
-    m = build(GPT)
     with pytest.raises(UserError, match="must divide"):
-        setup_intralayer(m, tp=3, world=4)
-    with pytest.raises(UserError, match="cannot be combined"):
-        setup_intralayer(m, tp=2, cp=2, world=4)
-    with pytest.raises(UserError, match="needs parallel.tp"):
-        setup_intralayer(m, sequence_parallel=True, world=4)
+        build_mesh(tp=3, world=4)
+    with pytest.raises(UserError, match="must divide the data-parallel size"):
+        build_mesh(ep=4, tp=2, world=4)

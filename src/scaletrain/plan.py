@@ -80,6 +80,10 @@ class Plan:
     zero: int = 0
     hsdp: int = 0
     compression: str = "none"
+    compression_rank: int = 4
+    topk_ratio: float = 0.01
+    compression_warmup_steps: int = 10
+    bucket_mb: float = 25.0
     tp: int = 1
     sp: bool = False
     cp: int = 1
@@ -232,6 +236,8 @@ class Plan:
 
 PLAN_KEYS: dict[str, str] = {
     "dp": "parallel.dp", "zero": "parallel.zero", "hsdp": "parallel.hsdp", "compression": "parallel.compression",
+    "compression_rank": "parallel.compression_rank", "topk_ratio": "parallel.topk_ratio",
+    "compression_warmup_steps": "parallel.compression_warmup_steps", "bucket_mb": "parallel.bucket_mb",
     "tp": "parallel.tp", "sp": "parallel.sequence_parallel", "cp": "parallel.cp", "ep": "parallel.ep",
     "pp": "parallel.pp", "schedule": "parallel.schedule", "microbatches": "parallel.microbatches",
     "virtual": "parallel.virtual", "balance": "parallel.balance", "micro_batch": "train.micro_batch",

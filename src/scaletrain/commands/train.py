@@ -16,6 +16,9 @@ HELP = "train a model (default: gpt2-tiny on the shipped Shakespeare text, on CP
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config file (sections model, data, optim, train, memory)")
+    p.add_argument("--plan", metavar="FILE", help="a plan (how to train: parallelism, ZeRO, remat, offload, precision, "
+                   "optimizer) as written by `scaletrain plan --out` or Plan.to_toml(): TOML in config sections, "
+                   "or the JSON of `scaletrain plan --json`; applied after --config, before the overrides")
     p.add_argument("--out", metavar="DIR", help="run directory (default: a fresh runs/<timestamp>/); holds "
                    "config.toml, metrics.jsonl and checkpoints/")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out; with no "
@@ -35,6 +38,15 @@ def _default_out() -> Path:
     return Path("runs") / stamp
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The plan file's keys (if any), then the command line's: the later wins."""
+    if not getattr(args, "plan", None):
+        return list(args.overrides)
+    from scaletrain.plan import load_plan_overrides
+
+    return load_plan_overrides(args.plan) + list(args.overrides)
+
+
 def _relaunch(args: argparse.Namespace) -> int:
     """Re-run this command under torchrun with ``--nproc-per-node`` processes (one run directory)."""
     import os
@@ -52,7 +64,7 @@ def _relaunch(args: argparse.Namespace) -> int:
     config_path = args.config
     if args.resume and config_path is None and (Path(args.out) / "config.toml").is_file():
         config_path = Path(args.out) / "config.toml"
-    cfg = load_config(config_path, args.overrides)  # bad keys fail here, once, before any process starts
+    cfg = load_config(config_path, _overrides(args))  # bad keys fail here, once, before any process starts
     model_ranks = cfg.parallel.pp * cfg.parallel.tp * cfg.parallel.cp  # dp = processes / model_ranks
     if cfg.parallel.dp and cfg.parallel.dp * model_ranks != args.nproc_per_node:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} conflicts with --nproc-per-node {args.nproc_per_node}; "
@@ -60,6 +72,7 @@ def _relaunch(args: argparse.Namespace) -> int:
     out = args.out or str(_default_out())  # chosen once, so every rank writes/reads the same directory
     argv = ["train", "--out", out]
     argv += ["--config", str(args.config)] if args.config else []
+    argv += ["--plan", str(args.plan)] if args.plan else []
     argv += ["--resume"] if args.resume else []
     argv += ["--json"] if args.json else []
     argv += list(args.overrides)
@@ -90,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
     config_path = args.config
     if args.resume and config_path is None and (out / "config.toml").is_file():
         config_path = out / "config.toml"
-    cfg = load_config(config_path, args.overrides)
+    cfg = load_config(config_path, _overrides(args))
     quiet = args.json
     log = (lambda s: None) if quiet else (lambda s: print(s, flush=True))
     trainer = Trainer(cfg, out, resume=args.resume, log=log)

@@ -138,6 +138,25 @@ def _a2a_sent(inp: torch.Tensor, in_splits, n: int, group_rank: int) -> float:
     return s - in_splits[group_rank] * row
 
 
+class _Owned(threading.local):
+    depth = 0
+
+
+_OWNED = _Owned()
+
+
+@contextlib.contextmanager
+def ledger_owned() -> Iterator[None]:
+    """Collectives issued inside are the ledger's (data-parallel gradient reduction launched from
+    backward hooks): counted by :data:`LEDGER` even while it is paused, never by a CommCounter that
+    is counting the surrounding forward/backward's model-parallel traffic."""
+    _OWNED.depth += 1
+    try:
+        yield
+    finally:
+        _OWNED.depth -= 1
+
+
 class CommCounter(TorchDispatchMode):
     """``with CommCounter() as c: step()`` then ``c.records``, ``c.wire_bytes()``, ``c.summary()``."""
 
@@ -149,7 +168,7 @@ class CommCounter(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor lower the op; its collectives come back here
         out = func(*args, **(kwargs or {}))
-        if not isinstance(func, torch._ops.HigherOrderOperator):
+        if not isinstance(func, torch._ops.HigherOrderOperator) and not _OWNED.depth:
             rec = _classify(func, args)
             if rec is not None:
                 self.records.append(rec)
@@ -243,7 +262,7 @@ class CommLedger:
         size = max((_nbytes(v) for v in args.values() if isinstance(v, torch.Tensor)), default=0)
         with self._lock:
             self.last = (name, size, n)
-            if self._paused:
+            if self._paused and not _OWNED.depth:
                 return
             self.bytes[name] = self.bytes.get(name, 0.0) + traffic
             self.calls[name] = self.calls.get(name, 0) + 1

@@ -151,6 +151,16 @@ class ModelParallel:
             local = local[torch.argsort(perm.to(local.device))]
         return local
 
+    def globalize_shape(self, p: torch.Tensor, local: torch.Tensor) -> torch.Size:
+        """The single-process shape of parameter ``p`` whose local tensor is ``local``."""
+        from scaletrain.techniques.experts import is_expert_param
+
+        if isinstance(p, DTensor):
+            return p.shape
+        if is_expert_param(p) and self.ep > 1:
+            return torch.Size((local.shape[0] * self.ep, *local.shape[1:]))
+        return local.shape
+
     def describe(self) -> str:
         parts = [f"dp={self.dp}"]
         parts += [f"{k}={v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("ep", self.ep)) if v > 1]

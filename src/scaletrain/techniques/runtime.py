@@ -11,6 +11,7 @@ under any plan. A runtime never sees the trainer: it gets a :class:`RunContext`.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -21,13 +22,67 @@ from scaletrain.errors import ConfigError
 from scaletrain.measure.comm import LEDGER
 
 
+@dataclass
+class RunContext:
+    """What a runtime may know of the run — the narrow context the stack and every runtime get
+    instead of the trainer. Set once at construction except the fields marked *step state*,
+    which the trainer keeps current."""
+
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+    dp_world: int = 1
+    """Data-parallel replicas: processes / (pp x tp x cp)."""
+    micro_batch: int = 1
+    """Samples per micro-batch on one data-parallel replica."""
+    accum: int = 1
+    """Micro-batches per optimizer step (pipeline: ``parallel.microbatches``)."""
+    seq_len: int | None = None
+    """Tokens per sample of a language model (None for other tasks)."""
+    task: str = "lm"
+    precision: str = "fp32"
+    """Compute precision: fp32, bf16 or fp16 (autocast)."""
+    model_name: str = "model"
+    seed: int = 0
+    grad_clip: float = 0.0
+    """Global-norm clipping threshold (0 = off)."""
+    optim_hyper: dict = field(default_factory=dict)
+    """Hyperparameters that decide the optimizer's state bytes (e.g. SGD/LARS momentum)."""
+    log_every: int = 1
+    steps: int = 1
+    timeout_s: float = 600.0
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(default=lambda out, y: out)
+    """Task loss of a micro-batch's output and targets (mean over its samples / tokens)."""
+    log: Callable[[str], None] = field(default=lambda s: None)
+    build_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+    """Builds the configured optimizer over a module's parameters (its param groups and order)."""
+    example_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    """The first training micro-batch (shapes and dtypes for probing), on ``device``."""
+    # step state
+    step: int = 0
+    optimizer: torch.optim.Optimizer | None = None
+    scaler: torch.amp.GradScaler | None = None
+    forward_backward: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    """One micro-batch's forward and backward of ``loss * weight``; returns the unscaled loss."""
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+
+    def counts_traffic(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (0-based, about to run) is one the trainer logs: the
+        steps whose traffic is counted op by op (a counter costs ~6 % of a CPU step)."""
+        return (step + 1) % self.log_every == 0 or step + 1 >= self.steps
+
+
 class Strategy:
-    """Single process (and the interface of every data-parallel strategy).
+    """Single process (and the interface of every runtime).
 
     The trainer calls, per optimizer step: :meth:`run_micro_batches` (by default: for each
-    micro-batch ``micro_batch(last)`` around the trainer's forward/backward, ``after_backward(last)``
+    micro-batch ``micro_batch(last)`` around the context's forward/backward, ``after_backward(last)``
     after it), then ``prepare_step`` -> ``clip_grad_norm`` -> :meth:`optimizer_step` ->
-    ``after_step`` -> ``zero_grad``. Strategies that are not pure data parallelism (pipeline,
+    ``after_step`` -> ``zero_grad``. Runtimes that are not pure data parallelism (pipeline,
     tensor/context/expert parallelism, offloading) override the hooks they need: their own
     micro-batch loop (a pipeline schedule), their own evaluation forward (:meth:`eval_batch`),
     their own optimizer step (a host-side optimizer), and say which slice of the data this rank
@@ -45,25 +100,40 @@ class Strategy:
         self.forward_module: nn.Module = model
 
     # -- the trainer's loop, overridable as a whole ----------------------------------------
-    def run_micro_batches(self, trainer: Any, it: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Forward and backward of one optimizer step's ``trainer.accum`` micro-batches (gradients of
+    def run_micro_batches(self, ctx: RunContext, it: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Forward and backward of one optimizer step's ``ctx.accum`` micro-batches (gradients of
         the mean loss accumulate into ``.grad``); returns this rank's mean micro-batch loss."""
         step_loss = 0.0
-        for j in range(trainer.accum):
-            last = j == trainer.accum - 1
+        assert ctx.forward_backward is not None
+        for j in range(ctx.accum):
+            last = j == ctx.accum - 1
             x, y = next(it)
-            x, y = x.to(trainer.device, non_blocking=True), y.to(trainer.device, non_blocking=True)
+            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
             with self.micro_batch(last):
-                step_loss += float(trainer.forward_backward(x, y, 1.0 / trainer.accum)) / trainer.accum
+                step_loss += float(ctx.forward_backward(x, y, 1.0 / ctx.accum)) / ctx.accum
             self.after_backward(last)
         return step_loss
 
-    def eval_batch(self, trainer: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
-        """(summed loss, correct predictions, samples) of one validation micro-batch on this rank."""
-        with trainer.autocast():
-            out = self.model(x)
-        loss = float(trainer.loss_fn(out, y)) * len(y)
-        correct = int((out.argmax(-1) == y).sum()) if trainer.task != "lm" else 0
+    def loss_and_backward(self, ctx: RunContext, x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
+        """The plain micro-batch: forward through :attr:`forward_module`, the task loss (+ a mixture
+        of experts' load-balancing loss), backward of the (fp16: scaled) ``loss * weight``."""
+        with ctx.autocast():
+            loss = ctx.loss_fn(self.forward_module(x), y)
+            aux = getattr(self.model, "aux_loss", None)
+            if callable(aux):  # mixture of experts: the load-balancing loss trains the routers
+                loss = loss + aux()
+        scaled = loss * weight
+        (ctx.scaler.scale(scaled) if ctx.scaler is not None else scaled).backward()
+        return loss.detach()
+
+    def eval_batch(self, ctx: RunContext, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
+        """(summed loss, correct predictions, samples) of one validation micro-batch on this rank
+        (through :attr:`forward_module`: FSDP's root and DDP see the forward; without grad a remat
+        tree is the plain forward)."""
+        with ctx.autocast():
+            out = self.forward_module(x)
+        loss = float(ctx.loss_fn(out, y)) * len(y)
+        correct = int((out.argmax(-1) == y).sum()) if ctx.task != "lm" else 0
         return loss, correct, len(y)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
@@ -144,3 +214,7 @@ class Strategy:
     def close(self) -> None:
         """Drop references to wrappers so that garbage collection can free them before teardown."""
         self.forward_module = self.model
+
+
+Runtime = Strategy
+"""The trainer's one interface (the class name kept for the runtimes built on it)."""

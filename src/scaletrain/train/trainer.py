@@ -40,9 +40,11 @@ from scaletrain import models as model_registry
 from scaletrain.data import build_loader, get_dataset
 from scaletrain.errors import ConfigError
 from scaletrain.measure.comm import LEDGER
+from scaletrain.plan import Plan
+from scaletrain.techniques.compat import Facts
 from scaletrain.techniques.data_parallel import launch
-from scaletrain.techniques.data_parallel.ddp import DDPStrategy
-from scaletrain.techniques.runtime import Strategy
+from scaletrain.techniques.runtime import RunContext
+from scaletrain.techniques.stack import build_runtime
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import MetricsWriter, ProgressBar
@@ -123,7 +125,12 @@ class Trainer:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         say = log or (lambda s: print(s, flush=True))
         self.log = say if self.rank == 0 else (lambda s: None)
-        self._check_parallel()
+        self.plan = Plan.from_config(cfg).resolved(self.world)
+        self.dp_world = self.plan.dp
+        """Data-parallel replicas: processes / (pp x tp x cp)."""
+        if self.world == 1 and (cfg.parallel.zero or cfg.parallel.compression != "none"):
+            self.log(f"note: one process, so parallel.zero={cfg.parallel.zero} / parallel.compression="
+                     f"{cfg.parallel.compression} have no effect")
         self.micro_batch, self.accum = self._batch_arithmetic()
         torch.manual_seed(cfg.train.seed)  # the same on every rank: identical initial weights
         random.seed(cfg.train.seed)
@@ -132,21 +139,55 @@ class Trainer:
         self.model.to(self.device)
         self.task = getattr(self.model, "task", "lm")
         self._build_data()
-        self.parallel = self._build_parallel()
+        self.ctx = self._context()
+        facts = Facts.of(self.model, world=self.world, device=self.device.type, seq_len=cfg.data.seq_len,
+                         eval_every=cfg.train.eval_every, microbatches=self.accum)
+        self.parallel = build_runtime(self.plan, self.model, self.ctx, facts)
         self.forward_module: nn.Module = self.parallel.forward_module
-        if self.world > 1:  # per-rank streams for dropout etc. (the data order has its own generator)
-            torch.manual_seed(cfg.train.seed + 1_000_003 * self.rank)
-            random.seed(cfg.train.seed + 1_000_003 * self.rank)
+        if self.world > 1:  # per-replica streams for dropout etc. (the data order has its own generator): equal
+            # within a TP group (replicated regions draw the same masks; sharded ones fork per TP rank)
+            from scaletrain.techniques.tensor_parallel.rng import replica_seed
+
+            seed = replica_seed(cfg.train.seed, self.rank, self.plan.tp)
+            torch.manual_seed(seed)
+            random.seed(seed)
             LEDGER.install()
         self.optimizer = self.parallel.build_optimizer(self._build_optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         self.scaler = self.parallel.make_scaler(self.device, cfg.train.precision == "fp16")
+        self.ctx.optimizer, self.ctx.scaler = self.optimizer, self.scaler
         self.step = 0
-        self.forward_backward = self._build_forward_backward()
         self.comm_bytes = 0.0
         self.model_state_bytes: dict[str, float] = {}
 
     # ------------------------------------------------------------------ construction
+    def _context(self) -> RunContext:
+        """What the runtime may know of this run (never the trainer itself)."""
+        cfg = self.cfg
+
+        def example_batch() -> tuple[torch.Tensor, torch.Tensor]:
+            loader = build_loader(self.train_set, self.micro_batch, shuffle=False, seed=cfg.train.seed)
+            x, y = next(iter(loader))
+            return x.to(self.device), y.to(self.device)
+
+        return RunContext(device=self.device, rank=self.rank, world=self.world, dp_world=self.dp_world,
+                          micro_batch=self.micro_batch, accum=self.accum,
+                          seq_len=cfg.data.seq_len if self.task == "lm" else None, task=self.task,
+                          precision=cfg.train.precision, model_name=self.model_name, seed=cfg.train.seed,
+                          grad_clip=cfg.optim.grad_clip, log_every=cfg.train.log_every, steps=cfg.train.steps,
+                          optim_hyper={"momentum": cfg.optim.momentum} if cfg.optim.name in ("sgd", "lars") else {},
+                          timeout_s=cfg.parallel.timeout_s, loss_fn=self.loss_fn, log=self.log,
+                          build_optimizer=self._build_optimizer, example_batch=example_batch)
+
+    @property
+    def forward_backward(self) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+        """One micro-batch's forward and backward (the stack's: plain, or a remat executor)."""
+        return self.ctx.forward_backward  # type: ignore[return-value]
+
+    @forward_backward.setter
+    def forward_backward(self, fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> None:
+        self.ctx.forward_backward = fn
+
     def _build_data(self) -> None:
         cfg = self.cfg
         name = cfg.data.name or (model_registry.entry(cfg.model.name).default_data
@@ -193,88 +234,6 @@ class Trainer:
             return t.global_batch // per, p.microbatches
         return batch_arithmetic(t.global_batch, t.micro_batch, self.dp_world)
 
-    def _check_parallel(self) -> None:
-        p, world = self.cfg.parallel, self.world
-        model_ranks = p.pp * p.tp * p.cp
-        if world % model_ranks:
-            raise ConfigError(f"parallel.pp={p.pp} x parallel.tp={p.tp} x parallel.cp={p.cp} = {model_ranks} must "
-                              f"divide the {world} process(es) started; launch with `scaletrain train "
-                              f"--nproc-per-node {model_ranks * max(p.dp, 1)} ...`")
-        self.dp_world = world // model_ranks
-        """Data-parallel replicas: processes / (pp x tp x cp)."""
-        if p.dp and p.dp != self.dp_world:
-            split = (f" and pp x tp x cp = {model_ranks} leaves {self.dp_world} data-parallel replicas"
-                     if model_ranks > 1 else "")
-            raise ConfigError(f"parallel.dp={p.dp} but {world} process(es) were started{split}; launch with "
-                              f"`scaletrain train --nproc-per-node {p.dp * model_ranks} ...` or torchrun, or set "
-                              f"parallel.dp=0")
-        if p.compression != "none" and p.zero != 0:
-            raise ConfigError(f"parallel.compression={p.compression} needs parallel.zero=0 (it is a DDP comm hook); "
-                              f"got parallel.zero={p.zero}")
-        if p.hsdp and (p.zero == 0 or world % p.hsdp):
-            raise ConfigError(f"parallel.hsdp={p.hsdp} needs parallel.zero>=1 and must divide the {world} ranks")
-        if world > 1 and p.pp == 1 and p.zero in (0, 3) and self.cfg.memory.remat.method != "none":
-            raise ConfigError(f"memory.remat.method={self.cfg.memory.remat.method} with parallel.zero={p.zero} on "
-                              f"{world} ranks is not supported yet (the schedule bypasses the DDP/FSDP forward); "
-                              f"use parallel.zero=1 or 2")
-        if world == 1 and (p.zero or p.compression != "none"):
-            self.log(f"note: one process, so parallel.zero={p.zero} / parallel.compression={p.compression} "
-                     f"have no effect")
-
-    def _offload_requested(self) -> bool:
-        from scaletrain.train.config import OffloadConfig
-
-        mem = self.cfg.memory
-        return mem.offload != OffloadConfig() or bool(mem.device_budget)
-
-    def _build_parallel(self) -> Strategy:
-        """The strategy: pipeline (``parallel.pp``), intra-layer (``parallel.tp/cp/ep``), offload
-        (``memory.offload``), else data parallelism for ``parallel.zero`` (a no-op for one rank)."""
-        p, world = self.cfg.parallel, self.world
-        if self.cfg.train.params_dtype != "fp32" and (p.pp > 1 or p.tp > 1 or p.cp > 1 or p.ep > 1
-                                                      or self._offload_requested()):
-            raise ConfigError(f"train.params_dtype={self.cfg.train.params_dtype} runs with one process or "
-                              f"parallel.zero=1/2, not with pipeline, tensor/context/expert parallelism or offload; "
-                              f"use train.params_dtype=fp32 with train.precision=bf16 there")
-        if p.pp > 1:
-            from scaletrain.techniques.pipeline.strategy import PipelineStrategy
-
-            return PipelineStrategy.from_trainer(self)
-        if p.tp > 1 or p.cp > 1 or p.ep > 1 or p.sequence_parallel:
-            from scaletrain.techniques.intralayer_strategy import IntraLayerStrategy
-
-            return IntraLayerStrategy.from_trainer(self)
-        if self._offload_requested():
-            from scaletrain.techniques.offload.strategy import OffloadStrategy
-
-            return OffloadStrategy.from_trainer(self)
-        from scaletrain.techniques.precision import MasterWeightsStrategy, param_dtype
-
-        stored = param_dtype(self.cfg.train.params_dtype)
-        if world == 1:
-            return MasterWeightsStrategy(self.model, stored) if stored is not None else Strategy(self.model)
-        if stored is not None and p.zero not in (1, 2):
-            raise ConfigError(f"train.params_dtype={self.cfg.train.params_dtype} with {world} processes needs "
-                              f"parallel.zero=1 or 2 (they keep the fp32 masters sharded); got parallel.zero={p.zero}")
-        half = stored or {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision)
-        if p.zero == 0:
-            return DDPStrategy(self.model, self.rank, world, self.device, bucket_mb=p.bucket_mb,
-                                  compression=p.compression, compression_rank=p.compression_rank,
-                                  topk_ratio=p.topk_ratio, compression_warmup_steps=p.compression_warmup_steps,
-                                  seed=self.cfg.train.seed)
-        from scaletrain.techniques.data_parallel.fsdp import FSDPStrategy
-        from scaletrain.techniques.data_parallel.zero import ZeroStrategy
-
-        if p.zero in (1, 2):
-            s: Strategy = ZeroStrategy(self.model, p.zero, self.rank, world, self.device,
-                                               bucket_mb=p.bucket_mb, param_dtype=half, hsdp=p.hsdp)
-        else:
-            s = FSDPStrategy(self.model, self.rank, world, self.device, param_dtype=half, hsdp=p.hsdp)
-        warn = s.sharded_optimizer_warning(self.cfg.optim.name)  # type: ignore[attr-defined]
-        if warn:
-            self.log(f"warning: {warn}")
-        return s
-
     def _build_optimizer(self, module: nn.Module | None = None) -> torch.optim.Optimizer:
         from scaletrain.techniques.optim import build_optimizer
 
@@ -309,25 +268,6 @@ class Trainer:
         if self.task == "lm":  # out: [batch, seq, vocab], y: [batch, seq]
             return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
         return F.cross_entropy(out.float(), y)  # out: [batch, classes]
-
-    def _build_forward_backward(self) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
-        """The function running one micro-batch's forward and backward; returns the unscaled loss.
-
-        Memory techniques replace it (a rematerialization schedule runs its own forward/backward
-        order); its contract stays: gradients of ``loss * weight`` accumulate into ``.grad``.
-        """
-        from scaletrain.techniques.apply import build_forward_backward
-
-        return build_forward_backward(self)
-
-    def plain_forward_backward(self, x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
-        with self.autocast():
-            loss = self.loss_fn(self.forward_module(x), y)
-            aux = getattr(self.model, "aux_loss", None)
-            if callable(aux):  # mixture of experts: the load-balancing loss trains the routers
-                loss = loss + aux()
-        self.scaler.scale(loss * weight).backward()
-        return loss.detach()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -370,7 +310,9 @@ class Trainer:
         if ranks and len(ranks) == self.world:
             rng = ranks[self.rank]
         elif self.rank != 0:  # another world size: fresh per-rank streams, deterministic in the step
-            torch.manual_seed(self.cfg.train.seed + 1_000_003 * self.rank + 7919 * self.step)
+            from scaletrain.techniques.tensor_parallel.rng import replica_seed
+
+            torch.manual_seed(replica_seed(self.cfg.train.seed, self.rank, self.plan.tp) + 7919 * self.step)
             return
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
@@ -413,7 +355,7 @@ class Trainer:
         for i, (x, y) in enumerate(loader):
             if i >= self.cfg.train.eval_batches:
                 break
-            loss_sum, right, n = par.eval_batch(self, x.to(self.device), y.to(self.device))
+            loss_sum, right, n = par.eval_batch(self.ctx, x.to(self.device), y.to(self.device))
             total, correct, count = total + loss_sum, correct + right, count + n
         self.model.train(was_training)
         total, correct, count = self.parallel.sum([total, correct, count])  # over ranks' shards
@@ -435,8 +377,9 @@ class Trainer:
     def _train_step(self, it: Any) -> float:
         """One optimizer step over ``accum`` micro-batches; returns the rank-averaged loss."""
         par = self.parallel
+        self.ctx.step = self.step
         LEDGER.reset()
-        step_loss = par.run_micro_batches(self, it)
+        step_loss = par.run_micro_batches(self.ctx, it)
         if self.step == 1 and self.world > 1:  # optimizer states exist from the first step on
             from scaletrain.measure.model_states import measure_model_state_bytes
 

@@ -27,14 +27,15 @@ class DDPStrategy(Strategy):
 
     def __init__(self, model: nn.Module, rank: int, world: int, device: torch.device, *, bucket_mb: float,
                  compression: str = "none", compression_rank: int = 4, topk_ratio: float = 0.01,
-                 compression_warmup_steps: int = 10, seed: int = 0) -> None:
+                 compression_warmup_steps: int = 10, seed: int = 0, module: nn.Module | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from scaletrain.techniques.data_parallel import compression as comp
 
         super().__init__(model, rank, world)
         ids = [device.index] if device.type == "cuda" else None
-        self.ddp = DDP(model, device_ids=ids, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, init_sync=True)
+        # ``module``: what runs the forward (the model, or its blocks under nested checkpoints)
+        self.ddp = DDP(module if module is not None else model, device_ids=ids, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, init_sync=True)
         self.compressor = comp.make_hook(compression, world=world, rank=compression_rank, topk_ratio=topk_ratio,
                                          warmup_steps=compression_warmup_steps, seed=seed)
         self.ddp.register_comm_hook(self.compressor.state, self.compressor.hook)

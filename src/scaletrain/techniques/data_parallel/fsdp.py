@@ -38,7 +38,7 @@ class FSDPStrategy(ShardedStrategy):
 
     def __init__(self, model: nn.Module, rank: int, world: int, device: torch.device, *,
                  param_dtype: torch.dtype | None = None, hsdp: int = 0, reshard_root: bool = True,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, root: nn.Module | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -51,7 +51,10 @@ class FSDPStrategy(ShardedStrategy):
         self.blocks = shardable_blocks(model)
         for b in self.blocks:
             fully_shard(b, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_root, mp_policy=mp)
+        # the root is what runs the forward: the model, or its blocks under nested checkpoints
+        root = root if root is not None else model
+        fully_shard(root, mesh=mesh, reshard_after_forward=reshard_root, mp_policy=mp)
+        self.forward_module = root
         if prefetch:
             for i, b in enumerate(self.blocks):
                 if i + 1 < len(self.blocks):

@@ -36,7 +36,7 @@ tensors, stage-0 replication, HSDP replicas, a tied weight's other holders), one
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from scaletrain.errors import ConfigError
+from scaletrain.measure.comm import ledger_owned
 from scaletrain.techniques.data_parallel.sharded import shard_rows
 
 
@@ -232,6 +233,8 @@ class GradSync:
             if not b.launched:
                 self._launch(b)
         self._drain(block=True)
+        for b in self.buckets:  # ready for the next reduction (pipelines call reduce() once a step)
+            b.ready, b.launched = 0, False
 
     def local_grad(self, e: Entry) -> torch.Tensor | None:
         g = e.param.grad
@@ -244,8 +247,12 @@ class GradSync:
                 g = g.to_local()
         return g
 
-    @torch.no_grad()
     def _launch(self, b: _Bucket) -> None:
+        with ledger_owned():  # counted by the ledger even inside a paused (model-parallel) forward/backward
+            self._launch_bucket(b)
+
+    @torch.no_grad()
+    def _launch_bucket(self, b: _Bucket) -> None:
         g = self.groups[b.group]
         dtype = self.entries[b.entries[0]].local.dtype
         scale = 1.0 / g.divisor  # gloo has no AVG: the division is fused into the copy
@@ -298,7 +305,8 @@ class GradSync:
                 work.wait()
             g = self.groups[b.group]
             if g.replicate is not None:  # HSDP: average the shard across replicas
-                dist.all_reduce(out, group=g.replicate)
+                with ledger_owned():
+                    dist.all_reduce(out, group=g.replicate)
             for i, off in zip(b.entries, b.offsets):
                 e = self.entries[i]
                 if self.stage == 0:
@@ -338,6 +346,7 @@ class GradSync:
                 g = g if g.ndim else g.view(1)
             e.proxy.grad = g if g.dtype == e.proxy.dtype else g.to(e.proxy.dtype)
 
+    @torch.no_grad()
     def square_norm(self) -> torch.Tensor:
         """This rank's share of the squared global norm (fp64; sum it over every rank)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -69,53 +69,32 @@ class OffloadStrategy(Strategy):
 
     # -- construction --------------------------------------------------------------------
     @classmethod
-    def from_trainer(cls, trainer: Any) -> "OffloadStrategy":
-        cfg = trainer.cfg
-        if trainer.world > 1:
-            raise ConfigError(f"memory.offload with {trainer.world} processes is not supported yet; run one process "
-                              f"(offloading with data parallelism is ZeRO-Offload's multi-rank mode, not implemented)")
-        if cfg.memory.remat.method != "none":
-            raise ConfigError(f"memory.remat.method={cfg.memory.remat.method} conflicts with memory.offload: the "
-                              f"offload planner chooses recomputation itself (memory.offload.recompute); set "
-                              f"memory.remat.method=none")
-        if cfg.memory.activation_compression:
-            raise ConfigError("memory.activation_compression conflicts with memory.offload (both hook the tensors "
-                              "saved for backward); set one of them")
-        if cfg.train.precision == "fp16":
-            raise ConfigError("train.precision=fp16 is not supported with memory.offload (gradients leave the "
-                              "device before a loss scaler could unscale them); use bf16 or fp32")
-        if callable(getattr(trainer.model, "aux_loss", None)):
-            raise ConfigError(f"model {trainer.model_name} adds an auxiliary loss (mixture of experts), which "
-                              f"memory.offload does not run yet; train it without memory.offload")
-        example = cls._example_batch(trainer)
+    def build(cls, model: nn.Module, plan: Any, ctx: Any) -> "OffloadStrategy":
+        """The offload runtime of ``plan.offload`` over ``model`` (one process; the compatibility
+        table has already accepted the plan)."""
+        import dataclasses
+
+        assert ctx.example_batch is not None and ctx.build_optimizer is not None
+        example = ctx.example_batch()
         state = random.getstate()
         try:
             with torch.random.fork_rng(devices=[]):  # probing and planning leave the training RNG as it was
-                rt = build_offload_runtime(trainer.model, trainer._build_optimizer, cfg, local_platform(trainer.device),
-                                           loss_fn=trainer.loss_fn, example=example, autocast=trainer.autocast,
-                                           accum=trainer.accum, device=trainer.device)
+                rt = build_offload_runtime(model, ctx.build_optimizer, dataclasses.asdict(plan.offload),
+                                           local_platform(ctx.device), loss_fn=ctx.loss_fn, example=example,
+                                           autocast=ctx.autocast, accum=ctx.accum, device=ctx.device)
         except ConfigError:
             raise
         except UserError as e:  # no plan fits, bad block list, unsupported optimizer: one line
             raise ConfigError(str(e)) from None
         finally:
             random.setstate(state)
-        s = cls(trainer.model, rt, rt.options.device_budget)
-        trainer.log(f"offload: {s.describe()}")
+        s = cls(model, rt, rt.options.device_budget)
+        ctx.log(f"offload: {s.describe()}")
         pred = rt.prediction.device_peak_bytes
         if s.budget is not None and pred > s.budget:
-            trainer.log(f"warning: this manual offload plan's predicted device peak {pred} B exceeds "
-                        f"memory.device_budget={s.budget} B; memory.offload.plan=auto chooses one that fits")
+            ctx.log(f"warning: this manual offload plan's predicted device peak {pred} B exceeds "
+                    f"memory.device_budget={s.budget} B; memory.offload.plan=auto chooses one that fits")
         return s
-
-    @staticmethod
-    def _example_batch(trainer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first training micro-batch (shapes and dtypes for probing the chain)."""
-        from scaletrain.data import build_loader
-
-        loader = build_loader(trainer.train_set, trainer.micro_batch, shuffle=False, seed=trainer.cfg.train.seed)
-        x, y = next(iter(loader))
-        return x.to(trainer.device), y.to(trainer.device)
 
     def build_optimizer(self, build: Callable[[nn.Module], torch.optim.Optimizer]) -> torch.optim.Optimizer:
         """The runtime's optimizer (device, host or disk) — what the LR scheduler drives."""
@@ -130,14 +109,14 @@ class OffloadStrategy(Strategy):
         return ConfigError(f"{str(e).splitlines()[0]} (predicted peak {pred} B); memory.offload.plan=auto "
                            f"chooses a plan that fits")
 
-    def run_micro_batches(self, trainer: Any, it: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def run_micro_batches(self, ctx: Any, it: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
         self._forget_evaluation()
         step_loss = 0.0
         try:
-            for _ in range(trainer.accum):
+            for _ in range(ctx.accum):
                 x, y = next(it)
-                x, y = x.to(trainer.device, non_blocking=True), y.to(trainer.device, non_blocking=True)
-                step_loss += float(self.rt.forward_backward(x, y, 1.0 / trainer.accum)) / trainer.accum
+                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+                step_loss += float(self.rt.forward_backward(x, y, 1.0 / ctx.accum)) / ctx.accum
         except DeviceOutOfMemory as e:
             raise self._oom(e) from None
         return step_loss
@@ -154,14 +133,14 @@ class OffloadStrategy(Strategy):
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # done by the runtime's step
 
-    def eval_batch(self, trainer: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
+    def eval_batch(self, ctx: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
         if self._before_eval is None:
             self.rt.flush()  # a delayed update's upload (DPU) still counts for the step that started it
             st = self.rt.pools.stats
             self._before_eval = (dict(st.bytes), dict(st.count), dict(st.seconds))
         out = self.rt.forward(x)  # under the trainer's autocast, streamed weights block by block
-        loss = float(trainer.loss_fn(out, y)) * len(y)
-        correct = int((out.argmax(-1) == y).sum()) if trainer.task != "lm" else 0
+        loss = float(ctx.loss_fn(out, y)) * len(y)
+        correct = int((out.argmax(-1) == y).sum()) if ctx.task != "lm" else 0
         return loss, correct, len(y)
 
     def _forget_evaluation(self) -> None:

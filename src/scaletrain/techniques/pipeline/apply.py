@@ -73,6 +73,12 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
     bounds = stage_bounds(model, example, pp=pp, schedule=schedule, microbatches=microbatches, virtual=v,
                           loss_fn=loss_fn, balance=balance)
     extra: dict = {}
+    if tp > 1 and remat != "none":  # planned on the whole model, before TP shards it
+        from .stage import stage_remat
+
+        y = torch.zeros(example.shape, dtype=torch.long, device="meta") if seq_len else None
+        extra["remat_plans"] = stage_remat(model, bounds, example, remat, remat_budget, loss_fn=loss_fn, target=y,
+                                           precision=remat_precision)
     if tp > 1:
         from . import tensor_parallel as tpp
         from .stage import TensorSpec, boundary_specs

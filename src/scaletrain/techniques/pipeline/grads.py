@@ -109,6 +109,9 @@ class ParamPlan:
         self.mesh_ranks = tuple(sorted(self.ranks))
         self.replica_ranks = tuple(sorted(self.global_rank(r) for r in range(self.pp)))
         self.dp_ranks = tuple(sorted(self.global_rank(pp_rank, d) for d in range(dp)))
+        self.zero_sync: Any = None
+        """A :class:`~scaletrain.techniques.data_parallel.grads.GradSync` (ZeRO-1) that replaces the
+        data-parallel all-reduce, or None."""
         self._make_groups()
 
     def global_rank(self, pp_rank: int, dp_rank: int | None = None, ranks: Sequence[int] | None = None) -> int:
@@ -163,6 +166,9 @@ class ParamPlan:
             g = self.group([self.global_rank(r) for r in h])
             flat_collective(_materialise(ts), lambda f: self.transport.all_reduce(
                 f, g, f"shared-parameter gradient all-reduce over pipeline ranks {list(h)}"))
+        if self.zero_sync is not None:  # ZeRO-1: reduce-scatter into the owned rows (GradSync)
+            self.zero_sync.reduce()
+            return
         if self.dp > 1 and self.params:
             g = self.group(self.dp_ranks)
 

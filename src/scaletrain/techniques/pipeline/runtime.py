@@ -117,6 +117,8 @@ class PipelineRuntime:
     inside every stage, one schedule per stage (:func:`.stage.stage_remat`, planned on the
     fake-tensor estimate at ``remat_precision`` with ``example_target``, under ``remat_budget``
     per micro-batch and stage); not with split backward (zb1p) or weight stashing.
+    ``remat_plans``: the stages' schedules, planned by the caller (before tensor parallelism shards the
+    chain: the estimate runs on the whole model).
     ``tp``: tensor parallelism inside the stages (:class:`.tensor_parallel.TPLayout`; the chain
     already sharded, ``ranks`` this TP index's order); ``specs`` then gives the boundary specs
     (computed on the model before sharding); ``backward_context`` is entered around the last
@@ -131,7 +133,8 @@ class PipelineRuntime:
                  remat: str = "none", remat_budget: int | str | None = None, remat_precision: str = "fp32",
                  example_target: torch.Tensor | None = None, tp: TPLayout | None = None,
                  specs: Sequence[TensorSpec] | None = None,
-                 backward_context: Callable[[], ContextManager] | None = None):
+                 backward_context: Callable[[], ContextManager] | None = None,
+                 remat_plans: Sequence[object] | None = None):
         if not dist.is_initialized():
             raise UserError("the pipeline runtime needs torch.distributed initialised (run under torchrun)")
         self.chain = to_chain(chain)
@@ -183,19 +186,20 @@ class PipelineRuntime:
             self.replicas[(pipe, s)] = Replica(pipe, s, mod, s == 0, s == self.n_stages - 1,
                                                defer_weight_grads=sched.split_backward, stash_weights=self.asynchronous)
         self.remat_schedules: dict[int, object] = {}
-        """Stage → its rematerialization schedule (``remat`` given)."""
-        if remat != "none":
+        """Stage → its rematerialization schedule (``remat`` given), run as nested checkpoints."""
+        if remat != "none" or remat_plans is not None:
             if sched.split_backward or self.asynchronous:
                 raise UserError(f"rematerialization inside the stages runs with the synchronous, unsplit schedules; "
                                 f"not with {schedule}")
-            from scaletrain.chain import Chain
-            from scaletrain.techniques.remat import RematChain
+            from scaletrain.techniques.remat.tree import CheckpointedBlocks, tree_of
 
-            plans = stage_remat(self.chain, self.bounds, example_input, remat, remat_budget,
-                                target=example_target, loss_fn=loss_fn, precision=remat_precision)
+            plans = list(remat_plans) if remat_plans is not None else stage_remat(
+                self.chain, self.bounds, example_input, remat, remat_budget, target=example_target, loss_fn=loss_fn,
+                precision=remat_precision)
             for (pipe, s), rep in self.replicas.items():
                 self.remat_schedules[s] = plans[s]
-                rep.remat = RematChain(Chain(list(rep.module)), plans[s])
+                # nested checkpoints (not the op-by-op executor): they compose with TP and ZeRO inside stages
+                rep.remat = CheckpointedBlocks(list(rep.module), tree_of(plans[s]))
         self.plan = ParamPlan(self.chain.blocks, self.bounds, sched, self.ranks, self.pp_rank, self.dp_rank,
                               self.dp, self.transport, self.timeout_s, tp=tp)
         self.plan.broadcast_replicated()

@@ -69,73 +69,9 @@ from scaletrain.techniques.runtime import Strategy
 
 from .apply import default_virtual, example_input, pipeline_runtime
 from .runtime import PipelineRuntime
-from .schedules import ASYNC_SCHEDULES, build
+
 from .simulate import simulate
 from .tensor_parallel import tp_comm_counter
-
-
-def check_config(cfg: Any, microbatches: int, *, offload: bool = False, device_type: str = "cpu") -> None:
-    """Raise a one-line ConfigError for what the pipeline cannot combine with (``cfg.parallel.pp > 1``);
-    ``microbatches`` is the resolved count per step, ``offload`` whether memory.offload is requested,
-    ``device_type`` the training device's ("cuda": NCCL, whose point-to-point ignores tags)."""
-    p, mem = cfg.parallel, cfg.memory
-    head = f"parallel.pp={p.pp}"
-    for key in ("cp", "ep"):
-        if getattr(p, key) > 1:
-            raise ConfigError(f"{head} with parallel.{key}={getattr(p, key)} is not supported yet; allowed with a "
-                              f"pipeline: parallel.tp >= 1 with parallel.cp=1, parallel.ep=1")
-    if getattr(p, "sequence_parallel", False) and p.tp == 1:
-        raise ConfigError(f"{head} with parallel.sequence_parallel=true needs parallel.tp > 1; allowed with tp=1: "
-                          f"false")
-    if p.tp > 1:
-        tp_head = f"{head} with parallel.tp={p.tp}"
-        if mem.remat.method != "none":
-            raise ConfigError(f"{tp_head} and memory.remat.method={mem.remat.method} is not supported yet; "
-                              f"allowed: memory.remat.method=none")
-        if p.sequence_parallel and p.schedule == "zb1p":
-            raise ConfigError(f"{tp_head} parallel.sequence_parallel=true and parallel.schedule=zb1p is not "
-                              f"supported yet (deferred weight gradients of sequence-parallel layers); allowed with "
-                              f"sequence parallelism: gpipe, 1f1b, interleaved, chimera, pipedream, pipedream-2bw")
-        if p.sequence_parallel and cfg.data.seq_len % p.tp:
-            raise ConfigError(f"{tp_head} and parallel.sequence_parallel=true needs data.seq_len="
-                              f"{cfg.data.seq_len} to be a multiple of parallel.tp={p.tp}")
-    if p.zero:
-        raise ConfigError(f"{head} with parallel.zero={p.zero} is not supported; allowed: parallel.zero=0 (the "
-                          f"pipeline averages each stage's gradients over its data-parallel replicas itself)")
-    if p.compression != "none":
-        raise ConfigError(f"{head} with parallel.compression={p.compression} is not supported; allowed: "
-                          f"parallel.compression=none")
-    if mem.remat.method != "none" and (p.schedule == "zb1p" or p.schedule in ASYNC_SCHEDULES):
-        raise ConfigError(f"memory.remat.method={mem.remat.method} with {head} parallel.schedule={p.schedule} is not "
-                          f"supported (recomputation would undo zb1p's deferred weight gradients / ignore weight "
-                          f"stashing); allowed with remat: parallel.schedule=gpipe, 1f1b, interleaved, chimera")
-    if offload:
-        raise ConfigError(f"memory.offload / memory.device_budget with {head} is not supported yet; allowed: "
-                          f"the default memory.offload settings and an empty memory.device_budget")
-    if mem.activation_compression:
-        raise ConfigError(f"memory.activation_compression=true with {head} is not supported yet; allowed: false")
-    if cfg.train.precision == "fp16":
-        raise ConfigError(f"train.precision=fp16 with {head} is not supported (the loss scaler would skip steps "
-                          f"on some stages only); allowed: fp32, bf16")
-    s, M = p.schedule, microbatches
-    if s in ASYNC_SCHEDULES and device_type == "cuda" and cfg.train.eval_every:
-        # NCCL matches point-to-point messages by order, not tag: evaluation's transfers between
-        # two windows would meet the stream's in-flight ones (gloo's tags keep them apart)
-        raise ConfigError(f"parallel.schedule={s} on CUDA evaluates only at the end of its stream; set "
-                          f"train.eval_every=0 (got {cfg.train.eval_every})")
-    if p.virtual > 1 and s != "interleaved":
-        raise ConfigError(f"parallel.virtual={p.virtual} only applies to parallel.schedule=interleaved (got {s}); "
-                          f"allowed: 0 or 1")
-    if s == "interleaved" and M % p.pp:
-        raise ConfigError(f"parallel.microbatches={M} must be a multiple of parallel.pp={p.pp} for "
-                          f"parallel.schedule=interleaved")
-    if s == "chimera" and (p.pp % 2 or M % 2):
-        raise ConfigError(f"parallel.schedule=chimera needs an even parallel.pp and parallel.microbatches "
-                          f"(got {p.pp} and {M})")
-    try:
-        build(s, p.pp, M, default_virtual(s, p.virtual))
-    except UserError as e:
-        raise ConfigError(f"parallel.schedule={s} with parallel.pp={p.pp}, parallel.microbatches={M}: {e}") from None
 
 
 class PipelineStrategy(Strategy):
@@ -158,6 +94,10 @@ class PipelineStrategy(Strategy):
         self._last_norm = float("nan")
         self._tp_bytes = 0.0
         self._tp_predicted = float("nan")
+        self.zero: Any = None
+        """ZeRO-1 inside the stages (:meth:`_shard_optimizer_states`), or None."""
+        self._proxy_entry: dict[int, Any] = {}
+        self._param_entry: dict[int, Any] = {}
         # the one-process optimizer's parameter numbering (build(model) groups parameters by
         # scaletrain.techniques.optim.registry.param_groups): the checkpoint layout
         from scaletrain.techniques.optim.registry import param_groups
@@ -173,80 +113,72 @@ class PipelineStrategy(Strategy):
         self._names = {id(p): n for n, p in model.named_parameters()}
 
     @classmethod
-    def from_trainer(cls, trainer: Any) -> "PipelineStrategy":
-        cfg = trainer.cfg
-        p = cfg.parallel
-        check_config(cfg, trainer.accum, offload=trainer._offload_requested(),
-                     device_type=torch.device(trainer.device).type)
+    def build(cls, model: nn.Module, plan: Any, ctx: Any) -> "PipelineStrategy":
+        """The pipeline of ``plan`` (pp, schedule, microbatches, virtual, balance, tp, sp, remat)
+        over ``model`` for this process (the compatibility table has already accepted it)."""
+        p = plan
         v = default_virtual(p.schedule, p.virtual)
-        seq = cfg.data.seq_len if trainer.task == "lm" else None
+        seq = ctx.seq_len if ctx.task == "lm" else None
         try:
             from scaletrain.chain import to_chain
 
-            n_blocks = len(to_chain(trainer.model))
-            example_input(trainer.model, trainer.micro_batch, seq)
+            n_blocks = len(to_chain(model))
+            example_input(model, ctx.micro_batch, seq)
             if p.tp > 1:  # before any collective: every rank refuses alike
                 from scaletrain.techniques.tensor_parallel import check_model
 
-                check_model(trainer.model, p.tp)
+                check_model(model, p.tp)
         except ConfigError:
             raise
         except UserError as e:
             what = "a GPT-2 model whose heads and vocabulary parallel.tp divides" if p.tp > 1 else \
                 "a model cut into blocks with an input_spec"
             raise ConfigError(f"parallel.pp={p.pp} needs {what}: {e}") from None
-        if p.tp > 1 and getattr(getattr(trainer.model, "config", None), "dropout", 0.0) > 0:
-            raise ConfigError(f"parallel.pp={p.pp} with parallel.tp={p.tp} and model dropout="
-                              f"{trainer.model.config.dropout} is not supported yet (each rank draws its own "
-                              f"masks, but a TP group's replicated activations need the same); allowed: "
-                              f"model.overrides.dropout=0")
-        if callable(getattr(trainer.model, "aux_loss", None)):
-            raise ConfigError(f"parallel.pp={p.pp} with {trainer.model_name}, whose auxiliary loss (mixture-of-experts "
-                              f"load balancing) spans all stages, is not supported yet; allowed: parallel.pp=1")
         if n_blocks < p.pp * v:
             raise ConfigError(f"parallel.pp={p.pp} x {v} stage(s) per rank = {p.pp * v} stages, but "
-                              f"{trainer.model_name} has {n_blocks} blocks; allowed: parallel.pp <= {n_blocks // v}")
+                              f"{ctx.model_name} has {n_blocks} blocks; allowed: parallel.pp <= {n_blocks // v}")
         try:
-            rt = pipeline_runtime(trainer.model, pp=p.pp, dp=trainer.dp_world, schedule=p.schedule,
-                                  microbatches=trainer.accum, micro_batch=trainer.micro_batch,
-                                  loss_fn=trainer.loss_fn, seq_len=seq, virtual=v, device=trainer.device,
-                                  timeout_s=p.timeout_s, balance=p.balance, forward_context=trainer.autocast,
-                                  remat=cfg.memory.remat.method, remat_budget=cfg.memory.remat.budget or None,
-                                  remat_precision=cfg.train.precision, tp=p.tp,
-                                  sequence_parallel=p.sequence_parallel)
+            rt = pipeline_runtime(model, pp=p.pp, dp=ctx.dp_world, schedule=p.schedule,
+                                  microbatches=ctx.accum, micro_batch=ctx.micro_batch,
+                                  loss_fn=ctx.loss_fn, seq_len=seq, virtual=v, device=ctx.device,
+                                  timeout_s=ctx.timeout_s, balance=p.balance, forward_context=ctx.autocast,
+                                  remat=p.remat.method, remat_budget=p.remat.budget or None,
+                                  remat_precision=ctx.precision, tp=p.tp, sequence_parallel=p.sp)
         except ConfigError:
             raise
         except UserError as e:
             if type(e) is not UserError:  # a communication failure: not a configuration problem
                 raise
             raise ConfigError(f"parallel.pp={p.pp} parallel.schedule={p.schedule}: {e}") from None
-        strategy = cls(trainer.model, rt, trainer.rank, trainer.world)
+        strategy = cls(model, rt, ctx.rank, ctx.world)
+        if p.zero == 1:
+            strategy._shard_optimizer_states()
         if rt.tp is not None:
             from .tensor_parallel import predicted_tp_bytes
 
-            strategy._tp_predicted = predicted_tp_bytes(trainer.model, rt, trainer.micro_batch, seq or 1,
-                                                        sequence_parallel=p.sequence_parallel)
-        if trainer.accum < p.pp:
-            trainer.log(f"note: {trainer.accum} micro-batch(es) per step over parallel.pp={p.pp} stages leaves the "
-                        f"pipeline idle {strategy.bubble_predicted:.0%} of the time (predicted); set "
-                        f"parallel.microbatches to a multiple of {p.pp} (e.g. {4 * p.pp})")
+            strategy._tp_predicted = predicted_tp_bytes(model, rt, ctx.micro_batch, seq or 1,
+                                                        sequence_parallel=p.sp)
+        if ctx.accum < p.pp:
+            ctx.log(f"note: {ctx.accum} micro-batch(es) per step over parallel.pp={p.pp} stages leaves the "
+                    f"pipeline idle {strategy.bubble_predicted:.0%} of the time (predicted); set "
+                    f"parallel.microbatches to a multiple of {p.pp} (e.g. {4 * p.pp})")
         return strategy
 
     # ------------------------------------------------------------------ the step
-    def run_micro_batches(self, trainer: Any, it: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """One schedule step over ``trainer.accum`` micro-batches; returns the mean loss over all
+    def run_micro_batches(self, ctx: Any, it: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One schedule step over ``ctx.accum`` micro-batches; returns the mean loss over all
         micro-batches of all replicas (the same value on every rank). Asynchronous schedules:
         the next window of one stream over the run's remaining steps (see the module doc)."""
         rt = self.runtime
-        t = trainer.cfg.train  # TP traffic counted on the steps the trainer logs (the counter sees every op)
-        count = rt.tp is not None and ((trainer.step + 1) % t.log_every == 0 or trainer.step + 1 >= t.steps)
+        # TP traffic counted on the steps the trainer logs (the counter sees every op)
+        count = rt.tp is not None and ctx.counts_traffic(ctx.step)
         with tp_comm_counter() if count else contextlib.nullcontext(None) as counter:
             if rt.asynchronous:
                 if self._stream is None:
-                    self._stream = rt.stream(trainer.cfg.train.steps - trainer.step, it, self._async_update(trainer))
+                    self._stream = rt.stream(ctx.steps - ctx.step, it, self._async_update(ctx))
                 loss = next(self._stream)
             else:
-                loss = rt.train_step(itertools.islice(it, trainer.accum))
+                loss = rt.train_step(itertools.islice(it, ctx.accum))
         if counter is not None:
             self._tp_bytes = counter.wire_bytes()
             LEDGER.add("intra_layer", self._tp_bytes, len(counter.records))
@@ -254,15 +186,15 @@ class PipelineStrategy(Strategy):
         self._p2p_bytes, self._sent_before = sent - self._sent_before, sent
         return loss
 
-    def _async_update(self, trainer: Any) -> Callable[[], None]:
+    def _async_update(self, ctx: Any) -> Callable[[], None]:
         """The update the stream calls (after every micro-batch for pipedream, every window for
         2BW): the trainer's clipping and optimizer step; the trainer's own step after a window is
         then a no-op (:meth:`optimizer_step`) and its clipping reports this update's norm."""
         def update() -> None:
-            clip = trainer.cfg.optim.grad_clip
+            clip = ctx.grad_clip
             self._last_norm = self.runtime.clip_grad_norm_(clip) if clip > 0 else float("nan")
-            trainer.optimizer.step()
-            trainer.optimizer.zero_grad(set_to_none=True)
+            ctx.optimizer.step()
+            ctx.optimizer.zero_grad(set_to_none=True)
 
         return update
 
@@ -270,16 +202,83 @@ class PipelineStrategy(Strategy):
         if not self.runtime.asynchronous:  # asynchronous: the stream updated inside the window
             super().optimizer_step(optimizer, scaler)
 
+    def _shard_optimizer_states(self) -> None:
+        """ZeRO-1 inside the stages (Megatron's distributed optimizer): each stage's gradients are
+        reduce-scattered over its data-parallel replicas at the step (instead of all-reduced), the
+        optimizer keeps states for this rank's rows only (:class:`GradSync`), and the updated rows
+        are all-gathered back. A parameter held by several pipeline ranks (tied embedding, Chimera's
+        replicas) or replicated over TP counts once in the norm (``replicas``)."""
+        from scaletrain.techniques.data_parallel.grads import GradSync, SyncGroup
+
+        from .tensor_parallel import is_replicated
+
+        rt = self.runtime
+        plan = rt.plan
+        T = rt.tp.tp if rt.tp is not None else 1
+        index = {id(t): i for i, t in enumerate(plan.tensors)}
+        params = []
+        for p in plan.params:
+            holders = len(plan.holders[index[id(p)]])
+            params.append((self._names[id(p)], p, "dense", holders * (T if T > 1 and is_replicated(p) else 1)))
+        group = plan.group(plan.dp_ranks) if rt.dp > 1 else None
+        self.zero = GradSync(params, {"dense": SyncGroup(group, rt.dp)}, stage=1, device=rt.device, hooks=False)
+        self._proxy_entry = {id(e.proxy): e for e in self.zero.entries}
+        self._param_entry = {id(e.param): e for e in self.zero.entries}
+        plan.zero_sync = self.zero
+
     def build_optimizer(self, build: Callable[[nn.Module], torch.optim.Optimizer]) -> torch.optim.Optimizer:
-        """The optimizer over this rank's blocks only."""
+        """The optimizer over this rank's blocks only (with ZeRO-1: over their owned rows)."""
+        if self.zero is not None:
+            from scaletrain.techniques.data_parallel.grads import swap_in_proxies
+
+            return swap_in_proxies(self.runtime.module, self.zero.proxies_for(self.runtime.module.parameters()), build)
         return build(self.runtime.module)
+
+    def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.zero is not None:
+            self.zero.prepare_step()
+
+    def after_step(self) -> None:
+        if self.zero is not None:
+            self.zero.after_step()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if self.zero is not None:
+            self.zero.zero_grad()
 
     def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         """Clip the global norm (all stages; gradients already averaged over replicas).
         Asynchronous schedules clipped inside the stream: the last update's norm."""
         if self.runtime.asynchronous:
             return self._last_norm
+        if self.zero is not None:  # owned rows: every element once over the whole job
+            sq = self.zero.square_norm()
+            with LEDGER.paused():
+                self.runtime.transport.all_reduce(sq, dist.group.WORLD, "gradient-norm all-reduce")
+            norm = float(sq.sqrt())
+            self.zero.scale_grads(max_norm / (norm + 1e-6))
+            return norm
         return self.runtime.clip_grad_norm_(max_norm)
+
+    def _param_of(self, t: torch.Tensor) -> torch.Tensor:
+        """The model parameter an optimizer parameter stands for (itself, or the one a proxy shares rows of)."""
+        e = self._proxy_entry.get(id(t)) if self.zero is not None else None
+        return e.param if e is not None else t
+
+    def _state_in_param_layout(self, t: torch.Tensor, v: Any) -> Any:
+        """A proxy's state tensor as the parameter's (its rows gathered over the data-parallel group, a
+        DTensor with the parameter's layout under TP). Collective over the data-parallel group."""
+        e = self._proxy_entry.get(id(t)) if self.zero is not None else None
+        if e is None or not torch.is_tensor(v) or tuple(v.shape) != e.local_shape():
+            return v
+        local = self.zero.gather_rows(e, v)  # type: ignore[union-attr]
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(e.param, DTensor):
+            return DTensor.from_local(local, e.param.device_mesh, e.param.placements, run_check=False,
+                                      shape=e.param.shape, stride=e.param.stride())
+        return local
 
     def _dp_reduce(self, values: list[float], average: bool) -> list[float]:
         rt = self.runtime
@@ -299,7 +298,7 @@ class PipelineStrategy(Strategy):
         return self._dp_reduce(values, average=False)
 
     @torch.no_grad()
-    def eval_batch(self, trainer: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
+    def eval_batch(self, ctx: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
         """Forward only, stage by stage (pipe 0); the last stage's (loss sum, correct, samples) is
         broadcast to every rank of this pipeline replica."""
         rt, sched = self.runtime, self.sched
@@ -319,11 +318,11 @@ class PipelineStrategy(Strategy):
                 h = rt.transport.recv(torch.Size((x.shape[0], *spec.shape[1:])), spec.dtype,
                                       rt._global(sched.rank_of(s - 1, 0)), _eval_tag(s),
                                       f"evaluation activation into stage {s}")
-            with trainer.autocast():
+            with ctx.autocast():
                 h = rt.replicas[(0, s)].module(h)
             if s == S - 1:
                 loss = float(rt.loss_fn(h, y)) * len(y)  # vocabulary-parallel under TP
-                correct = int((h.argmax(-1) == y).sum()) if trainer.task != "lm" else 0
+                correct = int((h.argmax(-1) == y).sum()) if ctx.task != "lm" else 0
                 result = torch.tensor([loss, correct, len(y)], dtype=torch.float64, device=rt.device)
             else:
                 h = h.to(rt.specs[s + 1].dtype)
@@ -364,16 +363,20 @@ class PipelineStrategy(Strategy):
         """Every stage's states renumbered as the one-process optimizer's, on every rank. Collective."""
         rt = self.runtime
         mine: dict[str, Any] | None = None
+        sd = optimizer.state_dict()
+        local = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.zero is not None:  # ZeRO-1: each rank's rows of every state, gathered (every dp rank takes part)
+            sd = {"state": {i: {k: self._state_in_param_layout(local[i], v) for k, v in st.items()}
+                            for i, st in sorted(sd["state"].items())}, "param_groups": sd["param_groups"]}
+            local = [self._param_of(p) for p in local]
         if rt.dp_rank == 0:  # replicas hold equal states: one copy per stage suffices
             from .tensor_parallel import gather_full
 
-            sd = optimizer.state_dict()
-            local = [p for g in optimizer.param_groups for p in g["params"]]
             # TP: DTensor states gathered to full tensors (collective over the TP group)
             state = {self._full_index[id(local[i])]: {k: gather_full(self.model, self._names[id(local[i])], v).cpu()
                                                       if torch.is_tensor(v) else v for k, v in st.items()}
                      for i, st in sd["state"].items()}
-            hyper = {self._full_group[self._full_index[id(g["params"][0])]]:
+            hyper = {self._full_group[self._full_index[id(self._param_of(g["params"][0]))]]:
                      {k: v for k, v in gsd.items() if k != "params"}
                      for g, gsd in zip(optimizer.param_groups, sd["param_groups"]) if g["params"]}
             mine = {"state": state, "hyper": hyper} if rt.tp is None or rt.tp.tp_rank == 0 else None
@@ -405,13 +408,25 @@ class PipelineStrategy(Strategy):
         new_state: dict[int, Any] = {}
         new_groups = []
         for g, gsd in zip(optimizer.param_groups, sd["param_groups"]):
-            full = [self._full_index[id(p)] for p in g["params"]]
+            params = [self._param_of(p) for p in g["params"]]
+            full = [self._full_index[id(p)] for p in params]
             src = group_of[full[0]] if full else {}
             new_groups.append({**{k: v for k, v in src.items() if k != "params"}, "params": gsd["params"]})
-            for li, fi, p in zip(gsd["params"], full, g["params"]):
+            for li, fi, p in zip(gsd["params"], full, params):
                 if fi in state["state"]:  # TP: full parameter-shaped states sharded as the parameter
-                    new_state[li] = {k: self._shard_state(p, v) for k, v in state["state"][fi].items()}
+                    new_state[li] = {k: self._owned_rows(p, self._shard_state(p, v))
+                                     for k, v in state["state"][fi].items()}
         optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+
+    def _owned_rows(self, p: torch.Tensor, v: Any) -> Any:
+        """ZeRO-1: this rank's rows of a (TP-local) parameter-shaped state."""
+        e = self._param_entry.get(id(p)) if self.zero is not None else None
+        if e is None or not torch.is_tensor(v):
+            return v
+        v = v.to_local() if hasattr(v, "to_local") else v
+        if tuple(v.shape) != tuple(e.local.shape):
+            return v
+        return self.zero.owned_rows(e, v.to(e.local.device)).clone()  # type: ignore[union-attr]
 
     def _shard_state(self, p: torch.Tensor, v: Any) -> Any:
         from torch.distributed.tensor import DTensor

@@ -144,6 +144,11 @@ class Graph:
     loss_bytes: int = 0
     """Peak bytes of the loss's forward + backward above what is stored, the gradient of the
     sink's output it produces included: the sink's backward runs the loss first."""
+    pending: tuple[tuple[int, int, int], ...] = ()
+    """``(lo, hi, bytes)``: a parameter shared by nodes lo..hi (GPT-2's tied embedding) whose
+    gradient the autograd engine holds from ``B_hi`` until ``B_lo`` sums the last part into
+    ``.grad`` — in *one* backward (nested checkpoints, plain autograd). The op-by-op executor
+    accumulates each block's part at once, so its graphs leave this empty."""
 
     def __post_init__(self) -> None:
         n = len(self.nodes)

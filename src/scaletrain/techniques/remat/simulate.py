@@ -23,6 +23,8 @@ What is **live during** an operation = stored before it, plus:
   backward first runs the loss, the larger of the loss's peak (``Graph.loss_bytes``) and
   ``δ`` of its output (``out_bytes``, made by the loss) plus the above.
 - ``Dp``/``Dt``: nothing (they only free).
+- in one backward (nested checkpoints), a shared parameter's gradient the engine holds from its
+  last user's backward through its first's (``Graph.pending``).
 
 A tape holds its block's input (autograd saves it, and the executor keeps it to read its
 gradient), so the plain copy of ``a_i`` cannot be dropped while the tape of a successor of i
@@ -119,8 +121,17 @@ class SimState:
             return f"unknown op kind {op.kind!r}"
         return None
 
+    def pending_bytes(self, op: Op) -> int:
+        """Shared parameters' gradients the engine holds during ``op`` (``Graph.pending``): from the
+        backward of their last user (after it) through that of their first."""
+        return sum(n for lo, hi, n in self.g.pending
+                   if hi in self.done and lo not in self.done)
+
     def live_during(self, op: Op) -> int:
         """Bytes live while ``op`` runs (assumes ``check(op)`` passed)."""
+        return self._live(op) + (self.pending_bytes(op) if self.g.pending else 0)
+
+    def _live(self, op: Op) -> int:
         nd = self.g.nodes[op.index]
         if op.kind in FORWARD_KINDS:
             return self.stored + nd.out_bytes + nd.saved_bytes + nd.fwd_temp_bytes

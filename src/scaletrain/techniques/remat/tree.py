@@ -35,11 +35,11 @@ from typing import Callable, Sequence, Union
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from scaletrain.errors import UserError
 from scaletrain.techniques.remat.executor import _frozen_buffers
-from scaletrain.techniques.remat.schedule import Op, Schedule
+from scaletrain.techniques.remat.schedule import Op, Schedule, fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,21 @@ def parse_block_list(spec: str, n: int, key: str) -> set[int]:
     return out
 
 
+def recompute_counts(tree: Sequence[Item], n: int) -> list[int]:
+    """Extra forwards of each block per step: one per checkpointed segment (at any depth) holding it."""
+    out = [0] * n
+
+    def walk(items: Sequence[Item]) -> None:
+        for it in items:
+            if isinstance(it, Segment):
+                for b in it.blocks:
+                    out[b] += 1
+                walk(it.inner)
+
+    walk(tree)
+    return out
+
+
 def count_recomputed(tree: Sequence[Item]) -> int:
     """Block forwards the tree recomputes per step (each segment replays its blocks once per level)."""
     total = 0
@@ -155,8 +170,11 @@ class CheckpointedBlocks(nn.Module):
         for it in items:
             if isinstance(it, Segment):
                 mods = [self.blocks[i] for i in it.blocks]
-                x = checkpoint(self._segment_fn(it), x, use_reentrant=False,
-                               context_fn=_recompute_context(mods))
+                # no early stop: the whole segment is replayed, as the schedule's F^e ops say (the
+                # simulator's memory, and the collectives a TP block replays, are then exact)
+                with set_checkpoint_early_stop(False):
+                    x = checkpoint(self._segment_fn(it), x, use_reentrant=False,
+                                   context_fn=_recompute_context(mods))
             else:
                 x = self.blocks[it](x)
         return x
@@ -195,3 +213,124 @@ def describe_tree(tree: Sequence[Item]) -> str:
     for it in tree:
         parts.append("(" + describe_tree(it.inner) + ")" if isinstance(it, Segment) else str(it))
     return " ".join(parts)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass
+class RematChoice:
+    """What :func:`plan_remat` chose: a tree of nested checkpoints (the composable apply face), or
+    a schedule only the executor runs (``ilp``/``dtr`` with drops: ``tree`` is None)."""
+
+    tree: tuple[Item, ...] | None
+    schedule: Schedule | None
+    how: str
+
+    def module(self, chain: nn.Module) -> nn.Module:
+        """The blocks of ``chain`` under the tree's checkpoints (a stand-in for the model's forward)."""
+        assert self.tree is not None
+        return CheckpointedBlocks(list(chain.blocks), self.tree)
+
+    def describe(self) -> str:
+        s = self.schedule
+        pred = (f"; predicted activation peak {s.predicted_peak_bytes} B, {s.n_forwards} block forwards per step"
+                if s is not None else "")
+        tree = f": {describe_tree(self.tree)}" if self.tree is not None else " (run op by op by the executor)"
+        return f"{self.how}{tree}{pred}"
+
+    def forward_backward(self, model: nn.Module, ctx: object, rt: object) -> Callable:
+        """The executor's per-micro-batch function for a schedule that is not a tree (one process, or
+        ZeRO-1/2 whose gradient hooks fire under any schedule)."""
+        from scaletrain.chain import to_chain
+        from scaletrain.techniques.remat.executor import run_schedule
+
+        assert self.schedule is not None
+        chain, sched = to_chain(model), self.schedule
+        expect = getattr(rt, "expect_accumulations", None)
+        if expect is not None:  # one backward per block: a shared parameter accumulates once per user
+            counts: dict[int, int] = {}
+            for block in chain.blocks:
+                for q in {id(q) for q in block.parameters()}:
+                    counts[q] = counts.get(q, 0) + 1
+            expect(counts)
+
+        def fb(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
+            losses: list[torch.Tensor] = []
+
+            def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                loss = ctx.loss_fn(out, target)  # type: ignore[attr-defined]
+                losses.append(loss.detach())
+                scaler = ctx.scaler  # type: ignore[attr-defined]
+                return scaler.scale(loss * weight) if scaler is not None else loss * weight
+
+            with ctx.autocast():  # type: ignore[attr-defined]
+                run_schedule(chain, sched, x, loss_fn, y)
+            return losses[0]
+
+        return fb
+
+
+def plan_remat(chain: nn.Module, remat: object, x: torch.Tensor | None, y: torch.Tensor | None,
+               loss_fn: Callable | None, precision: str) -> RematChoice:
+    """Plan ``memory.remat`` (a :class:`~scaletrain.plan.RematPlan`) for ``chain`` on one micro-batch
+    ``(x, y)``: explicit blocks, or the solver's schedule on the fake-tensor estimate of the step
+    (nothing allocated), as a tree when it is one."""
+    from scaletrain.techniques.remat import parse_bytes, solve
+    from scaletrain.techniques.remat.fromtrace import estimate_graph
+
+    r = remat
+    n = len(chain.blocks)  # type: ignore[attr-defined]
+    if r.method == "none":  # type: ignore[attr-defined]
+        return RematChoice(blocks_tree(n, r.blocks), None, f"blocks {r.blocks} checkpointed")  # type: ignore[attr-defined]
+    if x is None:
+        raise UserError("planning rematerialization needs an example micro-batch")
+    graph, _ = estimate_graph(chain, x, target=y, loss_fn=loss_fn, precision=precision)
+    budget = parse_bytes(r.budget)  # type: ignore[attr-defined]
+    how = f"{r.method}" + (f" under {r.budget}" if r.budget else "")  # type: ignore[attr-defined]
+    if r.method not in ("none", "periodic", "revolve", "optimal"):  # type: ignore[attr-defined]
+        sched = solve(graph, budget, r.method)  # type: ignore[attr-defined]
+        try:  # the executor's semantics (one backward per block): no pending gradients
+            return RematChoice(schedule_tree(sched.ops, n), sched, how)
+        except UserError:
+            return RematChoice(None, sched, how)
+    # One backward through nested checkpoints: a tied parameter's gradient is pending from its last
+    # user's backward to its first's. The solvers do not model it, so they get the budget less
+    # those bytes; the schedule's prediction is the replay with them.
+    pending = shared_gradients(chain)
+    held = sum(b for _, _, b in pending)
+    if budget is not None and held:
+        from scaletrain.techniques.remat import min_budget
+
+        lowest = min_budget(graph, r.method) + held  # type: ignore[attr-defined]
+        if budget < lowest:
+            raise UserError(f"budget {fmt_bytes(budget)} is below the minimum feasible {fmt_bytes(lowest)} for "
+                            f"method {r.method!r} on this chain ({n} blocks; {held} B of it are tied-parameter "  # type: ignore[attr-defined]
+                            f"gradients the backward holds)")
+    sched = solve(graph, None if budget is None else budget - held, r.method)  # type: ignore[attr-defined]
+    import dataclasses
+
+    from scaletrain.techniques.remat.simulate import simulate
+
+    rep = simulate(dataclasses.replace(graph, pending=pending), sched.ops)
+    sched = dataclasses.replace(sched, predicted_peak_bytes=rep.peak_bytes, budget_bytes=budget)
+    return RematChoice(schedule_tree(sched.ops, n), sched, how)
+
+
+def shared_gradients(chain: nn.Module) -> tuple[tuple[int, int, int], ...]:
+    """``(first user, last user, gradient bytes)`` of every parameter several blocks use."""
+    users: dict[int, list[int]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for i, b in enumerate(chain.blocks):  # type: ignore[attr-defined]
+        for p in b.parameters():
+            if p.requires_grad:
+                users.setdefault(id(p), [])
+                if i not in users[id(p)]:
+                    users[id(p)].append(i)
+                params[id(p)] = p
+    out = []
+    for k, us in users.items():
+        if len(us) > 1:
+            p = params[k]
+            out.append((min(us), max(us), p.numel() * p.element_size()))
+    return tuple(out)

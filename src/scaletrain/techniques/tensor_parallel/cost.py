@@ -139,3 +139,22 @@ def tp_comm_bytes_per_step(cfg: Any, t: int, batch: int, seq: int, *, sequence_p
     if t == 1:
         return {"kinds": {}, "wire_bytes": 0.0}
     return {"kinds": kinds, "wire_bytes": wire * micro_batches}
+
+
+def tp_forward_bytes_per_block(cfg: Any, t: int, batch: int, seq: int, *, sequence_parallel: bool = False,
+                               act_bytes: int = 4) -> list[float]:
+    """Wire bytes of the forward collectives of each Chain block (embedding, layers, head) of one
+    micro-batch on one TP rank: what a recomputation of that block replays.
+
+    A = b·s·h·act_bytes. Without SP: the embedding's all-reduce of A, two per layer
+    (attention-out, MLP-out), none in the head (its input is replicated). With SP: the embedding's
+    reduce-scatter, per layer two all-gathers and two reduce-scatters, the head's all-gather — each
+    (t-1)/t·A on the wire, so twice the all-reduce's bytes per pair, as without SP.
+    """
+    if t == 1:
+        return [0.0] * (cfg.n_layer + 2)
+    A = batch * seq * cfg.n_embd * act_bytes
+    f = (t - 1) / t
+    if sequence_parallel:
+        return [f * A] + [4 * f * A] * cfg.n_layer + [f * A]
+    return [2 * f * A] + [4 * f * A] * cfg.n_layer + [0.0]

@@ -56,6 +56,7 @@ from torch.distributed.tensor.parallel import (
 
 from scaletrain.errors import UserError
 
+from .rng import sharded_region
 from .sequence import keep_sequence_shard_for_backward
 
 _TP_ATTR = "_scaletrain_tp"  # set on the model: TPInfo
@@ -98,10 +99,17 @@ def _tp_attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     hl = three_hl // 3
     nh = self.n_head // self._tp_size
     q, k, v = (t.view(b, s, nh, hl // nh).transpose(1, 2) for t in qkv.split(hl, dim=2))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                       dropout_p=self.attn_dropout if self.training else 0.0)
+    p = self.attn_dropout if self.training else 0.0
+    with sharded_region(self._tp_rank, active=p > 0):  # this rank's heads: their own masks
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
     y = y.transpose(1, 2).reshape(b, s, hl)  # [b, s, h/t]: sharded on the last dim
     return self.resid_drop(self.c_proj(y))
+
+
+def _sharded_dropout_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Dropout on a sequence-parallel (this rank's positions) activation."""
+    with sharded_region(self._tp_rank, active=self.training and self.p > 0):
+        return F.dropout(x, self.p, self.training, self.inplace)
 
 
 def _sp_embedding_forward(self: nn.Module, idx: torch.Tensor) -> torch.Tensor:
@@ -111,7 +119,8 @@ def _sp_embedding_forward(self: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     s_local = tok.shape[1]
     start = self._tp_rank * s_local
     pos = torch.arange(start, start + s_local, device=idx.device)
-    return self.drop(tok + self.wpe(pos))  # wpe: replicated weight, Shard(0) positions
+    with sharded_region(self._tp_rank, active=self.training and self.drop.p > 0):  # this rank's positions
+        return self.drop(tok + self.wpe(pos))  # wpe: replicated weight, Shard(0) positions
 
 
 # --------------------------------------------------------------------------- apply face
@@ -223,8 +232,12 @@ def apply_megatron(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
             attn.c_attn.weight.copy_(attn.c_attn.weight[perm])
             if attn.c_attn.bias is not None:
                 attn.c_attn.bias.copy_(attn.c_attn.bias[perm])
-        attn._tp_size = t
+        attn._tp_size, attn._tp_rank = t, rank
         attn.forward = types.MethodType(_tp_attention_forward, attn)
+        if sp:  # the residual dropouts act on this rank's s/t positions: their own masks
+            for drop in (attn.resid_drop, block.mlp.drop):
+                drop._tp_rank = rank
+                drop.forward = types.MethodType(_sharded_dropout_forward, drop)
         plan: dict[str, Any] = {
             "attn.c_attn": ColwiseParallel(),
             "attn.c_proj": RowwiseParallel(output_layouts=seq_in),

@@ -1,0 +1,389 @@
+"""What combines: the one table of every refusal, each with its reason and what is allowed.
+
+Every combination of techniques a :class:`~scaletrain.plan.Plan` may ask for is either run by the
+stack (:mod:`.stack`) or refused here, before any process group, file or tensor is touched, in
+one line naming the keys, why, and what would work. Nothing else in the code base decides what
+may combine: techniques validate their own values, this table their combinations (with each
+other and with the model, whose relevant properties are :class:`Facts`).
+
+:func:`matrix` renders the pairwise table for the README (``scaletrain plan --compat`` prints it);
+a test keeps the README's copy equal to it, so the documented matrix is the enforced one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from scaletrain.errors import ConfigError
+from scaletrain.plan import Plan
+
+TREE_METHODS = ("none", "periodic", "revolve", "optimal")
+"""Remat solvers whose schedules are nests of checkpoints (:mod:`.remat.tree`), which compose."""
+ASYNC = ("pipedream", "pipedream-2bw")
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the table needs to know of the run beyond the plan (defaults: gpt2-tiny on CPU)."""
+
+    world: int = 1
+    device: str = "cpu"
+    task: str = "lm"
+    gpt2: bool = True
+    """GPT-2 layout that tensor / context parallelism know (scaletrain's or Hugging Face's)."""
+    hf: bool = False
+    moe: bool = False
+    dropout: float = 0.0
+    n_head: int = 4
+    vocab_size: int = 256
+    n_experts: int = 0
+    n_blocks: int = 6
+    chain: bool = True
+    """The model cuts into a Chain of blocks (remat trees, pipelines, offload need it)."""
+    input_spec: bool = True
+    seq_len: int = 128
+    eval_every: int = 200
+    microbatches: int = 0
+    """Micro-batches per step as resolved (pipeline); 0 = not known yet."""
+
+    @classmethod
+    def of(cls, model: Any, *, world: int, device: str, seq_len: int, eval_every: int = 0,
+           microbatches: int = 0) -> "Facts":
+        """Read the facts off a model (nothing is run)."""
+        from scaletrain.chain import to_chain
+
+        cfg = getattr(model, "config", None)
+        hf = type(model).__module__.startswith("transformers")
+        moe = any(type(m).__name__ == "MoEFeedForward" for m in model.modules())
+        try:
+            n_blocks, chain = len(to_chain(model)), True
+        except Exception:  # noqa: BLE001 - not cut into blocks: the table refuses what needs it
+            n_blocks, chain = 0, False
+        gpt2 = (hasattr(model, "embed") and hasattr(model, "h") and hasattr(model, "head") and cfg is not None) or (
+            hf and hasattr(model, "transformer") and hasattr(model, "lm_head"))
+        drop = float(getattr(cfg, "dropout", 0.0) or 0.0)
+        if hf and cfg is not None:
+            drop = max(float(getattr(cfg, k, 0.0) or 0.0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
+        return cls(world=world, device=device, task=getattr(model, "task", "lm"), gpt2=bool(gpt2), hf=hf, moe=moe,
+                   dropout=drop, n_head=int(getattr(cfg, "n_head", 0) or 0),
+                   vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
+                   n_experts=int(getattr(cfg, "n_experts", 0) or 0), n_blocks=n_blocks, chain=chain,
+                   input_spec=callable(getattr(model, "input_spec", None)), seq_len=seq_len, eval_every=eval_every,
+                   microbatches=microbatches)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A refusal: ``when(plan, facts)`` is true for what cannot run; the message is ``what: why;
+    allowed: allowed`` (each may be a function of plan and facts)."""
+
+    name: str
+    when: Callable[[Plan, Facts], bool]
+    what: Any
+    why: Any
+    allowed: Any
+    short: str = ""
+    """The reason in a few words, for the README matrix."""
+
+    def message(self, plan: Plan, facts: Facts) -> str:
+        def text(x: Any) -> str:
+            return x(plan, facts) if callable(x) else str(x)
+        return f"{text(self.what)}: {text(self.why)}; allowed: {text(self.allowed)}"
+
+
+def _mp(p: Plan) -> bool:
+    return p.tp > 1 or p.cp > 1 or p.ep > 1
+
+
+def _remat_tree(p: Plan) -> bool:
+    return p.remat.active and p.remat.method in TREE_METHODS
+
+
+def _remat_ops(p: Plan) -> bool:
+    return p.remat.method not in TREE_METHODS
+
+
+def _dp(p: Plan, f: Facts) -> int:
+    return p.dp or max(f.world // max(p.model_ranks, 1), 1)
+
+
+def _offload(p: Plan) -> bool:
+    return p.offload.active
+
+
+RULES: list[Rule] = [
+    # ---------------------------------------------------------------- data parallelism
+    Rule("compression-ddp", lambda p, f: p.compression != "none" and (p.zero != 0 or _mp(p) or p.pp > 1),
+         lambda p, f: f"parallel.compression={p.compression} with parallel.zero={p.zero}, tp={p.tp}, cp={p.cp}, "
+                      f"ep={p.ep}, pp={p.pp}",
+         "gradient compression is a DDP comm hook and runs inside torch DDP's buckets only",
+         "parallel.compression with parallel.zero=0 and no tp/cp/ep/pp", "DDP comm hook only"),
+    Rule("hsdp-zero", lambda p, f: p.hsdp > 0 and p.zero == 0,
+         lambda p, f: f"parallel.hsdp={p.hsdp} with parallel.zero=0", "hybrid sharding shards ZeRO states",
+         "parallel.zero=1, 2 or 3 with parallel.hsdp", "needs zero>=1"),
+    Rule("hsdp-divides", lambda p, f: p.hsdp > 0 and _dp(p, f) % p.hsdp != 0,
+         lambda p, f: f"parallel.hsdp={p.hsdp}", lambda p, f: f"it must divide the {_dp(p, f)} data-parallel ranks",
+         lambda p, f: "a divisor of " + str(_dp(p, f)), "must divide dp"),
+    Rule("hsdp-mp", lambda p, f: p.hsdp > 0 and (p.ep > 1 or p.cp > 1 or p.pp > 1 or p.tp > 1),
+         lambda p, f: f"parallel.hsdp={p.hsdp} with tp={p.tp}, cp={p.cp}, ep={p.ep}, pp={p.pp}",
+         "hybrid sharding splits the data-parallel ranks into shard groups; not composed with model "
+         "parallelism yet", "parallel.hsdp with plain data parallelism", "not with model parallelism yet"),
+    # ---------------------------------------------------------------- tensor / sequence / context / expert
+    Rule("sp-tp", lambda p, f: p.sp and p.tp == 1, "parallel.sequence_parallel=true with parallel.tp=1",
+         "sequence parallelism splits the regions tensor parallelism replicates", "parallel.tp > 1",
+         "needs tp>1"),
+    Rule("mp-model", lambda p, f: _mp(p) and (f.task != "lm" or not f.gpt2),
+         lambda p, f: f"parallel.tp={p.tp} / cp={p.cp} / ep={p.ep}",
+         "tensor, context and expert parallelism need a GPT-2-style language model (embedding, blocks, head)",
+         "model.name=gpt2-* / gpt2-moe / hf:gpt2, or data parallelism and pipelines for other models",
+         "GPT-2-style LM only"),
+    Rule("sp-hf", lambda p, f: p.sp and f.hf, "parallel.sequence_parallel=true on a Hugging Face GPT-2",
+         "HF's position handling is inside GPT2Model.forward", "parallel.tp alone", "not for HF GPT-2"),
+    Rule("tp-divides", lambda p, f: p.tp > 1 and f.gpt2 and ((f.n_head and f.n_head % p.tp)
+                                                             or (f.vocab_size and f.vocab_size % p.tp)),
+         lambda p, f: f"parallel.tp={p.tp}",
+         lambda p, f: f"it must divide the model's n_head={f.n_head} and vocab_size={f.vocab_size}",
+         lambda p, f: "tp in " + ", ".join(str(d) for d in range(1, max(f.n_head, 1) + 1)
+                                             if f.n_head % d == 0 and f.vocab_size % d == 0), "must divide heads"),
+    Rule("tp-moe", lambda p, f: p.tp > 1 and f.moe, lambda p, f: f"parallel.tp={p.tp} on a mixture-of-experts model",
+         "tensor parallelism splits dense MLPs; expert layers are split by parallel.ep, and TP x EP is not "
+         "composed yet", "parallel.ep (with data parallelism, cp or pp) for MoE models", "TP x MoE not yet"),
+    Rule("tp-cp", lambda p, f: p.tp > 1 and p.cp > 1, lambda p, f: f"parallel.tp={p.tp} with parallel.cp={p.cp}",
+         "both replace the attention forward (local heads / ring over sequence chunks) and are not composed yet",
+         "tp or cp", "not composed yet"),
+    Rule("ep-moe", lambda p, f: p.ep > 1 and not f.moe, lambda p, f: f"parallel.ep={p.ep}",
+         "expert parallelism needs a mixture-of-experts model", "model.name=gpt2-moe", "needs MoE"),
+    Rule("ep-divides", lambda p, f: p.ep > 1 and f.moe and (_dp(p, f) % p.ep or (f.n_experts and f.n_experts % p.ep)),
+         lambda p, f: f"parallel.ep={p.ep}",
+         lambda p, f: f"it must divide the data-parallel size {_dp(p, f)} and the {f.n_experts} experts",
+         "a common divisor", "must divide dp and experts"),
+    Rule("cp-seq", lambda p, f: p.cp > 1 and f.seq_len % (2 * p.cp) != 0,
+         lambda p, f: f"parallel.cp={p.cp} with data.seq_len={f.seq_len}",
+         "the balanced causal layout cuts each sequence into 2 x cp chunks",
+         lambda p, f: f"data.seq_len a multiple of {2 * p.cp}", "seq % 2cp"),
+    Rule("cp-dropout", lambda p, f: p.cp > 1 and f.dropout > 0,
+         lambda p, f: f"parallel.cp={p.cp} with model dropout={f.dropout}",
+         "ring attention does not implement attention dropout", "model.overrides.dropout=0", "no dropout"),
+    Rule("sp-seq", lambda p, f: p.sp and p.tp > 1 and f.seq_len % p.tp != 0,
+         lambda p, f: f"parallel.sequence_parallel=true with data.seq_len={f.seq_len}",
+         lambda p, f: f"each TP rank holds seq_len / tp={p.tp} positions",
+         lambda p, f: f"data.seq_len a multiple of {p.tp}", "seq % tp"),
+    Rule("zero3-mp", lambda p, f: p.zero == 3 and _mp(p),
+         lambda p, f: f"parallel.zero=3 with tp={p.tp}, cp={p.cp}, ep={p.ep}",
+         "FSDP over the data-parallel dimension of a model-parallel mesh is not composed yet",
+         "parallel.zero=0, 1 or 2 with tp/cp/ep", "not composed yet"),
+    # ---------------------------------------------------------------- pipelines
+    Rule("pp-chain", lambda p, f: p.pp > 1 and (not f.chain or not f.input_spec),
+         lambda p, f: f"parallel.pp={p.pp}", "a pipeline cuts the model's Chain of blocks and needs its input_spec",
+         "a model cut into blocks (see scaletrain.chain)", "needs a Chain"),
+    Rule("pp-blocks", lambda p, f: p.pp > 1 and f.chain and f.n_blocks < p.pp * _virtual(p),
+         lambda p, f: f"parallel.pp={p.pp} x {_virtual(p)} stage(s) per rank",
+         lambda p, f: f"the model has {f.n_blocks} blocks", lambda p, f: f"parallel.pp <= {f.n_blocks // _virtual(p)}",
+         "more stages than blocks"),
+    Rule("pp-zero23", lambda p, f: p.pp > 1 and p.zero in (2, 3),
+         lambda p, f: f"parallel.pp={p.pp} with parallel.zero={p.zero}",
+         "a stage's gradients accumulate over micro-batches interleaved with other stages' work until its last "
+         "backward, so reduce-scattering them per micro-batch (ZeRO-2) saves nothing over ZeRO-1, and sharding "
+         "parameters (ZeRO-3) would all-gather every block once per micro-batch and pass (DeepSpeed and "
+         "Megatron-LM refuse both with pipelines too)",
+         "parallel.zero=1 with pipelines (Megatron's distributed optimizer), or 0", "use zero=1"),
+    Rule("pp-zero-async", lambda p, f: p.pp > 1 and p.zero == 1 and p.schedule in ASYNC,
+         lambda p, f: f"parallel.zero=1 with parallel.schedule={p.schedule}",
+         "the asynchronous schedules update inside the stream, between the reduce-scatter and all-gather "
+         "a sharded optimizer needs", "parallel.zero=0 with pipedream / pipedream-2bw", "async updates"),
+    Rule("pp-cp-ep", lambda p, f: p.pp > 1 and (p.cp > 1 or p.ep > 1),
+         lambda p, f: f"parallel.pp={p.pp} with parallel.cp={p.cp} / parallel.ep={p.ep}",
+         "context and expert parallelism inside pipeline stages are not composed yet", "parallel.tp with pp",
+         "not composed yet"),
+    Rule("pp-moe", lambda p, f: p.pp > 1 and f.moe, lambda p, f: f"parallel.pp={p.pp} on a mixture-of-experts model",
+         "its load-balancing loss spans all stages", "parallel.pp=1", "aux loss spans stages"),
+    Rule("pp-virtual", lambda p, f: p.pp > 1 and p.virtual > 1 and p.schedule != "interleaved",
+         lambda p, f: f"parallel.virtual={p.virtual} with parallel.schedule={p.schedule}",
+         "virtual stages only apply to the interleaved schedule", "parallel.virtual=0 or 1", "interleaved only"),
+    Rule("pp-interleaved", lambda p, f: p.pp > 1 and p.schedule == "interleaved" and f.microbatches % p.pp != 0,
+         lambda p, f: f"parallel.microbatches={f.microbatches} with parallel.schedule=interleaved",
+         lambda p, f: f"the interleaved schedule runs micro-batches in rounds of parallel.pp={p.pp}",
+         lambda p, f: f"a multiple of {p.pp}", "M % pp"),
+    Rule("pp-chimera", lambda p, f: p.pp > 1 and p.schedule == "chimera" and (p.pp % 2 or f.microbatches % 2),
+         lambda p, f: f"parallel.schedule=chimera with parallel.pp={p.pp}, parallel.microbatches={f.microbatches}",
+         "Chimera pairs a down and an up pipeline", "an even parallel.pp and parallel.microbatches", "even pp, M"),
+    Rule("pp-sp-zb1p", lambda p, f: p.pp > 1 and p.sp and p.schedule == "zb1p",
+         "parallel.sequence_parallel=true with parallel.schedule=zb1p",
+         "the deferred weight gradients of sequence-parallel layers are not split yet",
+         "gpipe, 1f1b, interleaved, chimera, pipedream, pipedream-2bw", "not split yet"),
+    Rule("pp-compress", lambda p, f: p.pp > 1 and p.activation_compression,
+         lambda p, f: f"memory.activation_compression=true with parallel.pp={p.pp}",
+         "8-bit activation compression inside stages is not composed yet", "false", "not yet"),
+    Rule("pp-async-cuda", lambda p, f: p.pp > 1 and p.schedule in ASYNC and f.device == "cuda" and f.eval_every > 0,
+         lambda p, f: f"parallel.schedule={p.schedule} on CUDA with train.eval_every={f.eval_every}",
+         "NCCL matches point-to-point messages by order: evaluation between windows would meet the stream's",
+         "train.eval_every=0", "eval only at end"),
+    Rule("fp16-pp", lambda p, f: p.pp > 1 and p.precision == "fp16", lambda p, f: f"train.precision=fp16 with "
+         f"parallel.pp={p.pp}", "the loss scaler would skip steps on some stages only", "fp32, bf16",
+         "per-stage scaler"),
+    # ---------------------------------------------------------------- rematerialization
+    Rule("remat-chain", lambda p, f: p.remat.active and not f.chain, "memory.remat.*",
+         "rematerialization cuts the model's Chain of blocks", "a model cut into blocks (see scaletrain.chain)",
+         "needs a Chain"),
+    Rule("remat-pp-schedule", lambda p, f: p.remat.active and p.pp > 1 and (p.schedule == "zb1p" or p.schedule in ASYNC),
+         lambda p, f: f"memory.remat.* with parallel.schedule={p.schedule}",
+         "recomputation would undo zb1p's deferred weight gradients / ignore weight stashing",
+         "parallel.schedule=gpipe, 1f1b, interleaved, chimera", "not with zb1p/async"),
+    Rule("remat-ops-parallel", lambda p, f: p.remat.active and _remat_ops(p) and (
+        (f.world > 1 and p.zero in (0, 3)) or _mp(p) or p.pp > 1),
+         lambda p, f: f"memory.remat.method={p.remat.method} with zero={p.zero}, tp={p.tp}, cp={p.cp}, ep={p.ep}, "
+                      f"pp={p.pp} on {f.world} processes",
+         "its schedule drops tensors op by op and runs outside DDP/FSDP/DTensor wrappers",
+         "memory.remat.method=optimal, revolve or periodic (nested checkpoints compose with everything)",
+         "op-by-op schedule"),
+    Rule("remat-mix", lambda p, f: p.remat.method != "none" and p.remat.blocks != "none",
+         lambda p, f: f"memory.remat.method={p.remat.method} with memory.remat.blocks={p.remat.blocks}",
+         "a solver's schedule and an explicit block list would both decide what is kept", "one of them",
+         "one of them"),
+    Rule("selective-model", lambda p, f: p.remat.selective != "none" and not f.gpt2,
+         "memory.remat.selective=attention", "it recomputes the attention core of GPT-2-style blocks",
+         "a GPT-2-style model", "GPT-2-style only"),
+    # ---------------------------------------------------------------- offloading
+    Rule("offload-world", lambda p, f: _offload(p) and f.world > 1, lambda p, f: f"memory.offload with {f.world} "
+         f"processes", "offloading with several processes (ZeRO-Offload's multi-rank mode) is not composed yet",
+         "one process", "one process only"),
+    Rule("offload-remat", lambda p, f: _offload(p) and p.remat.active, "memory.remat.* with memory.offload",
+         "the offload planner chooses recomputation itself", "memory.offload.recompute, memory.remat.method=none",
+         "planner recomputes"),
+    Rule("offload-compress", lambda p, f: _offload(p) and p.activation_compression,
+         "memory.activation_compression=true with memory.offload", "both hook the tensors saved for backward",
+         "one of them", "both hook saved tensors"),
+    Rule("offload-fp16", lambda p, f: _offload(p) and p.precision == "fp16", "train.precision=fp16 with memory.offload",
+         "gradients leave the device before a loss scaler could unscale them", "fp32, bf16", "no loss scaler"),
+    Rule("offload-moe", lambda p, f: _offload(p) and f.moe, "memory.offload on a mixture-of-experts model",
+         "the offload runtime does not run its auxiliary loss", "memory.offload defaults", "aux loss"),
+    Rule("offload-pp", lambda p, f: _offload(p) and p.pp > 1, lambda p, f: f"memory.offload with parallel.pp={p.pp}",
+         "offloading inside pipeline stages is not composed yet", "memory.offload defaults", "not yet"),
+    Rule("compress-mp", lambda p, f: p.activation_compression and _mp(p), "memory.activation_compression=true with "
+         "tp/cp/ep", "8-bit activation compression of DTensor activations is not composed yet", "false", "not yet"),
+    # ---------------------------------------------------------------- precision
+    Rule("fp16-mp", lambda p, f: p.precision == "fp16" and _mp(p), lambda p, f: f"train.precision=fp16 with "
+         f"tp={p.tp}, cp={p.cp}, ep={p.ep}", "the fp16 loss scaler is not sharding-aware here yet", "fp32, bf16",
+         "not yet"),
+    Rule("params-dtype", lambda p, f: p.params_dtype != "fp32" and (
+        p.pp > 1 or _mp(p) or _offload(p) or (f.world > 1 and p.zero not in (1, 2))),
+         lambda p, f: f"train.params_dtype={p.params_dtype} with pp={p.pp}, tp={p.tp}, cp={p.cp}, ep={p.ep}, "
+                      f"zero={p.zero}" + (", offload" if _offload(p) else ""),
+         "16-bit parameter storage with fp32 masters runs with one process or ZeRO-1/2",
+         "train.params_dtype=fp32 with train.precision=bf16 there", "1 process or zero 1/2"),
+]
+
+
+def _virtual(p: Plan) -> int:
+    return p.virtual if p.virtual else (2 if p.schedule == "interleaved" else 1)
+
+
+def violations(plan: Plan, facts: Facts) -> list[Rule]:
+    """Every rule ``plan`` breaks on ``facts`` (empty: the stack runs it)."""
+    return [r for r in RULES if r.when(plan, facts)]
+
+
+def check(plan: Plan, facts: Facts) -> None:
+    """Raise a one-line ConfigError for the first rule the plan breaks."""
+    bad = violations(plan, facts)
+    if bad:
+        raise ConfigError(bad[0].message(plan, facts))
+
+
+# --------------------------------------------------------------------------- the README matrix
+
+FEATURES: dict[str, dict[str, Any]] = {
+    "DDP": {"dp": 2},
+    "ZeRO-1": {"dp": 2, "zero": 1},
+    "ZeRO-2": {"dp": 2, "zero": 2},
+    "ZeRO-3": {"dp": 2, "zero": 3},
+    "HSDP": {"dp": 4, "zero": 3, "hsdp": 2},
+    "compression": {"dp": 2, "compression": "powersgd"},
+    "TP": {"tp": 2},
+    "TP+SP": {"tp": 2, "sp": True},
+    "CP": {"cp": 2},
+    "EP": {"dp": 2, "ep": 2},
+    "PP": {"pp": 2, "schedule": "1f1b"},
+    "PP zb1p": {"pp": 2, "schedule": "zb1p"},
+    "PP async": {"pp": 2, "schedule": "pipedream-2bw"},
+    "remat": {"remat": {"method": "optimal", "budget": "1MiB"}},
+    "remat ilp/dtr": {"remat": {"method": "ilp", "budget": "1MiB"}},
+    "selective": {"remat": {"selective": "attention"}},
+    "act offload": {"offload": {"activations": "all"}},
+    "opt offload": {"offload": {"optimizer": "host"}},
+    "8-bit act.": {"activation_compression": True},
+    "bf16": {"precision": "bf16"},
+    "fp16": {"precision": "fp16"},
+    "bf16 params": {"params_dtype": "bf16", "precision": "bf16"},
+}
+"""One minimal plan per technique, combined pairwise for the matrix."""
+
+
+def _combine(a: dict[str, Any], b: dict[str, Any]) -> tuple[Plan, Facts]:
+    merged: dict[str, Any] = {}
+    for d in (a, b):
+        for k, v in d.items():
+            if k in ("remat", "offload") and k in merged:
+                merged[k] = {**merged[k], **v}
+            elif k in ("dp", "tp", "cp", "pp", "ep"):
+                merged[k] = max(merged.get(k, 1), v)
+            else:
+                merged[k] = v
+    if "ep" in merged:
+        merged["dp"] = max(merged.get("dp", 1), merged["ep"])
+    if merged.get("hsdp"):
+        merged["dp"] = max(merged.get("dp", 1), 4)
+    plan = Plan().with_(**merged)
+    moe = "ep" in merged
+    facts = Facts(world=plan.world(), moe=moe, n_experts=4 if moe else 0, microbatches=4)
+    return plan, facts
+
+
+def matrix() -> tuple[list[str], list[list[str]], list[str]]:
+    """(feature names, rows of cells, footnotes): a cell is ✓ or a footnote number."""
+    names = list(FEATURES)
+    notes: list[str] = []
+    rows = []
+    for a in names:
+        row = []
+        for b in names:
+            plan, facts = _combine(FEATURES[a], FEATURES[b])
+            bad = violations(plan, facts)
+            if not bad:
+                row.append("✓")
+                continue
+            r = bad[0]
+            note = f"{r.name}: {r.short or r.why}"
+            if note not in notes:
+                notes.append(note)
+            row.append(str(notes.index(note) + 1))
+        rows.append(row)
+    return names, rows, notes
+
+
+def matrix_markdown() -> str:
+    """The matrix as a Markdown table with numbered reasons (what the README shows)."""
+    names, rows, notes = matrix()
+    head = "| | " + " | ".join(f"{i + 1}" for i in range(len(names))) + " |"
+    sep = "|---|" + "---|" * len(names)
+    lines = [head, sep]
+    for i, (n, row) in enumerate(zip(names, rows)):
+        lines.append(f"| {i + 1} {n} | " + " | ".join(row) + " |")
+    lines.append("")
+    lines.append("Refused (rule: reason; `scaletrain train` prints the full line):")
+    lines.append("")
+    lines += [f"{i + 1}. {n}" for i, n in enumerate(notes)]
+    return "\n".join(lines)
+
+
+__all__ = ["Facts", "RULES", "Rule", "check", "matrix", "matrix_markdown", "violations"]
+
+
+def check_config(cfg: Any, model: Any, *, world: int, microbatches: int = 0, device: str = "cpu") -> None:
+    """:func:`check` for a :class:`~scaletrain.train.config.Config` and a model (``microbatches``:
+    the resolved count per step, for the pipeline rules)."""
+    plan = Plan.from_config(cfg).resolved(world)
+    m = microbatches or cfg.parallel.microbatches
+    check(plan, Facts.of(model, world=world, device=device, seq_len=cfg.data.seq_len,
+                         eval_every=cfg.train.eval_every, microbatches=m))

@@ -1,0 +1,88 @@
+"""Cost faces composed for a plan.
+
+:func:`mesh_predictions` — bytes received per rank per optimizer step and per-rank model-state
+bytes of a run on a model-parallel mesh (TP / CP / EP x DP with ZeRO 0-2), from the families'
+cost faces: ``tp_comm_bytes_per_step``, ``cp_comm_bytes_per_step``, ``ep_comm_bytes_per_step`` and
+ZeRO's ``comm_bytes_per_step`` / ``model_state_bytes`` on the local parameter counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from scaletrain.techniques.mesh import has_moe
+
+
+
+def local_param_counts(model: nn.Module, *, tp: int = 1, ep: int = 1) -> dict[str, int]:
+    """Parameter elements one rank holds, split into dense (replicated over dp x cp) and expert
+    ones (over dp/ep x cp), from the cost faces: ``tp_param_elements`` / ``ep_param_elements``.
+    Call on the unsharded model."""
+    if tp > 1:
+        from scaletrain.techniques.tensor_parallel import tp_param_elements
+
+        return {"dense": tp_param_elements(model.config, tp)["total"], "expert": 0}
+    if has_moe(model):
+        from scaletrain.techniques.experts import ep_param_elements
+
+        n = ep_param_elements(model, ep)
+        return {"dense": n["other"], "expert": n["experts"]}
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and p.requires_grad:
+            seen.add(id(p))
+            n += p.numel()
+    return {"dense": n, "expert": 0}
+
+
+def mesh_predictions(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: int, seq: int, counts: dict[str, int],
+                     grad_clip: bool, world: int, optim: tuple[str, list[tuple[int, ...]], dict[str, Any]] | None = None,
+                     act_bytes: int = 4, recomputes: list[int] | None = None) -> dict[str, float]:
+    """Bytes received per rank per optimizer step and per-rank model-state bytes (fp32), from the
+    cost faces (module docstring). ``micro_batch``: samples per data-parallel rank and micro-batch.
+    ``recomputes``: extra forwards of each Chain block per micro-batch (rematerialization), whose
+    tensor-parallel collectives are replayed in the backward."""
+    from scaletrain.techniques.data_parallel import cost as zero_mod
+
+    intra = 0.0
+    if il.tp > 1:
+        from scaletrain.techniques.tensor_parallel import tp_comm_bytes_per_step
+        from scaletrain.techniques.tensor_parallel.cost import tp_forward_bytes_per_block
+
+        intra += tp_comm_bytes_per_step(cfg, il.tp, micro_batch, seq, sequence_parallel=il.sequence_parallel,
+                                        act_bytes=act_bytes, micro_batches=accum)["wire_bytes"]
+        if recomputes:
+            fwd = tp_forward_bytes_per_block(cfg, il.tp, micro_batch, seq, sequence_parallel=il.sequence_parallel,
+                                             act_bytes=act_bytes)
+            intra += accum * sum(k * b for k, b in zip(recomputes, fwd))
+    if il.cp > 1:
+        from scaletrain.techniques.context_parallel import cp_comm_bytes_per_step
+
+        intra += cp_comm_bytes_per_step(cfg, il.cp, micro_batch, seq, act_bytes=act_bytes,
+                                        micro_batches=accum)["total"]
+    n_moe = cfg.n_layer // cfg.moe_every if hasattr(cfg, "moe_every") else 0
+    if n_moe and (il.ep > 1 or il.cp > 1):
+        from scaletrain.techniques.experts import ep_comm_bytes_per_step
+
+        e = ep_comm_bytes_per_step(n_moe, micro_batch * (seq // il.cp), cfg.n_embd, cfg.n_experts, cfg.top_k,
+                                   cfg.capacity_factor, il.ep, act_bytes=act_bytes)
+        a2a = (il.ep - 1) / il.ep * e["all_to_all"]["payload_bytes"]
+        G = il.dp * il.cp  # the load-balancing statistics are shared by all dp x cp ranks
+        intra += accum * (a2a + 2 * (G - 1) / G * e["all_reduce"]["payload_bytes"])
+    D, E = il.dp * il.cp, il.dp // il.ep * il.cp
+    grads = (zero_mod.comm_bytes_per_step(counts["dense"], stage, D, accum=accum)
+             + (zero_mod.comm_bytes_per_step(counts["expert"], stage, E, accum=accum) if counts["expert"] else 0.0))
+    norm = 2 * (world - 1) / world * 8 if grad_clip else 0.0
+    out = {"predicted_comm_bytes": intra + grads + norm, "predicted_comm_bytes_intra_layer": intra,
+           "predicted_comm_bytes_gradients": grads}
+    if optim is not None:
+        from scaletrain.techniques.optim import state_bytes
+
+        name, shapes, hyper = optim
+        ms_d = zero_mod.model_state_bytes(counts["dense"], stage, D, optim_state_bytes=0.0)
+        ms_e = zero_mod.model_state_bytes(counts["expert"], stage, E, optim_state_bytes=0.0)
+        opt = float(state_bytes(name, shapes, **hyper))
+        out["predicted_model_state_bytes"] = ms_d.params + ms_d.grads + ms_e.params + ms_e.grads + opt
+    return out

@@ -1,0 +1,209 @@
+"""Apply a :class:`~scaletrain.plan.Plan` to a model: the one runtime stack, in a fixed order.
+
+:func:`build_runtime` is the only place a plan becomes running code. It first asks the
+compatibility table (:mod:`.compat`), then applies the techniques in this order — the order
+matters, and each step says why:
+
+1. **pipeline stages** (``pp``): everything below then happens per stage, inside the pipeline
+   runtime (:mod:`.pipeline`), which cuts the Chain and owns the schedule;
+2. **tensor / sequence, context and expert parallelism** (:func:`.mesh.apply_model_parallel`): they
+   replace the model's modules and parameters (DTensors, expert slices), so everything after
+   them — remat, data parallelism, the optimizer — must see the sharded model;
+3. **rematerialization** (:mod:`.remat.tree`): the Chain's blocks under nested activation
+   checkpoints, planned on the estimated step of one micro-batch; it wraps *modules*, so the data
+   parallelism applied next sees its forwards (DDP's reducer, FSDP2's unshard hooks);
+4. **data parallelism** over the data-parallel ranks: torch DDP (plain data parallelism, ZeRO-0,
+   gradient compression), :class:`.data_parallel.grads.GradSync` (ZeRO-0 on a model-parallel mesh,
+   ZeRO-1/2 everywhere) or torch FSDP2 (ZeRO-3, HSDP) around the module step 3 produced;
+5. **the optimizer and its placement**: built by the runtime over what it updates (proxies of owned
+   rows, a stage's blocks, host-side masters) — the trainer hands over the builder;
+6. **the per-micro-batch function** (``ctx.forward_backward``): the runtime's plain forward, loss and
+   backward, or a remat executor (``ilp``/``dtr`` schedules that are not nests of checkpoints),
+   under 8-bit activation compression when asked.
+
+Offloading (one process) has a runtime of its own that places parameters, optimizer states and
+activations itself (:mod:`.offload`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletrain.errors import ConfigError, UserError
+from scaletrain.plan import Plan
+from scaletrain.techniques import compat
+from scaletrain.techniques.runtime import RunContext, Strategy
+
+ForwardBackward = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def build_runtime(plan: Plan, model: nn.Module, ctx: RunContext, facts: compat.Facts) -> Strategy:
+    """The runtime of ``plan`` for this process; sets ``ctx.forward_backward``. Collective when
+    several processes run (every rank calls it with the same plan)."""
+    compat.check(plan, facts)
+    if plan.pp > 1:  # 1. pipeline stages: the pipeline runtime applies 2-4 per stage
+        from scaletrain.techniques.pipeline.strategy import PipelineStrategy
+
+        rt: Strategy = PipelineStrategy.build(model, plan, ctx)
+        ctx.forward_backward = _plain(rt, ctx)  # (unused: the schedule runs its own passes)
+        return rt
+    if plan.offload.active:
+        from scaletrain.techniques.offload.strategy import OffloadStrategy
+
+        rt = OffloadStrategy.build(model, plan, ctx)
+        ctx.forward_backward = _plain(rt, ctx)
+        return rt
+    if ctx.world > 1:
+        _broadcast(model)  # every replica starts from rank 0's weights (init is seeded alike; this makes it certain)
+    choice = _plan_remat(plan, model, ctx)  # 3a. planned on the whole model's estimate, before it is sharded
+    mp, counts = None, None
+    if ctx.world > 1 and (plan.tp > 1 or plan.cp > 1 or plan.ep > 1 or plan.zero in (1, 2) or plan.hsdp):
+        from scaletrain.techniques.cost import local_param_counts
+        from scaletrain.techniques.mesh import apply_model_parallel, build_mesh
+
+        counts = local_param_counts(model, tp=plan.tp, ep=plan.ep)  # of the unsharded model
+        try:
+            mp = build_mesh(world=ctx.world, tp=plan.tp, cp=plan.cp, ep=plan.ep,
+                            hsdp=plan.hsdp if plan.zero in (1, 2) else 0, sequence_parallel=plan.sp,
+                            device_type=ctx.device.type)
+            apply_model_parallel(model, mp)  # 2. TP / SP / CP / EP
+        except ConfigError:
+            raise
+        except UserError as e:
+            raise ConfigError(str(e)) from None
+    forward_module, executor = _apply_remat(plan, model, ctx, choice)  # 3b. rematerialization
+    rt = _data_parallel(plan, model, ctx, mp, forward_module)  # 4. data parallelism (5: the runtime's optimizer)
+    if mp is not None and counts is not None and hasattr(model, "config") and ctx.task == "lm":
+        _predict_mesh(plan, model, ctx, mp, counts, rt, choice)
+    ctx.forward_backward = _forward_backward(plan, model, ctx, rt, executor)  # 6.
+    return rt
+
+
+def _broadcast(model: nn.Module) -> None:
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+
+def _plan_remat(plan: Plan, model: nn.Module, ctx: RunContext) -> Any:
+    """The remat choice of the plan (a tree of checkpoints, or a schedule for the executor), planned on
+    the fake-tensor estimate of one micro-batch's step of the unsharded model; None without remat."""
+    r = plan.remat
+    if r.method == "none" and r.blocks == "none":
+        return None
+    from scaletrain.chain import to_chain
+    from scaletrain.techniques.remat.tree import plan_remat
+
+    x, y = ctx.example_batch() if ctx.example_batch is not None else (None, None)
+    try:
+        choice = plan_remat(to_chain(model), r, x, y, ctx.loss_fn, ctx.precision)
+    except UserError as e:
+        raise ConfigError(f"memory.remat: {e}") from None
+    ctx.log(f"remat: {choice.describe()}")
+    return choice
+
+
+def _apply_remat(plan: Plan, model: nn.Module, ctx: RunContext, choice: Any) -> tuple[nn.Module, Any]:
+    """(the module that runs the forward, an op-by-op schedule executor or None)."""
+    if plan.remat.selective != "none":  # the attention core of every block not recomputed whole
+        from scaletrain.chain import to_chain
+        from scaletrain.techniques.remat.selective import apply_selective
+        from scaletrain.techniques.remat.tree import recompute_counts
+
+        blocks = list(to_chain(model).blocks)
+        whole = recompute_counts(choice.tree, len(blocks)) if choice is not None and choice.tree else [0] * len(blocks)
+        n = apply_selective([b for b, k in zip(blocks, whole) if k == 0], allow_none=True)
+        ctx.log(f"remat: attention core recomputed in {n} blocks (selective)")
+    if choice is None:
+        return model, None
+    if choice.tree is None:
+        return model, choice
+    from scaletrain.chain import to_chain
+
+    return choice.module(to_chain(model)), None
+
+
+def _data_parallel(plan: Plan, model: nn.Module, ctx: RunContext, mp: Any, forward_module: nn.Module) -> Strategy:
+    from scaletrain.techniques.precision import MasterWeightsStrategy, param_dtype
+
+    stored = param_dtype(plan.params_dtype)
+    if ctx.world == 1:
+        rt: Strategy = MasterWeightsStrategy(model, stored) if stored is not None else Strategy(model)
+        rt.forward_module = forward_module
+        return rt
+    half = stored or {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision)
+    if mp is None and plan.zero == 0:
+        from scaletrain.techniques.data_parallel.ddp import DDPStrategy
+
+        o = plan
+        return DDPStrategy(model, ctx.rank, ctx.world, ctx.device, bucket_mb=plan.bucket_mb,
+                           compression=o.compression, compression_rank=plan.compression_rank,
+                           topk_ratio=plan.topk_ratio, compression_warmup_steps=plan.compression_warmup_steps,
+                           seed=ctx.seed, module=forward_module)
+    if plan.zero == 3:
+        from scaletrain.techniques.data_parallel.fsdp import FSDPStrategy
+
+        rt = FSDPStrategy(model, ctx.rank, ctx.world, ctx.device, param_dtype=half, hsdp=plan.hsdp,
+                          root=forward_module if forward_module is not model else None)
+        _warn_sharded_optimizer(ctx, plan, rt.describe())
+        return rt
+    from scaletrain.techniques.spmd import MeshRuntime
+
+    # plain ZeRO-1/2 keeps ZeRO's mixed precision (16-bit parameters and gradients, fp32 masters of the
+    # owned rows) under 16-bit autocast, as DeepSpeed does; on a model-parallel mesh parameters stay fp32
+    plain = plan.tp == plan.cp == plan.ep == 1
+    rt = MeshRuntime(model, mp, ctx, zero=plan.zero, bucket_mb=plan.bucket_mb, forward_module=forward_module,
+                     param_dtype=half if plain and plan.zero in (1, 2) else stored)
+    if plan.zero or plan.tp > 1:
+        _warn_sharded_optimizer(ctx, plan, rt.describe())
+    return rt
+
+
+def _predict_mesh(plan: Plan, model: nn.Module, ctx: RunContext, mp: Any, counts: dict[str, int], rt: Any,
+                  choice: Any) -> None:
+    """Traffic per step and per-rank model states of a mesh run, from the cost faces (logged next to
+    the measurement: ``predicted_*`` keys of the metrics rows)."""
+    from scaletrain.techniques.cost import mesh_predictions
+    from scaletrain.techniques.remat.tree import recompute_counts
+
+    recomputes = recompute_counts(choice.tree, choice.schedule.n_nodes if choice.schedule is not None
+                                  else len(choice.tree)) if choice is not None and choice.tree is not None else None
+    try:
+        rt.predictions = mesh_predictions(model.config, mp, stage=plan.zero, micro_batch=ctx.micro_batch,
+                                          accum=ctx.accum, seq=ctx.seq_len or 1, counts=counts,
+                                          grad_clip=ctx.grad_clip > 0, world=ctx.world,
+                                          optim=(plan.optimizer, [e.local_shape() for e in rt.entries],
+                                                 ctx.optim_hyper), recomputes=recomputes)
+    except (AttributeError, KeyError, TypeError):  # a model the GPT-2 cost faces do not describe
+        rt.predictions = {}
+
+
+def _warn_sharded_optimizer(ctx: RunContext, plan: Plan, layout: str) -> None:
+    if plan.optimizer in ("lamb", "lars", "adafactor", "came"):
+        ctx.log(f"warning: optim.name={plan.optimizer} computes per-tensor statistics; under {layout} it sees "
+                f"this rank's shard of each tensor, so updates differ from one process")
+
+
+def _plain(rt: Strategy, ctx: RunContext) -> ForwardBackward:
+    return lambda x, y, w: rt.loss_and_backward(ctx, x, y, w)
+
+
+def _forward_backward(plan: Plan, model: nn.Module, ctx: RunContext, rt: Strategy, executor: Any) -> ForwardBackward:
+    """6. The per-micro-batch function: the runtime's own, or an op-by-op schedule (``ilp``/``dtr``)."""
+    fb = _plain(rt, ctx)
+    if executor is not None:
+        fb = executor.forward_backward(model, ctx, rt)
+    if plan.activation_compression:
+        from scaletrain.techniques.act_compress import compressed_saved_tensors
+
+        inner = fb
+
+        def fb(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:  # noqa: F811
+            with compressed_saved_tensors():
+                return inner(x, y, weight)
+
+    return fb
