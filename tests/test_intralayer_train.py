@@ -180,7 +180,6 @@ def test_one_process_loss_includes_the_moe_auxiliary_loss():
     (MOE + ["parallel.ep=8"], "parallel.ep=8: it must divide the data-parallel size 4"),
     (["parallel.cp=2", "train.precision=fp16"], "allowed: fp32, bf16"),
     (["parallel.sequence_parallel=true"], "allowed: parallel.tp > 1"),
-    (["parallel.tp=2", "model.overrides.dropout=0.1"], "allowed: model.overrides.dropout=0"),
 ])
 def test_conflicts_are_one_line_config_errors(extra, needle):
     from scaletrain import models

@@ -28,16 +28,20 @@ def _quiet(s: str) -> None:
 
 
 def test_async_on_cuda_evaluates_only_at_the_end():
+    from scaletrain import models
     from scaletrain.errors import ConfigError
-    from scaletrain.techniques.pipeline.strategy import check_config
+    from scaletrain.techniques.compat import check_config
+
+    def check(cfg, device):
+        model = models.get(cfg.model.name, device="meta", **cfg.model.overrides)
+        check_config(cfg, model, world=cfg.parallel.pp, microbatches=M, device=device)
 
     cfg = load_config(None, CFG + ["parallel.schedule=pipedream-2bw"])
-    check_config(cfg, M)  # gloo: tagged messages, evaluation between windows is safe
-    with pytest.raises(ConfigError, match="set train.eval_every=0") as e:
-        check_config(cfg, M, device_type="cuda")
+    check(cfg, "cpu")  # gloo: tagged messages, evaluation between windows is safe
+    with pytest.raises(ConfigError, match="allowed: train.eval_every=0") as e:
+        check(cfg, "cuda")
     assert "\n" not in str(e.value)
-    check_config(load_config(None, CFG + ["parallel.schedule=pipedream-2bw", "train.eval_every=0"]), M,
-                 device_type="cuda")
+    check(load_config(None, CFG + ["parallel.schedule=pipedream-2bw", "train.eval_every=0"]), "cuda")
 
 
 def _worker(rank: int, world: int, out_dir: str) -> dict:

@@ -93,8 +93,7 @@ def test_models_tp_cannot_split_are_refused_before_any_collective():
                            "parallel.tp=2: it must divide the model's n_head=1"),
                           (models.get("gpt2-tiny", n_layer=2, n_embd=32, n_head=2, vocab_size=255),
                            "vocab_size=255"),
-                          (models.get("gpt2-tiny", n_layer=2, n_embd=32, n_head=2, dropout=0.1),
-                           "allowed: model.overrides.dropout=0")):
+):
         with pytest.raises(ConfigError, match="parallel.tp=2") as e:
             compat.check(plan, compat.Facts.of(model, world=4, device="cpu", seq_len=32, microbatches=M))
         assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
