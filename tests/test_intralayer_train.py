@@ -129,6 +129,39 @@ def test_tp_sp_zero2_with_remat_and_selective_recompute(tiny, tmp_path):
 
 
 @pytest.mark.slow
+def test_tp_zero3_fsdp_2d(tiny, tmp_path):
+    """torchtitan's 2-D: tensor parallelism over pairs, FSDP2 (ZeRO-3) over the data-parallel pairs of
+    the same mesh — one-process losses and parameters, traffic and per-rank model states predicted
+    (ZeRO-3's 3 Psi on the TP-local parameters plus the TP collectives)."""
+    rows, state, stdout = cli(tmp_path / "run", "parallel.tp=2", "parallel.dp=2", "parallel.zero=3")
+    assert "tp=2 x dp=2, zero=3" in stdout, stdout
+    check_parity(rows, state, tiny)
+    check_costs(rows)
+
+
+@pytest.mark.slow
+def test_tp2_cp2(tiny, tmp_path):
+    """Tensor x context parallelism: ring attention over this rank's heads and sequence chunks (the
+    ring carries 1/tp of the keys and values) — one-process losses and parameters, traffic predicted."""
+    rows, state, stdout = cli(tmp_path / "run", "parallel.tp=2", "parallel.cp=2")
+    assert "tp=2 x cp=2 x dp=1, zero=0" in stdout, stdout
+    check_parity(rows, state, tiny)
+    check_costs(rows)
+
+
+@pytest.mark.slow
+def test_moe_ep2_tp2(tmp_path):
+    """Expert x tensor parallelism on ``gpt2-moe``: attention split over the TP pairs, each MoE layer
+    whole on every TP rank with its experts split over the EP pairs (all-to-alls within each TP index)
+    — one-process losses and parameters, traffic and model states predicted."""
+    ref = one_process(MOE)
+    rows, state, stdout = cli(tmp_path / "run", *MOE, "parallel.ep=2", "parallel.tp=2")
+    assert "tp=2 x ep=2 x dp=2, zero=0" in stdout, stdout
+    check_parity(rows, state, ref)
+    check_costs(rows)
+
+
+@pytest.mark.slow
 def test_cp4_with_accumulation(tiny, tmp_path):
     """`parallel.cp=4`: every rank holds 8 of the 32 tokens; 2 micro-batches per step."""
     rows, state, stdout = cli(tmp_path / "run", "parallel.cp=4", "train.micro_batch=4", "train.eval_batches=2")
@@ -171,14 +204,14 @@ def test_one_process_loss_includes_the_moe_auxiliary_loss():
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["parallel.tp=2", "parallel.cp=2"], "parallel.tp=2 with parallel.cp=2"),
+    (["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel=true with parallel.cp=2"),
     (["parallel.ep=2"], "expert parallelism needs a mixture-of-experts model"),
-    (MOE + ["parallel.tp=2"], "allowed: parallel.ep"),
+    (MOE + ["parallel.tp=2", "parallel.sequence_parallel=true"], "sequence_parallel=true on a mixture-of-experts"),
     (["parallel.cp=4", "data.seq_len=36"], "allowed: data.seq_len a multiple of 8"),
     (["parallel.tp=4", "model.overrides.n_head=2"], "parallel.tp=4: it must divide the model's n_head=2"),
-    (["parallel.tp=2", "parallel.zero=3"], "allowed: parallel.zero=0, 1 or 2 with tp/cp/ep"),
+    (MOE + ["parallel.ep=2", "parallel.zero=3"], "allowed: parallel.zero=0, 1 or 2 with ep"),
     (MOE + ["parallel.ep=8"], "parallel.ep=8: it must divide the data-parallel size 4"),
-    (["parallel.cp=2", "train.precision=fp16"], "allowed: fp32, bf16"),
     (["parallel.sequence_parallel=true"], "allowed: parallel.tp > 1"),
 ])
 def test_conflicts_are_one_line_config_errors(extra, needle):

@@ -68,8 +68,8 @@ def _quiet(s: str) -> None:
     (["parallel.sequence_parallel=true", "parallel.schedule=zb1p"], "allowed: gpipe, 1f1b"),
     (["parallel.sequence_parallel=true", "data.seq_len=33"], "data.seq_len a multiple of 2"),
     (["parallel.tp=1", "parallel.sequence_parallel=true"], "allowed: parallel.tp > 1"),
-    (["parallel.cp=2"], "parallel.tp=2 with parallel.cp=2"),
-    (["train.precision=fp16"], "allowed: fp32, bf16"),
+    (["parallel.cp=2"], "parallel.pp=2 with parallel.cp=2"),
+    (["parallel.schedule=pipedream", "train.precision=fp16"], "allowed: fp32, bf16 with pipedream"),
 ])
 def test_tp_with_pp_refusals_are_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:

@@ -78,7 +78,7 @@ def _quiet(s: str) -> None:
     (["parallel.compression=topk"], "parallel.compression=topk"),
     (["parallel.schedule=zb1p", "memory.remat.method=periodic"], "memory.remat.* with parallel.schedule=zb1p"),
     (["memory.activation_compression=true"], "memory.activation_compression"),
-    (["train.precision=fp16"], "allowed: fp32, bf16"),
+    (["parallel.schedule=pipedream", "train.precision=fp16"], "allowed: fp32, bf16 with pipedream"),
     (["parallel.schedule=1f1b", "parallel.virtual=2"], "virtual stages only apply"),
 ])
 def test_conflicts_are_one_line_config_errors(extra, needle):

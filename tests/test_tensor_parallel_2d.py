@@ -68,7 +68,7 @@ def _train(rank: int, world: int) -> dict:
         dist.all_gather_single(torch.empty(4), torch.ones(2), group=groups[rank // 2])
         dist.all_reduce(torch.ones(3), group=groups[rank // 2])
     out: dict = {"comm": [(r.kind, r.group_size, r.wire_bytes) for r in comm.records]}
-    from scaletrain.techniques.data_parallel.grads import GradSync
+    from scaletrain.techniques.data_parallel.zero import GradSync
     from scaletrain.techniques.experts import is_expert_param
 
     for name, (spec, par) in CASES.items():

@@ -4,10 +4,10 @@ Same GPT-2 shape, same weights (seed), same batches, same AdamW, fp32, gradient 
 ``--world`` CPU processes with gloo (one thread each), in one invocation, rounds interleaved so
 that machine load hits every variant alike. Variants:
 
-- ``scaletrain-zero2``: :class:`scaletrain.techniques.data_parallel.zero.ZeroStrategy` (stage 2);
+- ``scaletrain-zero2``: :class:`scaletrain.techniques.data_parallel.zero.GradSync` (stage 2) through the stack;
 - ``deepspeed-zero2`` / ``deepspeed-zero3``: ``deepspeed.initialize`` with ``zero_optimization.stage``
   2 / 3, ``overlap_comm``, bucket sizes set to the same 25 MiB as ours (``DS_ACCELERATOR=cpu``);
-- ``scaletrain-zero3``: :class:`scaletrain.techniques.fsdp.FSDPStrategy` (fully_shard per block,
+- ``scaletrain-zero3``: :class:`scaletrain.techniques.data_parallel.fsdp.FSDPSync` (fully_shard per block,
   root resharded too, explicit prefetch, optimizer on local shards);
 - ``fully_shard``: plain FSDP2 as its docs show it (per block + root, default resharding, the
   optimizer on the DTensor parameters) — the native path stage 3 builds on;
@@ -116,30 +116,28 @@ def _run(rank: int, world: int, variant: str, args) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
-    else:
-        from scaletrain.techniques.data_parallel import ddp as dpm
-        from scaletrain.techniques.data_parallel import fsdp, zero
+    else:  # scaletrain's runtime stack, as `scaletrain train` builds it
+        from scaletrain.plan import Plan
+        from scaletrain.techniques.compat import Facts
+        from scaletrain.techniques.runtime import RunContext
+        from scaletrain.techniques.stack import build_runtime
 
-        if variant == "ddp":
-            strat = dpm.DDPStrategy(model, rank, world, device, bucket_mb=BUCKET_MB)
-        elif variant == "scaletrain-zero2":
-            strat = zero.ZeroStrategy(model, 2, rank, world, device, bucket_mb=BUCKET_MB)
-        else:
-            strat = fsdp.FSDPStrategy(model, rank, world, device)
+        zero = {"ddp": 0, "scaletrain-zero2": 2}.get(variant, 3)
+        ctx = RunContext(device=device, rank=rank, world=world, dp_world=world, micro_batch=args.micro,
+                         seq_len=args.seq, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1).float(),
+                                                                                  y.flatten()))
+        plan = Plan(zero=zero, bucket_mb=BUCKET_MB).resolved(world)
+        strat = build_runtime(plan, model, ctx, Facts.of(model, world=world, device="cpu", seq_len=args.seq))
         opt = strat.build_optimizer(lambda m: torch.optim.AdamW(m.parameters(), **opt_kw))
-        fwd = strat.forward_module
 
         def step_fn(x):
-            with strat.micro_batch(True):
-                loss = _loss(fwd(x[:, :-1]), x)
-                loss.backward()
-            strat.after_backward(True)
+            loss = strat.run_micro_batches(ctx, iter([(x[:, :-1], x[:, 1:])]))
             strat.prepare_step(opt)
             strat.clip_grad_norm(opt, 1.0)
             opt.step()
             strat.after_step()
             strat.zero_grad(opt)
-            return loss
+            return torch.tensor(loss)
     times, cpus, losses = [], [], []
     for i, x in enumerate(batches):
         dist.barrier()

@@ -49,6 +49,8 @@ class CommRecord:
     """Bytes this rank sends under the ring model (see module docstring)."""
     group_size: int
     backward: bool
+    group: str = ""
+    """The process group's name (to attribute traffic to the technique that owns the group)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -63,6 +65,17 @@ def _group(name_or_group):
     if isinstance(name_or_group, torch.ScriptObject):  # c10d ops carry a boxed ProcessGroup
         return dist.ProcessGroup.unbox(name_or_group)
     return name_or_group
+
+
+def _group_name(args) -> str:
+    """The name of the process group an op's arguments carry ('' if none is found)."""
+    for a in args:
+        if isinstance(a, (str, torch.ScriptObject)):
+            try:
+                return str(getattr(_group(a), "group_name", ""))
+            except Exception:  # noqa: BLE001 - a string argument that is not a group name
+                continue
+    return ""
 
 
 def _group_size(name_or_group) -> int:
@@ -171,12 +184,16 @@ class CommCounter(TorchDispatchMode):
         if not isinstance(func, torch._ops.HigherOrderOperator) and not _OWNED.depth:
             rec = _classify(func, args)
             if rec is not None:
+                rec.group = _group_name(args)
                 self.records.append(rec)
         return out
 
-    def wire_bytes(self, backward: bool | None = None) -> float:
-        """Bytes this rank sent (ring model); ``backward`` None = both passes."""
-        return sum(r.wire_bytes for r in self.records if backward is None or r.backward == backward)
+    def wire_bytes(self, backward: bool | None = None, groups: set[str] | None = None,
+                   exclude: set[str] | None = None) -> float:
+        """Bytes this rank sent (ring model); ``backward`` None = both passes; only on process groups
+        named in ``groups`` / not in ``exclude`` when given."""
+        return sum(r.wire_bytes for r in self.records if (backward is None or r.backward == backward)
+                   and (groups is None or r.group in groups) and (exclude is None or r.group not in exclude))
 
     def summary(self) -> dict[str, dict[str, float]]:
         """``{kind: {"count", "payload_bytes", "wire_bytes"}}`` over all records."""

@@ -112,6 +112,22 @@ def _offload(p: Plan) -> bool:
     return p.offload.active
 
 
+def _zero_offload(p: Plan) -> bool:
+    """Only the optimizer on the host (what runs with several processes: each rank its shard)."""
+    o = p.offload
+    return (o.optimizer == "host" and o.params == "device" and o.activations == "none" and o.recompute == "none"
+            and o.plan == "manual" and not o.dpu and not o.device_budget)
+
+
+def _offload_keys(p: Plan) -> str:
+    from dataclasses import asdict
+
+    from scaletrain.plan import OffloadPlan
+
+    d, default = asdict(p.offload), asdict(OffloadPlan())
+    return ", ".join(f"{k}={v}" for k, v in d.items() if v != default[k]) or "defaults"
+
+
 RULES: list[Rule] = [
     # ---------------------------------------------------------------- data parallelism
     Rule("compression-ddp", lambda p, f: p.compression != "none" and (p.zero != 0 or _mp(p) or p.pp > 1),
@@ -146,12 +162,15 @@ RULES: list[Rule] = [
          lambda p, f: f"it must divide the model's n_head={f.n_head} and vocab_size={f.vocab_size}",
          lambda p, f: "tp in " + ", ".join(str(d) for d in range(1, max(f.n_head, 1) + 1)
                                              if f.n_head % d == 0 and f.vocab_size % d == 0), "must divide heads"),
-    Rule("tp-moe", lambda p, f: p.tp > 1 and f.moe, lambda p, f: f"parallel.tp={p.tp} on a mixture-of-experts model",
-         "tensor parallelism splits dense MLPs; expert layers are split by parallel.ep, and TP x EP is not "
-         "composed yet", "parallel.ep (with data parallelism, cp or pp) for MoE models", "TP x MoE not yet"),
-    Rule("tp-cp", lambda p, f: p.tp > 1 and p.cp > 1, lambda p, f: f"parallel.tp={p.tp} with parallel.cp={p.cp}",
-         "both replace the attention forward (local heads / ring over sequence chunks) and are not composed yet",
-         "tp or cp", "not composed yet"),
+    Rule("sp-moe", lambda p, f: p.sp and f.moe, "parallel.sequence_parallel=true on a mixture-of-experts model",
+         "a MoE layer under TP runs whole on every TP rank; with sequence parallelism each rank would route "
+         "other tokens, and the load-balancing statistics would miss the TP group's", "parallel.tp with "
+         "sequence_parallel=false, or parallel.ep", "routing per TP rank"),
+    Rule("sp-cp", lambda p, f: p.sp and p.cp > 1,
+         lambda p, f: f"parallel.sequence_parallel=true with parallel.cp={p.cp}",
+         "both split the sequence: Megatron-SP inside the TP group and ring attention's chunks would have to "
+         "nest, which is not composed yet", "parallel.tp with parallel.cp and sequence_parallel=false",
+         "both split the sequence"),
     Rule("ep-moe", lambda p, f: p.ep > 1 and not f.moe, lambda p, f: f"parallel.ep={p.ep}",
          "expert parallelism needs a mixture-of-experts model", "model.name=gpt2-moe", "needs MoE"),
     Rule("ep-divides", lambda p, f: p.ep > 1 and f.moe and (_dp(p, f) % p.ep or (f.n_experts and f.n_experts % p.ep)),
@@ -169,10 +188,10 @@ RULES: list[Rule] = [
          lambda p, f: f"parallel.sequence_parallel=true with data.seq_len={f.seq_len}",
          lambda p, f: f"each TP rank holds seq_len / tp={p.tp} positions",
          lambda p, f: f"data.seq_len a multiple of {p.tp}", "seq % tp"),
-    Rule("zero3-mp", lambda p, f: p.zero == 3 and _mp(p),
-         lambda p, f: f"parallel.zero=3 with tp={p.tp}, cp={p.cp}, ep={p.ep}",
-         "FSDP over the data-parallel dimension of a model-parallel mesh is not composed yet",
-         "parallel.zero=0, 1 or 2 with tp/cp/ep", "not composed yet"),
+    Rule("zero3-ep", lambda p, f: p.zero == 3 and p.ep > 1,
+         lambda p, f: f"parallel.zero=3 with parallel.ep={p.ep}",
+         "experts are sharded over the data-parallel ranks already; FSDP over the rest is not composed yet",
+         "parallel.zero=0, 1 or 2 with ep", "not composed yet"),
     # ---------------------------------------------------------------- pipelines
     Rule("pp-chain", lambda p, f: p.pp > 1 and (not f.chain or not f.input_spec),
          lambda p, f: f"parallel.pp={p.pp}", "a pipeline cuts the model's Chain of blocks and needs its input_spec",
@@ -219,9 +238,11 @@ RULES: list[Rule] = [
          lambda p, f: f"parallel.schedule={p.schedule} on CUDA with train.eval_every={f.eval_every}",
          "NCCL matches point-to-point messages by order: evaluation between windows would meet the stream's",
          "train.eval_every=0", "eval only at end"),
-    Rule("fp16-pp", lambda p, f: p.pp > 1 and p.precision == "fp16", lambda p, f: f"train.precision=fp16 with "
-         f"parallel.pp={p.pp}", "the loss scaler would skip steps on some stages only", "fp32, bf16",
-         "per-stage scaler"),
+    Rule("fp16-async", lambda p, f: p.pp > 1 and p.precision == "fp16" and p.schedule in ASYNC,
+         lambda p, f: f"train.precision=fp16 with parallel.schedule={p.schedule}",
+         "the asynchronous schedules update inside the stream, where no loss scaler can skip a step on every "
+         "rank at once", "fp32, bf16 with pipedream / pipedream-2bw; fp16 with the synchronous schedules",
+         "no scaler in the stream"),
     # ---------------------------------------------------------------- rematerialization
     Rule("remat-chain", lambda p, f: p.remat.active and not f.chain, "memory.remat.*",
          "rematerialization cuts the model's Chain of blocks", "a model cut into blocks (see scaletrain.chain)",
@@ -245,9 +266,14 @@ RULES: list[Rule] = [
          "memory.remat.selective=attention", "it recomputes the attention core of GPT-2-style blocks",
          "a GPT-2-style model", "GPT-2-style only"),
     # ---------------------------------------------------------------- offloading
-    Rule("offload-world", lambda p, f: _offload(p) and f.world > 1, lambda p, f: f"memory.offload with {f.world} "
-         f"processes", "offloading with several processes (ZeRO-Offload's multi-rank mode) is not composed yet",
-         "one process", "one process only"),
+    Rule("offload-world", lambda p, f: _offload(p) and f.world > 1 and not (_zero_offload(p) and p.zero in (1, 2)
+                                                                          and p.pp == 1),
+         lambda p, f: f"memory.offload ({_offload_keys(p)}) with {f.world} processes and parallel.zero={p.zero}, "
+                      f"pp={p.pp}",
+         "with several processes each rank offloads its own ZeRO shard (ZeRO-Offload: fp32 masters and "
+         "optimizer states on the host); weight streaming, activation offload and the joint planner run with "
+         "one process", "memory.offload.optimizer=host alone with parallel.zero=1 or 2 (no pipeline), or one "
+         "process", "ZeRO-Offload: optimizer=host, zero 1/2"),
     Rule("offload-remat", lambda p, f: _offload(p) and p.remat.active, "memory.remat.* with memory.offload",
          "the offload planner chooses recomputation itself", "memory.offload.recompute, memory.remat.method=none",
          "planner recomputes"),
@@ -263,9 +289,6 @@ RULES: list[Rule] = [
     Rule("compress-mp", lambda p, f: p.activation_compression and _mp(p), "memory.activation_compression=true with "
          "tp/cp/ep", "8-bit activation compression of DTensor activations is not composed yet", "false", "not yet"),
     # ---------------------------------------------------------------- precision
-    Rule("fp16-mp", lambda p, f: p.precision == "fp16" and _mp(p), lambda p, f: f"train.precision=fp16 with "
-         f"tp={p.tp}, cp={p.cp}, ep={p.ep}", "the fp16 loss scaler is not sharding-aware here yet", "fp32, bf16",
-         "not yet"),
     Rule("params-dtype", lambda p, f: p.params_dtype != "fp32" and (
         p.pp > 1 or _mp(p) or _offload(p) or (f.world > 1 and p.zero not in (1, 2))),
          lambda p, f: f"train.params_dtype={p.params_dtype} with pp={p.pp}, tp={p.tp}, cp={p.cp}, ep={p.ep}, "

@@ -201,11 +201,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
 
 
 def _cp_attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    b, n, h = x.shape
-    q, k, v = self.c_attn(x).split(h, dim=2)
-    q, k, v = (t.view(b, n, self.n_head, h // self.n_head).transpose(1, 2) for t in (q, k, v))
+    """Ring attention over this rank's S/C tokens — and, under tensor parallelism (applied first), over
+    this rank's ``n_head / t`` heads: the fused QKV output is then [b, S/C, 3h/t] = [q_r | k_r | v_r]
+    (rows permuted head-aligned by :mod:`.tensor_parallel`), and ``c_proj`` is row-parallel."""
+    qkv = self.c_attn(x)  # [b, n, 3 hl], hl = h / t
+    b, n, three = qkv.shape
+    hl = three // 3
+    nh = self.n_head // getattr(self, "_tp_size", 1)
+    q, k, v = (t.view(b, n, nh, hl // nh).transpose(1, 2) for t in qkv.split(hl, dim=2))
     y = ring_attention(q, k, v, self._cp_group)
-    return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(b, n, h)))
+    return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(b, n, hl)))
 
 
 def _cp_embedding_forward(self: nn.Module, idx: torch.Tensor) -> torch.Tensor:

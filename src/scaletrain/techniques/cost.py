@@ -20,6 +20,22 @@ def local_param_counts(model: nn.Module, *, tp: int = 1, ep: int = 1) -> dict[st
     """Parameter elements one rank holds, split into dense (replicated over dp x cp) and expert
     ones (over dp/ep x cp), from the cost faces: ``tp_param_elements`` / ``ep_param_elements``.
     Call on the unsharded model."""
+    if tp > 1 and has_moe(model):  # attention TP-split; a MoE layer's MLP whole on every TP rank
+        from scaletrain.techniques.experts import ep_param_elements
+        from scaletrain.techniques.tensor_parallel import tp_param_elements
+
+        cfg = model.config
+        h, n_moe = cfg.n_embd, cfg.n_layer // cfg.moe_every
+        # tp_param_elements counts a dense MLP per layer: c_fc 4h^2+4h and c_proj 4h^2 sharded, c_proj's
+        # bias h replicated — the MoE layers have none of it
+        dense = tp_param_elements(cfg, tp)["total"] - n_moe * ((8 * h * h + 4 * h) // tp + h)
+        moe = [m for m in model.modules() if type(m).__name__ == "MoEFeedForward"]
+        experts = {id(q) for m in moe for q in m.experts.parameters()}
+        router = sum(q.numel() for m in moe for q in m.parameters() if id(q) not in experts)
+        n = ep_param_elements(model, ep)
+        if ep > 1:
+            return {"dense": dense + router, "expert": n["experts"]}
+        return {"dense": dense + router + n["experts"], "expert": 0}
     if tp > 1:
         from scaletrain.techniques.tensor_parallel import tp_param_elements
 
@@ -51,17 +67,21 @@ def mesh_predictions(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: 
         from scaletrain.techniques.tensor_parallel import tp_comm_bytes_per_step
         from scaletrain.techniques.tensor_parallel.cost import tp_forward_bytes_per_block
 
-        intra += tp_comm_bytes_per_step(cfg, il.tp, micro_batch, seq, sequence_parallel=il.sequence_parallel,
-                                        act_bytes=act_bytes, micro_batches=accum)["wire_bytes"]
+        s_tp = seq // il.cp  # under CP each rank holds seq / cp tokens
+        every = getattr(cfg, "moe_every", 0)
+        moe = frozenset(i for i in range(cfg.n_layer) if every and (i + 1) % every == 0)
+        intra += tp_comm_bytes_per_step(cfg, il.tp, micro_batch, s_tp, sequence_parallel=il.sequence_parallel,
+                                        act_bytes=act_bytes, micro_batches=accum, moe_layers=len(moe))["wire_bytes"]
         if recomputes:
-            fwd = tp_forward_bytes_per_block(cfg, il.tp, micro_batch, seq, sequence_parallel=il.sequence_parallel,
-                                             act_bytes=act_bytes)
+            fwd = tp_forward_bytes_per_block(cfg, il.tp, micro_batch, s_tp, sequence_parallel=il.sequence_parallel,
+                                             act_bytes=act_bytes, moe_blocks=moe)
             intra += accum * sum(k * b for k, b in zip(recomputes, fwd))
     if il.cp > 1:
         from scaletrain.techniques.context_parallel import cp_comm_bytes_per_step
 
+        # under TP the ring carries this rank's n_head / tp heads' keys and values: 1 / tp of the bytes
         intra += cp_comm_bytes_per_step(cfg, il.cp, micro_batch, seq, act_bytes=act_bytes,
-                                        micro_batches=accum)["total"]
+                                        micro_batches=accum)["total"] / il.tp
     n_moe = cfg.n_layer // cfg.moe_every if hasattr(cfg, "moe_every") else 0
     if n_moe and (il.ep > 1 or il.cp > 1):
         from scaletrain.techniques.experts import ep_comm_bytes_per_step

@@ -13,8 +13,8 @@ Who averages what (each rank's loss is the mean over its own tokens, all ranks h
 - expert parameters: each already sums its EP group's tokens' contributions, so sum over the ranks
   holding the same experts (``dp_rep x cp``) and divide by ``dp x cp`` (``expert``).
 
-:meth:`ModelParallel.sync_groups` gives these as :class:`~.data_parallel.grads.SyncGroup` s for
-:class:`~.data_parallel.grads.GradSync`; with HSDP the dense group shards over ``dp_in`` and
+:meth:`ModelParallel.sync_groups` gives these as :class:`~.data_parallel.zero.SyncGroup` s for
+:class:`~.data_parallel.zero.GradSync`; with HSDP the dense group shards over ``dp_in`` and
 all-reduces over ``dp_rep``. State dicts: :meth:`ModelParallel.localize` /
 :meth:`ModelParallel.globalize` map a single-process tensor to this rank's local one and back
 (TP shards with the fused-QKV permutation, expert slices).
@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from scaletrain.errors import UserError
-from scaletrain.techniques.data_parallel.grads import SyncGroup
+from scaletrain.techniques.data_parallel.zero import SyncGroup
 
 MESH_DIMS = ("dp_rep", "dp_in", "cp", "tp")
 
@@ -56,6 +56,16 @@ class ModelParallel:
     """dp x cp: the group replicated parameters' gradients are averaged over."""
     expert_group: Any
     """dp_rep x cp: the ranks holding the same experts."""
+    dp_mesh: Any = None
+    """The data-parallel ranks as a 1-D DeviceMesh (sub-mesh of :attr:`mesh`)."""
+    dense_mesh: Any = None
+    """dp x cp as a 1-D DeviceMesh."""
+
+    def fsdp_mesh(self) -> Any:
+        """Where FSDP2 shards: 2-D (replicate, shard) for HSDP, else dp x cp (CP ranks share parameters)."""
+        if self.hsdp:
+            return self.mesh["dp_rep", "dp_in"]
+        return self.dense_mesh if self.cp > 1 else self.dp_mesh
 
     @property
     def dense_size(self) -> int:
@@ -101,7 +111,12 @@ class ModelParallel:
             loss = loss_fn(logits, y)
         aux = getattr(model, "aux_loss", None)
         if callable(aux):
-            loss = loss + aux()
+            a = aux()
+            if isinstance(loss, DTensor) and not isinstance(a, DTensor):  # TP: the same value on every TP rank
+                from torch.distributed.tensor import Replicate
+
+                a = DTensor.from_local(a, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+            loss = loss + a
         return loss
 
     def replicas(self, p: torch.Tensor) -> int:
@@ -114,11 +129,8 @@ class ModelParallel:
     def localize(self, model: nn.Module, name: str, p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """This rank's tensor of parameter ``name`` from its single-process value ``full``."""
         from scaletrain.techniques.experts import is_expert_param
-        from scaletrain.techniques.tensor_parallel import qkv_row_permutation
 
-        perm = qkv_row_permutation(model, name, self.tp)
-        if perm is not None:
-            full = full[perm.to(full.device)]
+        full = self.to_tp_layout(model, name, full)
         if isinstance(p, DTensor):
             dim = next((pl.dim for pl in p.placements if pl.is_shard()), None)
             if dim is not None:
@@ -132,7 +144,6 @@ class ModelParallel:
     def globalize(self, model: nn.Module, name: str, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`localize` (collective over the TP or EP group)."""
         from scaletrain.techniques.experts import is_expert_param
-        from scaletrain.techniques.tensor_parallel import qkv_row_permutation
 
         def gather(t: torch.Tensor, dim_name: str, dim: int) -> torch.Tensor:
             m = self.mesh[dim_name]
@@ -146,10 +157,28 @@ class ModelParallel:
                 local = gather(local, "tp", dim)
         if is_expert_param(p) and self.ep > 1:
             local = gather(local, "dp_in", 0)
+        return self.from_tp_layout(model, name, local)
+
+    def to_tp_layout(self, model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+        """A single-process tensor in the TP model's (unsharded) layout: fused-QKV rows permuted
+        head-aligned, Hugging Face's Conv1D weights transposed to Linear's."""
+        from scaletrain.techniques.tensor_parallel import conv1d_transposed, qkv_row_permutation
+
+        if self.tp > 1 and conv1d_transposed(model, name) and full.dim() == 2:
+            full = full.t().contiguous()
+        perm = qkv_row_permutation(model, name, self.tp)
+        return full[perm.to(full.device)] if perm is not None else full
+
+    def from_tp_layout(self, model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`to_tp_layout`."""
+        from scaletrain.techniques.tensor_parallel import conv1d_transposed, qkv_row_permutation
+
         perm = qkv_row_permutation(model, name, self.tp)
         if perm is not None:
-            local = local[torch.argsort(perm.to(local.device))]
-        return local
+            full = full[torch.argsort(perm.to(full.device))]
+        if self.tp > 1 and conv1d_transposed(model, name) and full.dim() == 2:
+            full = full.t().contiguous()
+        return full
 
     def globalize_shape(self, p: torch.Tensor, local: torch.Tensor) -> torch.Size:
         """The single-process shape of parameter ``p`` whose local tensor is ``local``."""
@@ -184,7 +213,7 @@ def build_mesh(*, world: int, tp: int = 1, cp: int = 1, ep: int = 1, hsdp: int =
     dense = mesh["dp_rep", "dp_in", "cp"]._flatten("dp_cp")
     expert = mesh["dp_rep", "cp"]._flatten("edp_cp")
     return ModelParallel(mesh, dp, tp, cp, ep, hsdp if ep == 1 else 0, sequence_parallel,
-                         dp_mesh.get_local_rank(), dense.get_group(), expert.get_group())
+                         dp_mesh.get_local_rank(), dense.get_group(), expert.get_group(), dp_mesh, dense)
 
 
 def apply_model_parallel(model: nn.Module, mp: ModelParallel) -> None:

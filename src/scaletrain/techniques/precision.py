@@ -8,7 +8,7 @@ with 16-bit parameters the matmuls run in that dtype whether or not autocast is 
 
 Cost face: :func:`scaletrain.techniques.data_parallel.cost.bytes_per_param` with precision "bf16"/"fp16"
 (the same numbers; with ``parallel.zero=1/2`` the masters and states are sharded by
-:class:`~scaletrain.techniques.data_parallel.zero.ZeroStrategy`, which takes the same ``param_dtype``).
+:class:`~scaletrain.techniques.data_parallel.zero.GradSync`, which takes the same ``param_dtype``).
 
 Apply face (one process): :class:`MasterWeightsStrategy`. Order in a step: backward fills the
 16-bit ``.grad``; ``prepare_step`` copies each into an fp32 master gradient; the loss scaler

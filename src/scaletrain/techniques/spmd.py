@@ -9,7 +9,7 @@ tensor / context / expert parallelism). What one optimizer step does on each ran
    stack's forward module (the model, or its blocks under nested activation checkpoints), the
    loss (vocabulary-parallel cross-entropy under TP — never the full logits — plus the MoE
    load-balancing loss), backward of ``loss / accum``;
-2. gradient reduction and ZeRO-1/2 sharding by :class:`~.data_parallel.grads.GradSync` over the
+2. gradient reduction and ZeRO-1/2 sharding by :class:`~.data_parallel.zero.GradSync` over the
    replicas of every local tensor (``dp x cp`` ranks for dense parameters, TP shards included;
    ``dp/ep x cp`` for experts), bucketed and overlapped with the backward;
 3. clipping by the global norm (every element once: one fp64 all-reduce);
@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.errors import ConfigError
 from scaletrain.measure.comm import LEDGER
-from scaletrain.techniques.data_parallel.grads import Entry, GradSync, swap_in_proxies
+from scaletrain.techniques.data_parallel.zero import Entry, GradSync, swap_in_proxies
 from scaletrain.techniques.mesh import ModelParallel
 from scaletrain.techniques.runtime import RunContext, Strategy
 
@@ -50,7 +50,7 @@ class MeshRuntime(Strategy):
 
     def __init__(self, model: nn.Module, mp: ModelParallel, ctx: RunContext, *, zero: int, bucket_mb: float,
                  forward_module: nn.Module | None = None, param_dtype: torch.dtype | None = None,
-                 predictions: dict[str, float] | None = None) -> None:
+                 predictions: dict[str, float] | None = None, offload: bool = False) -> None:
         super().__init__(model, ctx.rank, ctx.world)
         self.mp, self.ctx, self.stage = mp, ctx, zero
         self.device = ctx.device
@@ -60,16 +60,28 @@ class MeshRuntime(Strategy):
         self.intra_bytes = 0.0
         from scaletrain.techniques.experts import is_expert_param
 
-        groups = mp.sync_groups()
-        params = []
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            key = "expert" if is_expert_param(p) and "expert" in groups else "dense"
-            params.append((name, p, key, mp.replicas(p)))
-        self.sync = GradSync(params, groups, stage=zero, device=ctx.device, bucket_mb=bucket_mb,
-                             param_dtype=param_dtype)
-        self.entries: list[Entry] = self.sync.entries
+        self.fsdp = zero == 3
+        if self.fsdp:  # ZeRO-3: FSDP2 over the data-parallel dims, rooted at what runs the forward
+            from scaletrain.techniques.data_parallel.fsdp import FSDPSync
+
+            self.sync: Any = FSDPSync(model, self.forward_module, mp.fsdp_mesh(), param_dtype=param_dtype,
+                                      tp_replicas=mp.replicas)
+        else:
+            groups = mp.sync_groups()
+            params = []
+            for name, p in model.named_parameters():
+                if not p.requires_grad:
+                    continue
+                key = "expert" if is_expert_param(p) and "expert" in groups else "dense"
+                params.append((name, p, key, mp.replicas(p)))
+            self.sync = GradSync(params, groups, stage=zero, device=ctx.device, bucket_mb=bucket_mb,
+                                 param_dtype=param_dtype, offload=offload)
+        self.entries: list[Any] = self.sync.entries
+        self._fsdp_groups: set[str] = set()
+        """Names of the process groups FSDP communicates on (its traffic is data-parallel, not TP's)."""
+        if self.fsdp:
+            m = mp.fsdp_mesh()
+            self._fsdp_groups = {str(m.get_group(i).group_name) for i in range(m.ndim)}
         self._by_name = {e.name: e for e in self.entries}
         self._by_proxy = {id(e.proxy): e for e in self.entries}
 
@@ -83,7 +95,9 @@ class MeshRuntime(Strategy):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         # inf/NaN found on any rank skips the step on every rank (found_inf all-reduced over the world)
-        return ShardedGradScaler(device.type, process_group=dist.group.WORLD)
+        scaler = ShardedGradScaler(device.type, process_group=dist.group.WORLD)
+        scaler.scale(torch.ones((), device=device))  # its scale exists on ranks that never scale a loss
+        return scaler
 
     def expect_accumulations(self, counts: dict[int, int]) -> None:
         self.sync.expect_accumulations(counts)
@@ -102,11 +116,17 @@ class MeshRuntime(Strategy):
             x, y = mp.shard_batch(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True))
             counter = CommCounter() if count else contextlib.nullcontext(None)
             self.sync.begin_micro_batch(last)
-            with LEDGER.paused(), counter:
+            # counting op by op: the counter sees everything, the ledger pauses (no double count); otherwise
+            # the ledger sees what torch.distributed calls (FSDP2's collectives, MoE's all-to-alls)
+            with LEDGER.paused() if count else contextlib.nullcontext(), counter:
                 loss = ctx.forward_backward(x, y, 1.0 / ctx.accum)
-            if count and counter.records:
-                LEDGER.add("intra_layer", counter.wire_bytes(), len(counter.records))
-                self.intra_bytes += counter.wire_bytes()
+            if count and counter.records:  # FSDP's collectives (on its data-parallel groups) are not intra-layer
+                fsdp = self._fsdp_groups
+                intra = counter.wire_bytes(exclude=fsdp)
+                LEDGER.add("intra_layer", intra, len(counter.records))
+                if fsdp:
+                    LEDGER.add("fsdp", counter.wire_bytes(groups=fsdp))
+                self.intra_bytes += intra
             step_loss += float(loss) / ctx.accum
             self.sync.end_micro_batch(last)
         return step_loss
@@ -119,7 +139,10 @@ class MeshRuntime(Strategy):
             out = self.forward_module(x)
             loss = mp.loss(self.model, out, y, None if mp.tp > 1 else ctx.loss_fn)
             scaled = loss * weight
-            (ctx.scaler.scale(scaled) if ctx.scaler is not None else scaled).backward()
+            if ctx.scaler is not None and ctx.scaler.is_enabled():  # fp16: the loss scale (a power of two)
+                scale = ctx.scaler.scale(torch.ones((), device=ctx.device))
+                scaled = scaled * float(scale) if isinstance(scaled, DTensor) else ctx.scaler.scale(scaled)
+            scaled.backward()
         loss = loss.detach()
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
@@ -129,7 +152,7 @@ class MeshRuntime(Strategy):
         mp = self.mp
         x, y = mp.shard_batch(x, y)
         with ctx.autocast(), mp.loss_context():
-            out = self.model(x)
+            out = self.forward_module(x)  # (FSDP's root; without grad a remat tree is the plain forward)
             if mp.tp > 1:
                 loss = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten())
             else:
@@ -178,6 +201,12 @@ class MeshRuntime(Strategy):
 
     def metrics(self) -> dict[str, Any]:
         out = {k: v for k, v in self.predictions.items() if k.startswith("predicted_")}
+        if getattr(self.sync, "offload", False):  # ZeRO-Offload: this rank's shard moved each step
+            d2h, h2d = self.sync.moved["d2h"], self.sync.moved["h2d"]
+            own = sum(e.length * e.row_numel for e in self.entries)
+            grad_b = self.entries[0].local.element_size() if self.entries else 4
+            out.update(offload_d2h_bytes=d2h, offload_h2d_bytes=h2d, offload_bytes=d2h + h2d,
+                       offload_pred_bytes=own * grad_b * 2)  # owned gradient rows down, updated rows up
         if self.mp.tp > 1 or self.mp.cp > 1 or self.mp.ep > 1:
             out["comm_bytes_intra_layer"] = self.intra_bytes
         return out
@@ -186,9 +215,12 @@ class MeshRuntime(Strategy):
         mp = self.mp
         half = f", {str(self.sync.param_dtype).split('.')[-1]} parameters + fp32 masters" if self.sync.param_dtype \
             else ""
+        if self.fsdp:
+            half = f", {str(self.sync.param_dtype).split('.')[-1]} compute" if self.sync.param_dtype else ""
         if mp.tp == mp.cp == mp.ep == 1:
-            h = f", HSDP shard groups of {self.sync.groups['dense'].size}" if mp.hsdp else ""
-            return f"ZeRO stage {self.stage} over {self.world} ranks{half}{h}"
+            h = f", HSDP shard groups of {mp.hsdp}" if mp.hsdp else ""
+            how = f" (FSDP2, {len(self.sync.blocks)} block groups + root)" if self.fsdp else ""
+            return f"ZeRO stage {self.stage}{how} over {self.world} ranks{half}{h}"
         parts = [f"{k}={v}" for k, v in (("tp", mp.tp), ("cp", mp.cp), ("ep", mp.ep)) if v > 1]
         if mp.sequence_parallel:
             parts[0] += " (sequence parallel)"
@@ -200,10 +232,15 @@ class MeshRuntime(Strategy):
         by_id = {id(e.param): e for e in self.entries}
         return {n: by_id[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False) if id(p) in by_id}
 
+    def _full(self, e: Any) -> torch.Tensor:
+        """The single-process value of entry ``e``'s parameter (collective)."""
+        if self.fsdp:
+            return self.mp.from_tp_layout(self.model, e.name, self.sync.full_value(e))
+        return self.mp.globalize(self.model, e.name, e.param, self.sync.master_local(e))
+
     def model_state_dict(self) -> dict[str, Any]:
         keys = self._param_of_key()
-        full = {e.name: self.mp.globalize(self.model, e.name, e.param, self.sync.master_local(e)).cpu()
-                for e in self.entries}
+        full = {e.name: self._full(e).cpu() for e in self.entries}
         out: dict[str, Any] = {}
         for name, v in self.model.state_dict().items():
             if name in keys:
@@ -220,6 +257,13 @@ class MeshRuntime(Strategy):
         keys = self._param_of_key()
         with torch.no_grad():
             for e in self.entries:
+                if self.fsdp:
+                    full = state[e.name].to(self.device)
+                    if tuple(full.shape) != tuple(e.param.shape):
+                        raise RuntimeError(f"size mismatch for {e.name}: checkpoint {tuple(full.shape)}, model "
+                                           f"{tuple(e.param.shape)}")
+                    self.sync.load_value(e, self.mp.to_tp_layout(self.model, e.name, full))
+                    continue
                 local = self.mp.localize(self.model, e.name, e.param, state[e.name].to(self.device))
                 if tuple(local.shape) != tuple(e.local.shape):
                     raise RuntimeError(f"size mismatch for {e.name}: checkpoint {tuple(state[e.name].shape)} does "
@@ -255,7 +299,9 @@ class MeshRuntime(Strategy):
             state[i] = {}
             for k in sorted(st):
                 v = st[k]
-                if torch.is_tensor(v) and v.ndim > 0:  # owned rows of a parameter-shaped state
+                if torch.is_tensor(v) and v.ndim > 0 and self.fsdp:  # a local shard of a parameter-shaped state
+                    v = self.mp.from_tp_layout(self.model, e.name, self.sync.state_full(e, v)).cpu()
+                elif torch.is_tensor(v) and v.ndim > 0:  # owned rows of a parameter-shaped state
                     v = self.mp.globalize(self.model, e.name, e.param, self.sync.gather_rows(e, v)).cpu()
                 state[i][k] = v
         return {"state": state, "param_groups": sd["param_groups"]}
@@ -272,10 +318,12 @@ class MeshRuntime(Strategy):
         local: dict[Any, dict[str, Any]] = {}
         for i, st in state["state"].items():
             e = entries[int(i)]
-            full_shape = tuple(self.mp.globalize_shape(e.param, e.local))
+            full_shape = tuple(e.param.shape) if self.fsdp else tuple(self.mp.globalize_shape(e.param, e.local))
             local[i] = {}
             for k, v in st.items():
-                if torch.is_tensor(v) and v.ndim > 0 and tuple(v.shape) == full_shape:
+                if torch.is_tensor(v) and v.ndim > 0 and tuple(v.shape) == full_shape and self.fsdp:
+                    v = self.sync.state_local(e, self.mp.to_tp_layout(self.model, e.name, v.to(self.device)))
+                elif torch.is_tensor(v) and v.ndim > 0 and tuple(v.shape) == full_shape:
                     v = self.sync.owned_rows(e, self.mp.localize(self.model, e.name, e.param, v.to(self.device)))
                     v = v.clone()
                 elif torch.is_tensor(v) and v.numel() > 1:

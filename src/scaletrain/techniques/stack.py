@@ -13,7 +13,7 @@ matters, and each step says why:
    checkpoints, planned on the estimated step of one micro-batch; it wraps *modules*, so the data
    parallelism applied next sees its forwards (DDP's reducer, FSDP2's unshard hooks);
 4. **data parallelism** over the data-parallel ranks: torch DDP (plain data parallelism, ZeRO-0,
-   gradient compression), :class:`.data_parallel.grads.GradSync` (ZeRO-0 on a model-parallel mesh,
+   gradient compression), :class:`.data_parallel.zero.GradSync` (ZeRO-0 on a model-parallel mesh,
    ZeRO-1/2 everywhere) or torch FSDP2 (ZeRO-3, HSDP) around the module step 3 produced;
 5. **the optimizer and its placement**: built by the runtime over what it updates (proxies of owned
    rows, a stage's blocks, host-side masters) — the trainer hands over the builder;
@@ -51,7 +51,7 @@ def build_runtime(plan: Plan, model: nn.Module, ctx: RunContext, facts: compat.F
         rt: Strategy = PipelineStrategy.build(model, plan, ctx)
         ctx.forward_backward = _plain(rt, ctx)  # (unused: the schedule runs its own passes)
         return rt
-    if plan.offload.active:
+    if plan.offload.active and ctx.world == 1:  # one process: the offload runtime places everything itself
         from scaletrain.techniques.offload.strategy import OffloadStrategy
 
         rt = OffloadStrategy.build(model, plan, ctx)
@@ -61,14 +61,14 @@ def build_runtime(plan: Plan, model: nn.Module, ctx: RunContext, facts: compat.F
         _broadcast(model)  # every replica starts from rank 0's weights (init is seeded alike; this makes it certain)
     choice = _plan_remat(plan, model, ctx)  # 3a. planned on the whole model's estimate, before it is sharded
     mp, counts = None, None
-    if ctx.world > 1 and (plan.tp > 1 or plan.cp > 1 or plan.ep > 1 or plan.zero in (1, 2) or plan.hsdp):
+    if ctx.world > 1 and (plan.tp > 1 or plan.cp > 1 or plan.ep > 1 or plan.zero in (1, 2, 3) or plan.hsdp):
         from scaletrain.techniques.cost import local_param_counts
         from scaletrain.techniques.mesh import apply_model_parallel, build_mesh
 
         counts = local_param_counts(model, tp=plan.tp, ep=plan.ep)  # of the unsharded model
         try:
             mp = build_mesh(world=ctx.world, tp=plan.tp, cp=plan.cp, ep=plan.ep,
-                            hsdp=plan.hsdp if plan.zero in (1, 2) else 0, sequence_parallel=plan.sp,
+                            hsdp=plan.hsdp if plan.zero else 0, sequence_parallel=plan.sp,
                             device_type=ctx.device.type)
             apply_model_parallel(model, mp)  # 2. TP / SP / CP / EP
         except ConfigError:
@@ -144,20 +144,15 @@ def _data_parallel(plan: Plan, model: nn.Module, ctx: RunContext, mp: Any, forwa
                            compression=o.compression, compression_rank=plan.compression_rank,
                            topk_ratio=plan.topk_ratio, compression_warmup_steps=plan.compression_warmup_steps,
                            seed=ctx.seed, module=forward_module)
-    if plan.zero == 3:
-        from scaletrain.techniques.data_parallel.fsdp import FSDPStrategy
-
-        rt = FSDPStrategy(model, ctx.rank, ctx.world, ctx.device, param_dtype=half, hsdp=plan.hsdp,
-                          root=forward_module if forward_module is not model else None)
-        _warn_sharded_optimizer(ctx, plan, rt.describe())
-        return rt
     from scaletrain.techniques.spmd import MeshRuntime
 
     # plain ZeRO-1/2 keeps ZeRO's mixed precision (16-bit parameters and gradients, fp32 masters of the
     # owned rows) under 16-bit autocast, as DeepSpeed does; on a model-parallel mesh parameters stay fp32
     plain = plan.tp == plan.cp == plan.ep == 1
+    # several processes with memory.offload.optimizer=host: each rank offloads its own shard (ZeRO-Offload)
     rt = MeshRuntime(model, mp, ctx, zero=plan.zero, bucket_mb=plan.bucket_mb, forward_module=forward_module,
-                     param_dtype=half if plain and plan.zero in (1, 2) else stored)
+                     param_dtype=half if (plain and plan.zero in (1, 2)) or plan.zero == 3 else stored,
+                     offload=plan.offload.active)
     if plan.zero or plan.tp > 1:
         _warn_sharded_optimizer(ctx, plan, rt.describe())
     return rt

@@ -1,18 +1,34 @@
-"""ZeRO stage 3 with torch's FSDP2 ``fully_shard``.
+"""ZeRO stage 3 with torch's FSDP2 ``fully_shard``, on any data-parallel mesh: :class:`FSDPSync`.
 
-One group per Chain block whose parameters no other block uses, then the root (which takes shared
-ones such as GPT-2's tied embedding). Parameters are row-sharded DTensors, all-gathered before a
-block runs and freed after it, in forward and again in backward (``reshard_after_forward=True``,
-root included, which is ZeRO-3's 3 Psi of traffic); gradients are reduce-scattered per block. The
-next block's all-gather is prefetched explicitly in both directions.
+One group per Chain block whose parameters no other block uses, then the root — what runs the
+forward (the model, or its blocks under nested checkpoints) — which takes shared ones such as
+GPT-2's tied embedding. Parameters are sharded DTensors, all-gathered before a block runs and freed
+after it, in forward and again in backward (``reshard_after_forward=True``, root included, which is
+ZeRO-3's 3 Psi of traffic); gradients are reduce-scattered per block; the next block's all-gather is
+prefetched explicitly in both directions. With a 2-D data-parallel mesh (replicate x shard) this is
+HSDP. Applied *after* tensor parallelism (torchtitan's 2-D: ``parallelize_module`` on the TP mesh,
+then ``fully_shard`` on the data-parallel mesh of the same device mesh), every parameter becomes a
+DTensor over both dims.
+
+The runtime (:class:`~scaletrain.techniques.spmd.MeshRuntime`) sees the same face as
+:class:`~.zero.GradSync`: the optimizer updates *proxies* — plain tensors sharing storage with each
+parameter's local shard — so every scaletrain optimizer runs unchanged; the norm counts each element
+once (a shard replicated over TP counts 1/tp, over HSDP replicas 1/replicas); state dicts go through
+DTensor (``full_tensor`` / ``distribute_tensor``), so checkpoints are the single-process layout.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
+
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from scaletrain.techniques.data_parallel.sharded import ShardedStrategy, _Entry, _unique_params, shard_rows
+from scaletrain.measure.comm import ledger_owned
+
 
 def shardable_blocks(model: nn.Module) -> list[nn.Module]:
     """Chain blocks that own parameters no other block uses (each becomes one FSDP group)."""
@@ -30,73 +46,142 @@ def shardable_blocks(model: nn.Module) -> list[nn.Module]:
             and all(users[id(p)] == 1 for p in b.parameters()) and b is not model]
 
 
-class FSDPStrategy(ShardedStrategy):
-    """ZeRO stage 3 with FSDP2 ``fully_shard`` (see the module docstring)."""
+@dataclass
+class FSDPEntry:
+    """One parameter (a DTensor after ``fully_shard``) and the optimizer's proxy of its local shard."""
 
-    name = "fsdp"
+    name: str
+    param: nn.Parameter
+    replicas: int
+    proxy: nn.Parameter
+
+    @property
+    def local(self) -> torch.Tensor:
+        with torch.no_grad():
+            return self.param.to_local()  # type: ignore[attr-defined]
+
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(self.local.shape)
+
+
+class FSDPSync:
+    """FSDP2 over ``dp_mesh`` (1-D: ZeRO-3; 2-D replicate x shard: HSDP) of ``model``, rooted at ``root``.
+
+    ``tp_replicas(p)``: how many TP ranks hold the same values as this rank's TP-local tensor of ``p``
+    (1 without TP), for the global norm.
+    """
+
     stage = 3
 
-    def __init__(self, model: nn.Module, rank: int, world: int, device: torch.device, *,
-                 param_dtype: torch.dtype | None = None, hsdp: int = 0, reshard_root: bool = True,
-                 prefetch: bool = True, root: nn.Module | None = None) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
+    def __init__(self, model: nn.Module, root: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | None = None,
+                 tp_replicas: Any = None, prefetch: bool = True, reshard_root: bool = True) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        super().__init__(model, rank, world, device, hsdp=hsdp)
-        self.param_dtype = param_dtype
-        self._broadcast_params()
-        mesh = self.mesh if self.mesh is not None else init_device_mesh(device.type, (world,))
+        self.model, self.root, self.param_dtype = model, root, param_dtype
         # ZeRO's mixed precision: compute and communicate in the half dtype, shards stay fp32.
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)
         self.blocks = shardable_blocks(model)
+        # by name: fully_shard registers new (DTensor) parameters in place of the module's
+        reps = {n: (tp_replicas(p) if tp_replicas is not None else 1) for n, p in model.named_parameters()}
         for b in self.blocks:
-            fully_shard(b, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
-        # the root is what runs the forward: the model, or its blocks under nested checkpoints
-        root = root if root is not None else model
-        fully_shard(root, mesh=mesh, reshard_after_forward=reshard_root, mp_policy=mp)
-        self.forward_module = root
+            fully_shard(b, mesh=dp_mesh, reshard_after_forward=True, mp_policy=mp)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_root, mp_policy=mp)
         if prefetch:
             for i, b in enumerate(self.blocks):
                 if i + 1 < len(self.blocks):
                     b.set_modules_to_forward_prefetch([self.blocks[i + 1]])  # type: ignore[operator]
                 if i > 0:
                     b.set_modules_to_backward_prefetch([self.blocks[i - 1]])  # type: ignore[operator]
-        for p in _unique_params(model):
-            e = _Entry(p, p.shape, *shard_rows(p.shape[0] if p.ndim else 1, self.N, self.r))
-            local = self._local(e)
-            if tuple(local.shape) != e.local_shape():
-                raise RuntimeError(f"FSDP shard of shape {tuple(local.shape)} is not the row layout "
-                                   f"{e.local_shape()} expected for a {tuple(p.shape)} parameter")
-            e.proxy = nn.Parameter(local)
-            self.entries.append(e)
-        self._index_names()
+        self.replicate = dp_mesh.size(0) if dp_mesh.ndim == 2 else 1
+        """HSDP: the replicas each shard lives on."""
+        self.entries: list[FSDPEntry] = []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self.entries.append(FSDPEntry(name, p, reps[name] * self.replicate, nn.Parameter(_local(p))))
 
-    @staticmethod
-    def _local(e: _Entry) -> torch.Tensor:
-        with torch.no_grad():
-            return e.param.to_local().detach()  # type: ignore[attr-defined]
+    # -------------------------------------------------------------- the step (FSDP's hooks reduce)
+    def begin_micro_batch(self, last: bool) -> None:
+        """Every micro-batch's gradients are reduce-scattered as backward produces them (FSDP2);
+        the reduced shards accumulate across micro-batches."""
 
-    def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def end_micro_batch(self, last: bool) -> None:
+        pass
+
+    def expect_accumulations(self, counts: dict[int, int]) -> None:
+        pass
+
+    def prepare_step(self) -> None:
         for e in self.entries:
-            assert e.proxy is not None
-            local = self._local(e)
+            local = e.local
             if local.data_ptr() != e.proxy.data_ptr():  # FSDP re-padded its shard: follow it
                 e.proxy.data = local
             g = e.param.grad
-            e.proxy.grad = (g.to_local() if g is not None else  # type: ignore[attr-defined]
-                            torch.zeros_like(e.proxy))
+            e.proxy.grad = g.to_local() if g is not None else torch.zeros_like(e.proxy)  # type: ignore[union-attr]
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
+    @torch.no_grad()
+    def square_norm(self) -> torch.Tensor:
+        """This rank's share of the squared global norm (fp64; sum it over every rank)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.entries[0].proxy.device if self.entries else "cpu")
+        for e in self.entries:
+            g = e.proxy.grad
+            if g is not None and g.numel():
+                sq += g.double().pow(2).sum() / e.replicas
+        return sq
+
+    def scale_grads(self, coef: float) -> None:
+        grads = [e.proxy.grad for e in self.entries if e.proxy.grad is not None]
+        if grads and coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+
+    def after_step(self) -> None:
+        pass  # the proxies are the shards: FSDP gathers them at the next forward
+
+    def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
+        for e in self.entries:
+            e.proxy.grad = None
 
-    def _local_full(self, e: _Entry) -> torch.Tensor:
-        return self._gather_rows(e, self._local(e))
+    def state_tensors(self) -> list[torch.Tensor]:
+        return []
 
-    def _load_param(self, e: _Entry, full: torch.Tensor) -> None:
-        self._local(e).copy_(self._slice_rows(e, full.to(self.device)))
+    def proxies_for(self, module_params: Iterable[nn.Parameter]) -> dict[int, nn.Parameter]:
+        wanted = {id(p) for p in module_params}
+        return {id(e.param): e.proxy for e in self.entries if id(e.param) in wanted}
 
-    def describe(self) -> str:
-        mp = f", {str(self.param_dtype).split('.')[-1]} compute" if self.param_dtype else ""
-        h = f", HSDP shard groups of {self.N}" if self.N != self.world else ""
-        return f"ZeRO stage 3 (FSDP2, {len(self.blocks)} block groups + root) over {self.world} ranks{mp}{h}"
+    def close(self) -> None:
+        pass
+
+    # -------------------------------------------------------------- state (DTensor does the gathering)
+    def full_value(self, e: FSDPEntry) -> torch.Tensor:
+        """The parameter's whole (global) value; collective."""
+        with ledger_owned():
+            return e.param.full_tensor().detach()  # type: ignore[attr-defined]
+
+    def load_value(self, e: FSDPEntry, full: torch.Tensor) -> None:
+        with torch.no_grad():
+            e.local.copy_(_distribute(e.param, full))
+
+    def state_full(self, e: FSDPEntry, v: torch.Tensor) -> torch.Tensor:
+        """A proxy's state tensor (local-shard-shaped) as the whole parameter's; collective."""
+        p = e.param
+        d = DTensor.from_local(v.to(e.proxy.device), p.device_mesh, p.placements, run_check=False,  # type: ignore[attr-defined]
+                               shape=p.shape, stride=p.stride())
+        with ledger_owned():
+            return d.full_tensor()
+
+    def state_local(self, e: FSDPEntry, full: torch.Tensor) -> torch.Tensor:
+        return _distribute(e.param, full).clone()
+
+
+# gathering a 2-D (FSDP x TP) parameter for a checkpoint takes two all-gathers; torch warns each time
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return p.to_local().detach()  # type: ignore[attr-defined]
+
+
+def _distribute(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``full`` in ``p``'s DTensor layout."""
+    return distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()  # type: ignore[attr-defined]

@@ -59,7 +59,8 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
                      device: torch.device | str | None = None, timeout_s: float = 300.0, balance: str = "profile",
                      forward_context: Callable[[], ContextManager] | None = None,
                      record_events: bool = False, remat: str = "none", remat_budget: int | str | None = None,
-                     remat_precision: str = "fp32", tp: int = 1, sequence_parallel: bool = False) -> PipelineRuntime:
+                     remat_precision: str = "fp32", tp: int = 1, sequence_parallel: bool = False,
+                     loss_scale: Callable | None = None) -> PipelineRuntime:
     """Build the :class:`PipelineRuntime` for this process (call on every process of the job).
 
     ``micro_batch`` is samples per micro-batch: ``global_batch = dp × microbatches × micro_batch``.
@@ -95,7 +96,7 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
     rt = PipelineRuntime(model, schedule, microbatches, pp=pp, dp=dp, virtual=v, bounds=bounds, loss_fn=loss_fn,
                          example_input=example, device=device, timeout_s=timeout_s, forward_context=forward_context,
                          record_events=record_events, remat=remat, remat_budget=remat_budget,
-                         remat_precision=remat_precision, **extra)
+                         remat_precision=remat_precision, loss_scale=loss_scale, **extra)
     if tp > 1:  # keep only this rank's stages' shards
         tpp.free_nonlocal(model, rt.plan.local_tensors)
     return rt

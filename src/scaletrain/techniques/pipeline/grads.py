@@ -110,7 +110,7 @@ class ParamPlan:
         self.replica_ranks = tuple(sorted(self.global_rank(r) for r in range(self.pp)))
         self.dp_ranks = tuple(sorted(self.global_rank(pp_rank, d) for d in range(dp)))
         self.zero_sync: Any = None
-        """A :class:`~scaletrain.techniques.data_parallel.grads.GradSync` (ZeRO-1) that replaces the
+        """A :class:`~scaletrain.techniques.data_parallel.zero.GradSync` (ZeRO-1) that replaces the
         data-parallel all-reduce, or None."""
         self._make_groups()
 

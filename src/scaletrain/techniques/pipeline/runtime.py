@@ -134,13 +134,16 @@ class PipelineRuntime:
                  example_target: torch.Tensor | None = None, tp: TPLayout | None = None,
                  specs: Sequence[TensorSpec] | None = None,
                  backward_context: Callable[[], ContextManager] | None = None,
-                 remat_plans: Sequence[object] | None = None):
+                 remat_plans: Sequence[object] | None = None,
+                 loss_scale: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if not dist.is_initialized():
             raise UserError("the pipeline runtime needs torch.distributed initialised (run under torchrun)")
         self.chain = to_chain(chain)
         self.name, self.M, self.pp, self.dp, self.virtual = schedule, int(microbatches), int(pp), int(dp), int(virtual)
         self.loss_fn = loss_fn
         self.forward_context = forward_context or contextlib.nullcontext
+        self.loss_scale = loss_scale
+        """fp16: multiplies the last stage's weighted loss by the loss scale before its backward."""
         self.backward_context = backward_context or contextlib.nullcontext
         self.timeout_s = float(timeout_s)
         self.record_events = record_events
@@ -448,6 +451,8 @@ class PipelineRuntime:
         if rep.last:
             self._losses[a.mb // self.M] += loss.detach().double()
             out = loss * self._weight
+            if self.loss_scale is not None:
+                out = self.loss_scale(out)
             feed.used(a.mb)
         else:  # activations cross stages in the model's dtype (autocast may have made them 16-bit)
             out = out.to(self.specs[a.stage + 1].dtype)

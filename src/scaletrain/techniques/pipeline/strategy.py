@@ -74,6 +74,14 @@ from .simulate import simulate
 from .tensor_parallel import tp_comm_counter
 
 
+def _loss_scale(ctx: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fp16: the trainer's loss scaler (made after the runtime; read at each micro-batch)."""
+    def scale(t: torch.Tensor) -> torch.Tensor:
+        sc = ctx.scaler
+        return sc.scale(t) if sc is not None and sc.is_enabled() else t
+    return scale
+
+
 class PipelineStrategy(Strategy):
     """The trainer's hooks over a :class:`PipelineRuntime` (see the module docstring)."""
 
@@ -143,7 +151,8 @@ class PipelineStrategy(Strategy):
                                   loss_fn=ctx.loss_fn, seq_len=seq, virtual=v, device=ctx.device,
                                   timeout_s=ctx.timeout_s, balance=p.balance, forward_context=ctx.autocast,
                                   remat=p.remat.method, remat_budget=p.remat.budget or None,
-                                  remat_precision=ctx.precision, tp=p.tp, sequence_parallel=p.sp)
+                                  remat_precision=ctx.precision, tp=p.tp, sequence_parallel=p.sp,
+                                  loss_scale=_loss_scale(ctx))
         except ConfigError:
             raise
         except UserError as e:
@@ -208,7 +217,7 @@ class PipelineStrategy(Strategy):
         optimizer keeps states for this rank's rows only (:class:`GradSync`), and the updated rows
         are all-gathered back. A parameter held by several pipeline ranks (tied embedding, Chimera's
         replicas) or replicated over TP counts once in the norm (``replicas``)."""
-        from scaletrain.techniques.data_parallel.grads import GradSync, SyncGroup
+        from scaletrain.techniques.data_parallel.zero import GradSync, SyncGroup
 
         from .tensor_parallel import is_replicated
 
@@ -226,10 +235,20 @@ class PipelineStrategy(Strategy):
         self._param_entry = {id(e.param): e for e in self.zero.entries}
         plan.zero_sync = self.zero
 
+    def make_scaler(self, device: torch.device, enabled: bool) -> torch.amp.GradScaler:
+        if not enabled:
+            return torch.amp.GradScaler(device.type, enabled=False)
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # every stage unscales its own gradients; inf/NaN on any rank skips the step on every rank
+        scaler = ShardedGradScaler(device.type, process_group=dist.group.WORLD)
+        scaler.scale(torch.ones((), device=device))  # its scale exists on ranks that never scale a loss
+        return scaler
+
     def build_optimizer(self, build: Callable[[nn.Module], torch.optim.Optimizer]) -> torch.optim.Optimizer:
         """The optimizer over this rank's blocks only (with ZeRO-1: over their owned rows)."""
         if self.zero is not None:
-            from scaletrain.techniques.data_parallel.grads import swap_in_proxies
+            from scaletrain.techniques.data_parallel.zero import swap_in_proxies
 
             return swap_in_proxies(self.runtime.module, self.zero.proxies_for(self.runtime.module.parameters()), build)
         return build(self.runtime.module)

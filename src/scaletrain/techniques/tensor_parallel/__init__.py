@@ -26,7 +26,7 @@ from .megatron import (TPInfo, apply_megatron, check_model, local_numel, loss_co
 __all__ = ["TPInfo", "apply_tensor_parallel", "check_model", "full_state_dict", "local_numel", "loss_context",
            "qkv_permutation", "qkv_row_permutation", "replicate_module", "tp_activation_bytes",
            "tp_comm_bytes_per_step", "tp_info", "tp_memory_per_rank", "tp_param_elements",
-           "vocab_parallel_cross_entropy", "is_hf_gpt2"]
+           "vocab_parallel_cross_entropy", "is_hf_gpt2", "conv1d_transposed"]
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
@@ -46,3 +46,10 @@ def full_state_dict(model: nn.Module) -> dict:
     if tp_info(model) is not None and is_hf_gpt2(model):
         return hf_full_state_dict(model)
     return megatron_full_state_dict(model)
+
+
+def conv1d_transposed(model: nn.Module, name: str) -> bool:
+    """True when parameter ``name`` of a tensor-parallel Hugging Face GPT-2 is stored transposed
+    relative to the single-process (``Conv1D``, [in, out]) layout: TP swapped those for Linear."""
+    return (tp_info(model) is not None and is_hf_gpt2(model)
+            and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")))

@@ -107,7 +107,8 @@ def tp_memory_per_rank(cfg: Any, t: int, batch: int, seq: int, *, sequence_paral
 
 
 def tp_comm_bytes_per_step(cfg: Any, t: int, batch: int, seq: int, *, sequence_parallel: bool = False,
-                           regather: bool = True, act_bytes: int = 4, micro_batches: int = 1) -> dict[str, Any]:
+                           regather: bool = True, act_bytes: int = 4, micro_batches: int = 1,
+                           moe_layers: int = 0) -> dict[str, Any]:
     """Collectives one TP rank issues for the forward and backward of ``micro_batches``
     micro-batches, and the bytes it sends (ring model, see :mod:`scaletrain.measure.comm`).
 
@@ -118,7 +119,8 @@ def tp_comm_bytes_per_step(cfg: Any, t: int, batch: int, seq: int, *, sequence_p
     only s/t tokens: 4 LayerNorm vectors of h per layer, ln_f's 2, and wpe (P·h); with
     ``regather`` 2l + 1 more all-gathers of A in the backward (c_attn, c_fc, lm_head inputs). The
     vocabulary-parallel loss all-reduces 3 fp32 vectors of b·s (row max, sum of exponentials,
-    target logit) in the forward.
+    target logit) in the forward. ``moe_layers`` (no SP): layers whose MLP is a mixture of experts, run
+    whole on every TP rank — one all-reduce fewer in each pass.
     """
     h, l, P = cfg.n_embd, cfg.n_layer, cfg.n_positions
     A = batch * seq * h * act_bytes
@@ -132,7 +134,8 @@ def tp_comm_bytes_per_step(cfg: Any, t: int, batch: int, seq: int, *, sequence_p
         wire = f * (ag + 4 * l + 2) * A + 2 * f * ar_bytes
     else:
         big = {}
-        ar_count, ar_bytes = (4 * l + 2) + 3, (4 * l + 2) * A + loss_ar
+        big_ar = 4 * l + 2 - 2 * moe_layers
+        ar_count, ar_bytes = big_ar + 3, big_ar * A + loss_ar
         wire = 2 * f * ar_bytes
     kinds = {k: {"count": c * micro_batches, "payload_bytes": b * micro_batches} for k, (c, b) in big.items()}
     kinds["all_reduce"] = {"count": ar_count * micro_batches, "payload_bytes": ar_bytes * micro_batches}
@@ -142,7 +145,7 @@ def tp_comm_bytes_per_step(cfg: Any, t: int, batch: int, seq: int, *, sequence_p
 
 
 def tp_forward_bytes_per_block(cfg: Any, t: int, batch: int, seq: int, *, sequence_parallel: bool = False,
-                               act_bytes: int = 4) -> list[float]:
+                               act_bytes: int = 4, moe_blocks: frozenset[int] = frozenset()) -> list[float]:
     """Wire bytes of the forward collectives of each Chain block (embedding, layers, head) of one
     micro-batch on one TP rank: what a recomputation of that block replays.
 
@@ -157,4 +160,5 @@ def tp_forward_bytes_per_block(cfg: Any, t: int, batch: int, seq: int, *, sequen
     f = (t - 1) / t
     if sequence_parallel:
         return [f * A] + [4 * f * A] * cfg.n_layer + [f * A]
-    return [2 * f * A] + [4 * f * A] * cfg.n_layer + [0.0]
+    # a layer whose MLP is a mixture of experts (``moe_blocks``: layer indices) all-reduces its attention only
+    return [2 * f * A] + [(2 if i in moe_blocks else 4) * f * A for i in range(cfg.n_layer)] + [0.0]

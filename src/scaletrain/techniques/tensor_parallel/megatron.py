@@ -152,9 +152,12 @@ def replicate_module(module: nn.Module, mesh: DeviceMesh, input_placement: Place
 
 
 def _replicate_leftovers(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Replicate every module that still owns plain parameters (LayerNorms without SP, wpe)."""
+    """Replicate every module that still owns plain parameters (LayerNorms without SP, wpe) — except
+    inside mixture-of-experts MLPs, which stay plain tensors (equal on every TP rank; expert parallelism
+    slices and routes them with its own collectives)."""
+    skip = {id(m) for moe in model.modules() if _is_moe(moe) for m in moe.modules()}
     for mod in model.modules():
-        if any(not isinstance(p, DTensor) for p in mod.parameters(recurse=False)):
+        if id(mod) not in skip and any(not isinstance(p, DTensor) for p in mod.parameters(recurse=False)):
             replicate_module(mod, mesh)
 
 
@@ -169,9 +172,13 @@ def check_model(model: nn.Module, tp: int) -> None:
     if cfg.vocab_size % tp:
         raise UserError(f"parallel.tp={tp} must divide vocab_size={cfg.vocab_size} (vocabulary-parallel embedding)")
     for i, block in enumerate(model.h):
-        if not isinstance(getattr(block.mlp, "c_fc", None), nn.Linear):
-            raise UserError(f"tensor parallelism splits dense MLPs; block {i} has a {type(block.mlp).__name__} "
-                            f"(mixture of experts: use parallel.ep instead of parallel.tp)")
+        if not (isinstance(getattr(block.mlp, "c_fc", None), nn.Linear) or _is_moe(block.mlp)):
+            raise UserError(f"tensor parallelism splits dense MLPs; block {i} has a {type(block.mlp).__name__}")
+
+
+def _is_moe(mlp: nn.Module) -> bool:
+    """A mixture-of-experts MLP: left whole on every TP rank (its experts are split by expert parallelism)."""
+    return type(mlp).__name__ == "MoEFeedForward"
 
 
 def _reduce_partial_grads_eagerly(model: nn.Module) -> None:
@@ -235,15 +242,17 @@ def apply_megatron(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
         attn._tp_size, attn._tp_rank = t, rank
         attn.forward = types.MethodType(_tp_attention_forward, attn)
         if sp:  # the residual dropouts act on this rank's s/t positions: their own masks
-            for drop in (attn.resid_drop, block.mlp.drop):
+            for drop in (attn.resid_drop, getattr(block.mlp, "drop", None)):
+                if drop is None:
+                    continue
                 drop._tp_rank = rank
                 drop.forward = types.MethodType(_sharded_dropout_forward, drop)
         plan: dict[str, Any] = {
             "attn.c_attn": ColwiseParallel(),
             "attn.c_proj": RowwiseParallel(output_layouts=seq_in),
-            "mlp.c_fc": ColwiseParallel(),
-            "mlp.c_proj": RowwiseParallel(output_layouts=seq_in),
         }
+        if not _is_moe(block.mlp):  # a MoE MLP runs whole on each TP rank (replicated input and output)
+            plan.update({"mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(output_layouts=seq_in)})
         if sp:
             plan.update({
                 "ln_1": SequenceParallel(use_local_output=True),
