@@ -177,3 +177,38 @@ def test_threshold(min_bytes: int) -> None:
     model = _mlp()
     _, stats = _grads(model, torch.randn(16, 64), compress=True, min_bytes=min_bytes)
     assert (stats.compressed > 0) == (min_bytes == 0)
+
+
+def test_trainer_compresses_activations_one_process_and_in_pipeline_stages():
+    """``memory.activation_compression=true`` through ``scaletrain train``: the saved tensors are 8-bit,
+    so the losses stay within a percent of plain training — one process, and inside pipeline stages."""
+    from scaletrain.testing import run_distributed
+    from scaletrain.train.config import load_config
+    from scaletrain.train.trainer import Trainer
+
+    base = ["model.overrides.n_layer=2", "model.overrides.n_embd=64", "model.overrides.n_head=2", "data.seq_len=32",
+            "data.name=synthetic-text", "train.global_batch=8", "train.steps=3", "train.eval_every=0",
+            "train.eval_batches=1", "train.progress=off", "optim.warmup_steps=1"]
+
+    def fit(extra):
+        t = Trainer(load_config(None, base + extra), None, log=lambda s: None)
+        losses = t.fit().losses
+        t.close()
+        return losses
+
+    plain = fit([])
+    packed = fit(["memory.activation_compression=true"])
+    assert packed != plain and packed == pytest.approx(plain, rel=1e-2)
+    piped = run_distributed(_pipeline_compressed, 2, base)[0]
+    assert piped == pytest.approx(plain, rel=1e-2)
+
+
+def _pipeline_compressed(rank: int, world: int, base: list[str]) -> list[float]:
+    from scaletrain.train.config import load_config
+    from scaletrain.train.trainer import Trainer
+
+    t = Trainer(load_config(None, base + ["parallel.pp=2", "parallel.microbatches=4",
+                                          "memory.activation_compression=true"]), None, log=lambda s: None)
+    losses = t.fit().losses
+    t.close()
+    return losses

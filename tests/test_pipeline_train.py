@@ -77,7 +77,6 @@ def _quiet(s: str) -> None:
     (["parallel.cp=2"], "parallel.cp=2"),
     (["parallel.compression=topk"], "parallel.compression=topk"),
     (["parallel.schedule=zb1p", "memory.remat.method=periodic"], "memory.remat.* with parallel.schedule=zb1p"),
-    (["memory.activation_compression=true"], "memory.activation_compression"),
     (["parallel.schedule=pipedream", "train.precision=fp16"], "allowed: fp32, bf16 with pipedream"),
     (["parallel.schedule=1f1b", "parallel.virtual=2"], "virtual stages only apply"),
 ])

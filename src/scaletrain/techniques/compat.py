@@ -231,9 +231,6 @@ RULES: list[Rule] = [
          "parallel.sequence_parallel=true with parallel.schedule=zb1p",
          "the deferred weight gradients of sequence-parallel layers are not split yet",
          "gpipe, 1f1b, interleaved, chimera, pipedream, pipedream-2bw", "not split yet"),
-    Rule("pp-compress", lambda p, f: p.pp > 1 and p.activation_compression,
-         lambda p, f: f"memory.activation_compression=true with parallel.pp={p.pp}",
-         "8-bit activation compression inside stages is not composed yet", "false", "not yet"),
     Rule("pp-async-cuda", lambda p, f: p.pp > 1 and p.schedule in ASYNC and f.device == "cuda" and f.eval_every > 0,
          lambda p, f: f"parallel.schedule={p.schedule} on CUDA with train.eval_every={f.eval_every}",
          "NCCL matches point-to-point messages by order: evaluation between windows would meet the stream's",
@@ -287,7 +284,8 @@ RULES: list[Rule] = [
     Rule("offload-pp", lambda p, f: _offload(p) and p.pp > 1, lambda p, f: f"memory.offload with parallel.pp={p.pp}",
          "offloading inside pipeline stages is not composed yet", "memory.offload defaults", "not yet"),
     Rule("compress-mp", lambda p, f: p.activation_compression and _mp(p), "memory.activation_compression=true with "
-         "tp/cp/ep", "8-bit activation compression of DTensor activations is not composed yet", "false", "not yet"),
+         "tp/cp/ep", "8-bit activation compression of DTensor activations is not composed yet (DTensor's saved tensors have no "
+         "plain storage to pack)", "false", "not yet"),
     # ---------------------------------------------------------------- precision
     Rule("params-dtype", lambda p, f: p.params_dtype != "fp32" and (
         p.pp > 1 or _mp(p) or _offload(p) or (f.world > 1 and p.zero not in (1, 2))),

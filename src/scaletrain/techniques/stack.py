@@ -193,12 +193,12 @@ def _forward_backward(plan: Plan, model: nn.Module, ctx: RunContext, rt: Strateg
     if executor is not None:
         fb = executor.forward_backward(model, ctx, rt)
     if plan.activation_compression:
-        from scaletrain.techniques.act_compress import compressed_saved_tensors
+        from scaletrain.techniques.act_compress import compress_activations
 
         inner = fb
 
         def fb(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:  # noqa: F811
-            with compressed_saved_tensors():
+            with compress_activations(model):  # tensors saved for backward stored 8-bit (ActNN)
                 return inner(x, y, weight)
 
     return fb

@@ -74,6 +74,22 @@ from .simulate import simulate
 from .tensor_parallel import tp_comm_counter
 
 
+def _forward_context(ctx: Any, model: nn.Module, plan: Any) -> Callable[[], contextlib.AbstractContextManager]:
+    """What every stage forward runs under: autocast, and 8-bit storage of the tensors it saves for
+    backward (``memory.activation_compression``: the packed tensors live in the graph until backward)."""
+    if not plan.activation_compression:
+        return ctx.autocast
+
+    @contextlib.contextmanager
+    def both():
+        from scaletrain.techniques.act_compress import compress_activations
+
+        with ctx.autocast(), compress_activations(model):
+            yield
+
+    return both
+
+
 def _loss_scale(ctx: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """fp16: the trainer's loss scaler (made after the runtime; read at each micro-batch)."""
     def scale(t: torch.Tensor) -> torch.Tensor:
@@ -149,7 +165,7 @@ class PipelineStrategy(Strategy):
             rt = pipeline_runtime(model, pp=p.pp, dp=ctx.dp_world, schedule=p.schedule,
                                   microbatches=ctx.accum, micro_batch=ctx.micro_batch,
                                   loss_fn=ctx.loss_fn, seq_len=seq, virtual=v, device=ctx.device,
-                                  timeout_s=ctx.timeout_s, balance=p.balance, forward_context=ctx.autocast,
+                                  timeout_s=ctx.timeout_s, balance=p.balance, forward_context=_forward_context(ctx, model, p),
                                   remat=p.remat.method, remat_budget=p.remat.budget or None,
                                   remat_precision=ctx.precision, tp=p.tp, sequence_parallel=p.sp,
                                   loss_scale=_loss_scale(ctx))
