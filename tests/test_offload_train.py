@@ -231,7 +231,7 @@ def test_several_processes_are_refused():
     from scaletrain.techniques import compat
 
     cfg = load_config(None, BASE + OFFLOAD)
-    with pytest.raises(ConfigError, match="memory.offload with 2 processes"):
+    with pytest.raises(ConfigError, match=r"memory.offload \(plan=auto, device_budget=\d+\) with 2 processes"):
         compat.check_config(cfg, models.get(cfg.model.name, device="meta", **cfg.model.overrides), world=2)
 
 

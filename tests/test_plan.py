@@ -82,6 +82,6 @@ def test_facts_come_from_the_model():
     m = models.get("gpt2-moe", device="meta", n_layer=2)
     f = compat.Facts.of(m, world=4, device="cpu", seq_len=64)
     assert f.moe and f.gpt2 and f.chain and f.n_experts == m.config.n_experts
-    with pytest.raises(ConfigError, match="tensor parallelism splits dense MLPs"):
-        compat.check(Plan(tp=2), f)
+    with pytest.raises(ConfigError, match="sequence_parallel=true on a mixture-of-experts model"):
+        compat.check(Plan(tp=2, sp=True), f)
     compat.check(Plan(ep=2), f)
