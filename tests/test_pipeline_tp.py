@@ -127,8 +127,9 @@ def _worker(rank: int, world: int, one_dir: str, full: bool, extra: tuple = ()) 
     assert all((held[n] > 0) == (id(p) in mine) for n, p in t.model.named_parameters()), held
     assert sum(held.values()) * 2 < sum(p.numel() for p in t.model.parameters())
     res = t.fit()
+    metrics = {**t.parallel.metrics(), "comm_bytes": t.comm_bytes}
     out = {"run": (res.losses, res.val_loss, t._grad_norm, t.parallel.model_state_dict(),
-                   t.parallel.optimizer_state_dict(t.optimizer), t.parallel.describe(), t.parallel.metrics())}
+                   t.parallel.optimizer_state_dict(t.optimizer), t.parallel.describe(), metrics)}
     t.close()
     if not full:
         return out
@@ -185,9 +186,13 @@ def check(results: list[dict], ref, how: str, full: bool, ref_bf16=None) -> None
 
 
 def check_tp_bytes(metrics: dict) -> None:
-    """DTensor's collectives inside this rank's stages, measured = predicted per local block."""
+    """DTensor's collectives inside this rank's stages, measured = predicted per local block; and, where
+    the ledger's total was recorded, every collective of the step (loss, tied embedding, data-parallel
+    reduction or ZeRO-1's reduce-scatter + all-gather, norms, TP) = predicted, to the byte."""
     assert metrics["comm_bytes_intra_layer"] > 0
     assert metrics["comm_bytes_intra_layer"] == pytest.approx(metrics["predicted_comm_bytes_intra_layer"], rel=1e-9)
+    if "comm_bytes" in metrics:
+        assert metrics["comm_bytes"] == pytest.approx(metrics["predicted_comm_bytes"], rel=1e-12), metrics
 
 
 @pytest.mark.slow

@@ -89,6 +89,9 @@ class TrainConfig:
     seed: int = opt(0, "seed of model init, data order and dropout")
     device: str = opt("auto", "device: auto (cuda if available else cpu), cpu, cuda", choices=("auto", "cpu", "cuda"))
     progress: str = opt("auto", "progress bar: auto (only on a terminal), on, off", choices=("auto", "on", "off"))
+    measure_memory: bool = opt(False, "run the last step under the memory tracker: every rank's peak bytes of "
+                                      "parameters, gradients, optimizer states, activations and temporaries go in "
+                                      "its metrics row (tracked_peak_bytes*), next to scaletrain estimate's")
 
 
 @dataclass

@@ -159,6 +159,8 @@ class Trainer:
         self.step = 0
         self.comm_bytes = 0.0
         self.model_state_bytes: dict[str, float] = {}
+        self.tracked: dict[str, Any] | None = None
+        """``train.measure_memory``: the last step's tracked per-rank peaks (for the metrics row)."""
 
     # ------------------------------------------------------------------ construction
     def _context(self) -> RunContext:
@@ -378,6 +380,8 @@ class Trainer:
         """One optimizer step over ``accum`` micro-batches; returns the rank-averaged loss."""
         par = self.parallel
         self.ctx.step = self.step
+        if self.cfg.train.measure_memory and self.step == self.cfg.train.steps - 1 and self.tracked is None:
+            return self._tracked_step(it)
         LEDGER.reset()
         step_loss = par.run_micro_batches(self.ctx, it)
         if self.step == 1 and self.world > 1:  # optimizer states exist from the first step on
@@ -394,6 +398,27 @@ class Trainer:
         par.zero_grad(self.optimizer)
         self.comm_bytes = LEDGER.total() if self.world > 1 else 0.0
         return par.mean([step_loss])[0]
+
+    def _tracked_step(self, it: Any) -> float:
+        """The step under the memory tracker (local shards of DTensors): every rank's peak and its
+        breakdown by category, gathered for rank 0's metrics row."""
+        from scaletrain.measure.comm import DTensorMemoryTracker
+
+        extra = getattr(self.parallel, "state_tensors", lambda: [])()
+        with DTensorMemoryTracker(model=self.model, optimizer=self.optimizer, extra=extra, track_saved=True) as tr:
+            self.tracked = {}  # re-entry guard
+            loss = self._train_step(it)
+        mine = {"peak": int(tr.peak_bytes), **{k: int(v) for k, v in tr.peak_breakdown.items()}}
+        ranks: list[Any] = [mine]
+        if self.world > 1:
+            ranks = [None] * self.world
+            with LEDGER.paused():
+                dist.all_gather_object(ranks, mine)
+        heaviest = max(range(len(ranks)), key=lambda r: ranks[r]["peak"])
+        self.tracked = {"tracked_peak_bytes": mine["peak"], "tracked_peak_bytes_max": ranks[heaviest]["peak"],
+                        "tracked_peak_rank": heaviest, "tracked_peak_bytes_ranks": [r["peak"] for r in ranks],
+                        "tracked_peak_breakdown": ranks[heaviest]}
+        return loss
 
     def fit(self) -> TrainResult:
         cfg = self.cfg
@@ -448,6 +473,7 @@ class Trainer:
                     if self.scaler.is_enabled():
                         row["loss_scale"] = float(self.scaler.get_scale())
                     row.update(self.parallel.metrics())
+                    row.update(self.tracked or {})
                     if self.world > 1:
                         row["comm_bytes"] = self.comm_bytes
                         if self.model_state_bytes:

@@ -481,7 +481,45 @@ class PipelineStrategy(Strategy):
         if self.runtime.tp is not None:  # DTensor's collectives inside this rank's stages (logged steps)
             out["comm_bytes_intra_layer"] = self._tp_bytes
             out["predicted_comm_bytes_intra_layer"] = self._tp_predicted
+        if not self.runtime.asynchronous:
+            out.update(self.predicted_collectives())
         return out
+
+    def predicted_collectives(self) -> dict[str, float]:
+        """Bytes this rank receives per step in the collectives the ledger counts (ring convention,
+        :mod:`scaletrain.measure.comm`), from the layout: the loss all-reduce over the pipeline mesh;
+        shared parameters' gradients summed over their holders (GPT-2's tied embedding on the first and
+        last stage; Chimera's replicas); this rank's gradients averaged over its data-parallel replicas
+        (all-reduce), or with ZeRO-1 reduce-scattered and the updated rows all-gathered (bucket padding
+        included); the gradient-norm all-reduces; the TP collectives inside the stages."""
+        rt, plan = self.runtime, self.runtime.plan
+
+        def ring_ar(n: int, nbytes: float) -> float:
+            return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+        def nbytes(ts: list) -> float:
+            from .tensor_parallel import local
+
+            return float(sum(local(t).numel() * local(t).element_size() for t in ts))
+
+        W = len(plan.mesh_ranks)
+        total = ring_ar(W, 8.0)  # the window's mean loss (float64)
+        for h, ts in plan.tied:
+            total += ring_ar(len(h), nbytes(ts))
+        for ts in plan.gradsync.values():  # Chimera: a stage's two replicas
+            total += ring_ar(2, nbytes(ts))
+        if self.zero is not None:
+            dp = rt.dp
+            per = sum(dp * b.seg * self.zero.entries[b.entries[0]].local.element_size() for b in self.zero.buckets)
+            total += 2 * (dp - 1) / dp * per  # reduce-scatter of the padded buckets, then their all-gather
+        else:
+            total += ring_ar(rt.dp, nbytes(plan.params))
+            total += ring_ar(rt.pp, 8.0) if rt.pp > 1 else 0.0  # the norm: over the replica ...
+            if rt.tp is not None:
+                total += ring_ar(rt.tp.tp, 8.0)  # ... and over the TP group
+        if rt.tp is not None:
+            total += self._tp_predicted
+        return {"predicted_comm_bytes": total}
 
     def describe(self) -> str:
         rt = self.runtime
