@@ -38,6 +38,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hsdp", type=int, default=0, help="with --zero >= 1: shard within groups of this many ranks")
     p.add_argument("--simulate", action="store_true",
                    help="also run a whole step on fake tensors under the tracker, as a cross-check")
+    g = p.add_argument_group("plan", "any of these (or --plan) predicts every rank of that plan: its peak by "
+                                     "category (the heaviest rank's is `bytes.peak`) and the bytes it receives per "
+                                     "step in collectives — the composed cost faces, scaletrain.techniques.plan_cost")
+    g.add_argument("--plan", metavar="FILE", help="a plan file (TOML or JSON, as `scaletrain train --plan`)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--schedule", default="1f1b", help="pipeline schedule (default 1f1b)")
+    g.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches per step")
+    g.add_argument("--virtual", type=int, default=0, help="stages per rank (interleaved)")
+    g.add_argument("--remat", default="none", help="remat method: none, periodic, revolve, optimal (with --pp: "
+                                                   "per stage and micro-batch)")
+    g.add_argument("--remat-budget", default="", help="remat budget: bytes or a size like 7MiB")
+    g.add_argument("--global-batch", type=int, default=0,
+                   help="samples per optimizer step over all replicas (default: --batch x --accum x dp)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
                       xlabel="replayed allocation/free event")
     if args.dp > 1 or args.zero:
         est.meta["data_parallel"] = _data_parallel(est, args)
+    if args.plan or args.dp > 1 or args.tp > 1 or args.cp > 1 or args.ep > 1 or args.pp > 1 or args.remat != "none":
+        est.meta["plan"] = _plan(args, overrides)
+        est.bytes["peak"] = est.meta["plan"]["heaviest"]["peak_bytes"]  # the heaviest rank's, not one process's
     if args.json:
         print(to_json(est))
         return 0
@@ -81,8 +101,51 @@ def run(args: argparse.Namespace) -> int:
               + f": per-rank model states {m['total'] / 2**30:.3f} GiB (params {m['params'] / 2**30:.3f}, grads "
               f"{m['grads'] / 2**30:.3f}, optimizer {m['optimizer'] / 2**30:.3f}); received per rank per step "
               f"{d['comm_bytes_per_step'] / 2**30:.3f} GiB (ring collectives)")
+    if "plan" in est.meta:
+        pl = est.meta["plan"]
+        print(f"plan {pl['describe']} on {pl['world']} processes:")
+        for r in pl["ranks"]:
+            b = r["bytes"]
+            print(f"  {r['rank']}: peak {r['peak_bytes'] / 2**20:.2f} MiB (params {b['params'] / 2**20:.2f}, grads "
+                  f"{b['grads'] / 2**20:.2f}, optimizer {b['optimizer'] / 2**20:.2f}, activations and transients "
+                  f"{b['activations_and_transients'] / 2**20:.2f}); receives {r['comm_bytes'] / 2**20:.3f} MiB "
+                  f"per step in collectives")
+        print(f"heaviest: {pl['heaviest']['rank']}, peak {int(pl['heaviest']['peak_bytes'])} B")
     print_blocks(profile_to_rows(est.profile), measured=False)
     return 0
+
+
+def _plan(args: argparse.Namespace, overrides: dict) -> dict:
+    """The whole plan, rank by rank (scaletrain.techniques.plan_cost), refused as `train` would refuse it."""
+    from scaletrain import models
+    from scaletrain.plan import Plan, load_plan_overrides
+    from scaletrain.techniques import compat
+    from scaletrain.techniques.plan_cost import heaviest, plan_costs
+    from scaletrain.train.config import load_config
+
+    keys = [f"parallel.dp={args.dp}", f"parallel.zero={args.zero}", f"parallel.hsdp={args.hsdp}",
+            f"parallel.tp={args.tp}", f"parallel.sequence_parallel={str(args.sp).lower()}", f"parallel.cp={args.cp}",
+            f"parallel.ep={args.ep}", f"parallel.pp={args.pp}", f"parallel.schedule={args.schedule}",
+            f"parallel.microbatches={args.microbatches}", f"parallel.virtual={args.virtual}",
+            f"memory.remat.method={args.remat}", f"memory.remat.budget=\"{args.remat_budget}\"",
+            f"train.precision={args.precision}", f"train.params_dtype={args.params_dtype}",
+            f"optim.name={args.optimizer}"]
+    cfg = load_config(None, keys + (load_plan_overrides(args.plan) if args.plan else []))
+    plan = Plan.from_config(cfg)
+    world = plan.world(max(plan.dp, 1))
+    model = models.get(args.model, device="meta", **overrides)
+    seq = args.seq or getattr(getattr(model, "config", None), "n_positions", 0) or 1
+    micro = 0 if plan.pp > 1 and plan.microbatches else args.batch
+    gb = args.global_batch or (args.batch * args.accum * max(plan.dp, 1) if not (plan.pp > 1 and plan.microbatches)
+                               else args.batch * plan.microbatches * max(plan.dp, 1))
+    M = plan.microbatches if plan.pp > 1 and plan.microbatches else gb // max(micro * max(plan.dp, 1), 1)
+    compat.check(plan.resolved(world), compat.Facts.of(model, world=world, device=args.device, seq_len=seq,
+                                                        microbatches=M))
+    costs = plan_costs(plan, model, world=world, global_batch=gb, seq=seq, micro_batch=micro)
+    top = heaviest(costs)
+    return {"describe": plan.resolved(world).describe(), "world": world, "global_batch": gb,
+            "plan": plan.resolved(world).to_dict(), "ranks": [c.to_dict() for c in costs], "heaviest": top.to_dict(),
+            "comm_bytes_per_step": top.comm_bytes}
 
 
 def _data_parallel(est, args: argparse.Namespace) -> dict:

@@ -120,6 +120,32 @@ class _Bucket:
     launched: bool = False
 
 
+def bucket_chunks(sizes: list[int], cap: float) -> list[list[int]]:
+    """Indices (into ``sizes``, bytes of each tensor in registration order) of every bucket: filled in
+    reverse order — about the order backward produces gradients — up to ``cap`` bytes each."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    size = 0.0
+    for i in reversed(range(len(sizes))):
+        if current and size + sizes[i] > cap:
+            chunks.append(current)
+            current, size = [], 0.0
+        current.append(i)
+        size += sizes[i]
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def bucket_segments(shapes: list[tuple[int, int, int]], n: int, cap: float) -> list[int]:
+    """Values per rank of each ZeRO-1/2 bucket (rows padded to whole chunks, as :class:`GradSync` lays
+    them out) for tensors given as (rows, elements per row, bytes per element) in registration order."""
+    out = []
+    for c in bucket_chunks([r * k * e for r, k, e in shapes], cap):
+        out.append(sum(shard_rows(shapes[i][0], n, 0)[0] * shapes[i][1] for i in c))
+    return out
+
+
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (sharing storage), other tensors as they are."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -183,20 +209,9 @@ class GradSync:
         out: list[_Bucket] = []
         for key in self.groups:
             idx = [i for i, e in enumerate(self.entries) if e.group == key]
-            current: list[int] = []
-            size = 0.0
-            chunks: list[list[int]] = []
-            for i in reversed(idx):
-                e = self.entries[i]
-                nbytes = e.local.numel() * e.local.element_size()
-                if current and size + nbytes > cap:
-                    chunks.append(current)
-                    current, size = [], 0.0
-                current.append(i)
-                size += nbytes
-            if current:
-                chunks.append(current)
-            for c in chunks:
+            sizes = [self.entries[i].local.numel() * self.entries[i].local.element_size() for i in idx]
+            for c in bucket_chunks(sizes, cap):
+                c = [idx[j] for j in c]
                 offs, seg = [], 0
                 for i in c:
                     offs.append(seg)

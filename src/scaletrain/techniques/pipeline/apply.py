@@ -97,6 +97,7 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
                          example_input=example, device=device, timeout_s=timeout_s, forward_context=forward_context,
                          record_events=record_events, remat=remat, remat_budget=remat_budget,
                          remat_precision=remat_precision, loss_scale=loss_scale, **extra)
-    if tp > 1:  # keep only this rank's stages' shards
-        tpp.free_nonlocal(model, rt.plan.local_tensors)
+    from .tensor_parallel import free_nonlocal
+
+    free_nonlocal(model, rt.plan.local_tensors)  # keep only this rank's stages (their TP shards)
     return rt

@@ -182,7 +182,12 @@ class PipelineStrategy(Strategy):
             from .tensor_parallel import predicted_tp_bytes
 
             strategy._tp_predicted = predicted_tp_bytes(model, rt, ctx.micro_batch, seq or 1,
-                                                        sequence_parallel=p.sp)
+                                                        sequence_parallel=p.sp, precision=ctx.precision)
+        for stage, sch in sorted(rt.remat_schedules.items()):
+            from scaletrain.techniques.remat.tree import describe_tree, tree_of
+
+            ctx.log(f"remat: stage {stage}: {describe_tree(tree_of(sch))}; predicted activation peak "
+                    f"{sch.predicted_peak_bytes} B per micro-batch, {sch.n_forwards} block forwards")
         if ctx.accum < p.pp:
             ctx.log(f"note: {ctx.accum} micro-batch(es) per step over parallel.pp={p.pp} stages leaves the "
                     f"pipeline idle {strategy.bubble_predicted:.0%} of the time (predicted); set "
@@ -378,21 +383,16 @@ class PipelineStrategy(Strategy):
     # ------------------------------------------------------------------ state
     def model_state_dict(self) -> dict[str, Any]:
         """The whole model (single-process layout), current on every rank. Collective."""
-        rt = self.runtime
-        if rt.tp is not None:  # each stage's TP group gathers its tensors; one rank per stage shares them
-            from .tensor_parallel import gather_model_state
+        rt = self.runtime  # each rank holds its stages only: one rank per stage shares them (TP: gathered first)
+        from .tensor_parallel import gather_model_state
 
-            return gather_model_state(self.model, rt.plan.local_tensors, rt.tp.tp_rank == 0 and rt.dp_rank == 0)
-        rt.sync_full_model()
-        return self.model.state_dict()
+        return gather_model_state(self.model, rt.plan.local_tensors,
+                                  (rt.tp is None or rt.tp.tp_rank == 0) and rt.dp_rank == 0)
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        if self.runtime.tp is not None:  # this rank's TP shards of its stages' tensors
-            from .tensor_parallel import load_full_state
+        from .tensor_parallel import load_full_state  # this rank's stages (their TP shards)
 
-            load_full_state(self.model, state, self.runtime.plan.local_tensors)
-            return
-        self.model.load_state_dict(state)  # every rank loads the whole model; stages share its tensors
+        load_full_state(self.model, state, self.runtime.plan.local_tensors)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Every stage's states renumbered as the one-process optimizer's, on every rank. Collective."""

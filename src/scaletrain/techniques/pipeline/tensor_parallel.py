@@ -126,33 +126,58 @@ def tp_comm_counter() -> Any:
     return _TPCounter()
 
 
-def predicted_tp_bytes(model: nn.Module, runtime: Any, micro_batch: int, seq: int, act_bytes: int = 4,
-                       sequence_parallel: bool = False) -> float:
-    """Wire bytes of one rank's DTensor collectives in one window (ring model, as
-    :func:`scaletrain.techniques.tensor_parallel.tp_comm_bytes_per_step`, counted per local block
-    and micro-batch; f = (t-1)/t, A = b·s·h·act_bytes). Without SP: the embedding all-reduces A
-    in the forward, a transformer block 2 A in the forward and 2 A in the backward (inputs of
-    c_attn and c_fc), the head A in the backward (lm_head's input) — 2 f each. With SP every one
-    becomes a reduce-scatter / all-gather pair (f A each, twice as many ops, the same bytes), plus
-    the all-reduce of the replicated parameters that saw s/t positions: wpe (P·h), 2 LayerNorms
-    per block (4 h), ln_f (2 h); the re-gathers of ``regather`` are ``torch.distributed`` calls
-    (in the ledger, not here). The vocabulary-parallel loss all-reduces 3 fp32 vectors of b·s.
-    Times the forwards of each local stage in the schedule. Exact for fp32 and the synchronous
-    schedules (an asynchronous stream's window holds the forwards up to its pause, not exactly M);
-    an upper bound under bf16 autocast."""
-    t = runtime.tp.tp
+def stage_tp_bytes(cfg: Any, t: int, micro_batch: int, seq: int, kinds: list[str], *, forwards: int,
+                   recomputes: list[int] | None = None, act_bytes: int = 4, sequence_parallel: bool = False,
+                   precision: str = "fp32") -> float:
+    """Wire bytes of one stage replica's DTensor collectives over ``forwards`` micro-batches (ring
+    model, as :func:`scaletrain.techniques.tensor_parallel.tp_comm_bytes_per_step`, counted per block;
+    f = (t-1)/t, A = b·s·h·act_bytes). ``kinds``: the stage's blocks, each "embed", "layer" or "head".
+    Without SP: the embedding all-reduces A in the forward, a transformer block 2 A in the forward and
+    2 A in the backward (inputs of c_attn and c_fc), the head A in the backward (lm_head's input) —
+    2 f each. With SP every one becomes a reduce-scatter / all-gather pair (f A each, twice as many
+    ops, the same bytes), plus the all-reduce of the replicated parameters that saw s/t positions: wpe
+    (P·h), 2 LayerNorms per block (4 h), ln_f (2 h); the re-gathers of ``regather`` are
+    ``torch.distributed`` calls (in the ledger, not here). The vocabulary-parallel loss all-reduces 3
+    fp32 vectors of b·s. ``recomputes``: extra forwards of each block per micro-batch (remat), which
+    replay the block's forward collectives (:func:`~scaletrain.techniques.tensor_parallel.cost.tp_forward_bytes_per_block`).
+    Under 16-bit autocast (``precision`` bf16 / fp16, no SP) a layer's two forward all-reduces carry the
+    row-parallel matmuls' 16-bit outputs (half the bytes); the embedding's, the backward's (gradients
+    of fp32 LayerNorm outputs) and the loss's stay fp32."""
+    from scaletrain.techniques.tensor_parallel.cost import tp_forward_bytes_per_block
+
     f = (t - 1) / t
-    h = model.config.n_embd
+    h = cfg.n_embd
     A = micro_batch * seq * h * act_bytes
     ar = (lambda n: 2 * f * n * 4) if sequence_parallel else (lambda n: 0.0)  # replicated params' grads
     loss = 2 * f * 3 * micro_batch * seq * 4
-    embed, block, head = 2 * f * A + ar(model.config.n_positions * h), 8 * f * A + ar(4 * h), 2 * f * A + ar(2 * h)
+    half = 0.5 if precision in ("bf16", "fp16") and not sequence_parallel else 1.0  # forward outputs of matmuls
+    cost = {"embed": 2 * f * A + ar(cfg.n_positions * h), "layer": (4 * half + 4) * f * A + ar(4 * h),
+            "head": 2 * f * A + ar(2 * h) + loss}
+    fwd = tp_forward_bytes_per_block(cfg, t, micro_batch, seq, sequence_parallel=sequence_parallel,
+                                     act_bytes=act_bytes)
+    replay = {"embed": fwd[0], "layer": (fwd[1] if len(fwd) > 2 else 0.0) * half, "head": fwd[-1]}
+    per = sum(cost[k] for k in kinds) + sum(n * replay[k] for k, n in zip(kinds, recomputes or []))
+    return forwards * per
+
+
+def predicted_tp_bytes(model: nn.Module, runtime: Any, micro_batch: int, seq: int, act_bytes: int = 4,
+                       sequence_parallel: bool = False, precision: str = "fp32") -> float:
+    """:func:`stage_tp_bytes` of this rank's stage replicas in one window: times the forwards of each
+    local stage in the schedule, with its remat tree's recomputations. Exact for fp32 and the
+    synchronous schedules (an asynchronous stream's window holds the forwards up to its pause, not
+    exactly M)."""
+    from scaletrain.techniques.remat.tree import recompute_counts, tree_of
+
     acts = runtime.schedule_for(1).actions[runtime.pp_rank]
     total = 0.0
     for (pipe, stage), rep in runtime.replicas.items():
         forwards = sum(1 for a in acts if a.kind == "F" and a.stage == stage and a.pipe == pipe)
-        per = sum(embed if blk is model.embed else head + loss if blk is model.head else block for blk in rep.module)
-        total += forwards * per
+        kinds = ["embed" if blk is model.embed else "head" if blk is model.head else "layer" for blk in rep.module]
+        sched = runtime.remat_schedules.get(stage)
+        rec = recompute_counts(tree_of(sched), len(kinds)) if sched is not None else None
+        total += stage_tp_bytes(model.config, runtime.tp.tp, micro_batch, seq, kinds, forwards=forwards,
+                                recomputes=rec, act_bytes=act_bytes, sequence_parallel=sequence_parallel,
+                                precision=precision)
     return total
 
 
@@ -192,13 +217,15 @@ def gather_full(model: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def free_nonlocal(model: nn.Module, keep: list[torch.Tensor]) -> None:
-    """Empty the local shards of every DTensor parameter/buffer of ``model`` not in ``keep`` (the
-    tensors this rank's stages use): their storage is released; their DTensor metadata (global
-    shape) stays, and any use of them would fail loudly."""
+    """Empty every parameter/buffer of ``model`` not in ``keep`` (the tensors this rank's stages use):
+    their storage is released (a DTensor's local shard, a plain tensor's storage), their shape stays,
+    and any use of them would fail loudly. A pipeline rank then holds its own stages only."""
     kept = {id(t) for t in keep}
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) not in kept and isinstance(t, DTensor):
             t._local_tensor.set_()
+        elif id(t) not in kept:  # a plain tensor (a pipeline without TP): its storage released, shape kept
+            t.detach().untyped_storage().resize_(0)
 
 
 @torch.no_grad()

@@ -1,0 +1,303 @@
+"""The cost of a whole plan, rank by rank: the one cost interface the estimator (and the planner) use.
+
+:func:`plan_costs` composes the families' cost faces in the stack's order, on the estimated block
+profile of one micro-batch (fake tensors: nothing allocated) — the same functions the runtime uses
+to cut and plan, so prediction and run agree by construction where they can:
+
+1. **pipeline stages** — the stage split is the runtime's own (:func:`.pipeline.apply.stage_bounds`),
+   each stage's bytes come from :func:`.pipeline.memory.stage_memory` (weights, gradients, optimizer
+   states and their step transient, one in-flight micro-batch's activation set and transients, with
+   each stage's remat schedule replayed), and each pipeline rank's peak from the schedule simulator
+   (:func:`.pipeline.simulate.simulate`: how many micro-batches a rank holds at once). Without a
+   pipeline the model is one stage and the schedule one rank running the micro-batches in turn;
+2. **tensor / sequence / context parallelism** shrink each stage's parameters to this rank's local
+   counts (:func:`.tensor_parallel.cost.tp_param_elements`, per block) and its activations by the TP
+   activation cost face's ratio (:func:`.tensor_parallel.cost.tp_activation_bytes`) and by cp;
+3. **rematerialization** — inside (1): the stages' schedules (:func:`.remat.tree.plan_remat` /
+   :func:`.pipeline.stage.stage_remat`);
+4. **data parallelism** — ZeRO's cost face (:mod:`.data_parallel.cost`): optimizer states (and their
+   step transient) over the shard group from stage 1, gradients from stage 2, parameters from stage 3
+   (which then holds one gathered block at a time);
+5. **traffic** — bytes received per rank per step in the ledger's ring convention: the mesh's
+   (:func:`scaletrain.techniques.cost.mesh_predictions`) or, with a pipeline, its collectives (loss,
+   tied weights, the data-parallel reduction or ZeRO-1's reduce-scatter and all-gather with the same
+   bucket padding as :class:`.data_parallel.zero.GradSync`, norms, TP inside the stages).
+
+Every rank's :class:`RankCost` holds bytes by category at its peak; :func:`heaviest` names the rank
+whose peak is largest (the one that decides whether the plan fits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.errors import UserError
+from scaletrain.plan import Plan
+
+
+@dataclass
+class RankCost:
+    """One rank's predicted bytes at its peak (by category) and bytes received per step."""
+
+    rank: str
+    """Which ranks this is (pipeline rank; every TP / DP / CP rank of it is alike)."""
+    peak_bytes: float
+    bytes: dict[str, float] = field(default_factory=dict)
+    """params, grads, optimizer (states + masters), activations (the in-flight micro-batches), transient."""
+    comm_bytes: float = 0.0
+    """Bytes received per optimizer step in collectives (ring convention of the ledger)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def heaviest(costs: list[RankCost]) -> RankCost:
+    return max(costs, key=lambda c: c.peak_bytes)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1).float(), y.flatten()) if out.dim() == 3 else F.cross_entropy(out, y)
+
+
+def _batch(plan: Plan, global_batch: int, micro_batch: int) -> tuple[int, int]:
+    """(micro-batch samples, micro-batches per step) as the trainer derives them."""
+    dp = max(plan.dp, 1)
+    if plan.pp > 1 and plan.microbatches:
+        return global_batch // (plan.microbatches * dp), plan.microbatches
+    if micro_batch:
+        return micro_batch, global_batch // (micro_batch * dp)
+    return global_batch // dp, 1
+
+
+def _tp_local_params(cfg: Any, t: int, n_blocks: int) -> list[float]:
+    """Parameter elements one TP rank holds per Chain block of a GPT-2 (embedding, layers, head; the
+    head's tied ``wte`` counted with the embedding): the per-block split of ``tp_param_elements``."""
+    h, V, P = cfg.n_embd, cfg.vocab_size, cfg.n_positions
+    layer = (12 * h * h + 7 * h) / t + 6 * h
+    return [V * h / t + P * h] + [layer] * (n_blocks - 2) + [2 * h]
+
+
+def _full_params(cfg: Any, n_blocks: int) -> list[float]:
+    return _tp_local_params(cfg, 1, n_blocks)
+
+
+def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, seq: int,
+               micro_batch: int = 0, example: torch.Tensor | None = None, target: torch.Tensor | None = None
+               ) -> list[RankCost]:
+    """Every pipeline rank's predicted peak and traffic for ``plan`` on ``world`` processes (see the
+    module docstring). ``model`` may live on the meta device; the compatibility table is the
+    caller's."""
+    from scaletrain.chain import to_chain
+    from scaletrain.techniques.pipeline.apply import default_virtual, stage_bounds
+    from scaletrain.techniques.pipeline.memory import stage_memory
+    from scaletrain.techniques.pipeline.schedules import build
+    from scaletrain.techniques.pipeline.simulate import StageCosts, simulate
+
+    plan = plan.resolved(world)
+    chain = to_chain(model)
+    n = len(chain)
+    b, M = _batch(plan, global_batch, micro_batch)
+    if b < 1 or M < 1:
+        raise UserError(f"global batch {global_batch} does not split over dp={plan.dp} and the micro-batches")
+    lm = getattr(model, "task", "lm") == "lm"
+    if example is None:
+        spec = getattr(model, "input_spec", None)
+        if spec is None:
+            raise UserError(f"{type(model).__name__} has no input_spec(batch, seq): give example=")
+        example = spec(b, seq if lm else None)
+    if target is None:
+        target = torch.zeros(example.shape if lm else (b,), dtype=torch.long, device="meta")
+    v = default_virtual(plan.schedule, plan.virtual) if plan.pp > 1 else 1
+    sched_name = plan.schedule if plan.pp > 1 else "gpipe"
+    bounds = (stage_bounds(model, example, pp=plan.pp, schedule=plan.schedule, microbatches=M, virtual=v,
+                           loss_fn=_loss, balance=plan.balance) if plan.pp > 1 else [0, n])
+    remat = _remat(plan, chain, bounds, example, target)
+    mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
+                       precision=plan.precision, remat=remat)
+    S = len(bounds) - 1
+    cfg = getattr(model, "config", None)
+    if plan.tp > 1 or plan.cp > 1:
+        _shrink_model_parallel(mem, plan, cfg, bounds, b, seq)
+    _shard_zero(mem, plan, bounds, chain)
+    sched = build(sched_name, plan.pp, M, v)
+    sim = simulate(sched, StageCosts(fwd_s=[1.0] * S, bwd_s=[2.0] * S, **mem))
+    comm = _traffic(plan, model, cfg, bounds, b, seq, M, world, remat)
+    out = []
+    for r, peak in enumerate(sim.peak_memory_bytes):
+        stages = [s for s in range(S) if any(sched.rank_of(s, p) == r for p in range(sched.n_pipes))]
+        parts = {"params": sum(mem["weight_bytes"][s] for s in stages),
+                 "grads": sum(mem["grad_bytes"][s] for s in stages),
+                 "optimizer": sum(mem["state_bytes"][s] for s in stages)}
+        parts["activations_and_transients"] = max(0.0, peak - sum(parts.values()))
+        name = f"pipeline rank {r} (stages {stages})" if plan.pp > 1 else "every rank"
+        out.append(RankCost(name, float(peak), parts, comm[r] if r < len(comm) else comm[-1]))
+    return out
+
+
+def _remat(plan: Plan, chain: nn.Module, bounds: list[int], x: torch.Tensor, y: torch.Tensor) -> list | None:
+    r = plan.remat
+    if r.method == "none" and r.blocks == "none":
+        return None
+    if len(bounds) > 2:
+        from scaletrain.techniques.pipeline.stage import stage_remat
+
+        return stage_remat(chain, bounds, x, r.method, r.budget or None, target=y, loss_fn=_loss,
+                           precision=plan.precision)
+    from scaletrain.techniques.remat.tree import plan_remat
+
+    choice = plan_remat(chain, r, x, y, _loss, plan.precision)
+    return [choice.schedule] if choice.schedule is not None else None
+
+
+def _shrink_model_parallel(mem: dict, plan: Plan, cfg: Any, bounds: list[int], b: int, seq: int) -> None:
+    """TP: each stage's parameters to this rank's local elements, activations by the TP cost face's
+    ratio; CP: activations of seq / cp tokens."""
+    from scaletrain.techniques.tensor_parallel.cost import tp_activation_bytes
+
+    n = bounds[-1]
+    t = plan.tp
+    local, full = _tp_local_params(cfg, t, n), _full_params(cfg, n)
+    s_loc = seq // plan.cp
+    act = tp_activation_bytes(cfg, t, b, s_loc, sequence_parallel=plan.sp)["total"] / \
+        tp_activation_bytes(cfg, 1, b, seq)["total"]
+    for s in range(len(bounds) - 1):
+        blocks = range(bounds[s], bounds[s + 1])
+        w = sum(local[i] for i in blocks) / sum(full[i] for i in blocks)
+        if s == len(bounds) - 2 and bounds[s] > 0:  # the last stage also holds the tied wte
+            w = (sum(local[i] for i in blocks) + local[0] - cfg.n_positions * cfg.n_embd) / \
+                (sum(full[i] for i in blocks) + full[0] - cfg.n_positions * cfg.n_embd)
+        for k in ("weight_bytes", "grad_bytes", "state_bytes", "opt_temp_bytes"):
+            mem[k][s] *= w
+        for k in ("act_bytes", "fwd_temp_bytes", "bwd_temp_bytes"):
+            mem[k][s] *= act
+        if plan.sp or plan.cp > 1:
+            mem["boundary_bytes"][s] /= (plan.tp if plan.sp else 1) * plan.cp
+
+
+def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module) -> None:
+    """ZeRO over the data-parallel ranks (ZeRO's cost face; rows split as torch.chunk, so ~1/N)."""
+    N = plan.hsdp or max(plan.dp, 1) * (plan.cp if plan.pp == 1 else 1)
+    if plan.zero == 0 or N == 1:
+        return
+    for s in range(len(bounds) - 1):
+        mem["state_bytes"][s] /= N
+        # the step's transient: the optimizer's over the owned rows, or — ZeRO-1/2 — every bucket's
+        # reduce-scatter input (N padded shards) and output, then every bucket's all-gather output and input,
+        # all in flight at once: (N + 1) / N of the stage's parameter bytes
+        mem["opt_temp_bytes"][s] = max(mem["opt_temp_bytes"][s] / N,
+                                       (N + 1) / N * mem["weight_bytes"][s] if plan.zero in (1, 2) else 0.0)
+        if plan.zero >= 2:
+            mem["grad_bytes"][s] /= N
+        if plan.zero == 3:  # one block gathered at a time (its parameters whole during its forward/backward)
+            blocks = chain.blocks[bounds[s]:bounds[s + 1]]
+            biggest = max((sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks),
+                          default=0)
+            mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + biggest
+
+
+def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, seq: int, M: int,
+             world: int, remat: list | None) -> list[float]:
+    """Bytes received per step per pipeline rank (the ledger's collectives)."""
+    if plan.pp == 1:
+        if world == 1:
+            return [0.0]
+        from scaletrain.techniques.cost import local_param_counts, mesh_predictions
+
+        counts = local_param_counts(model, tp=plan.tp, ep=plan.ep)
+        if plan.zero == 0 and plan.tp == plan.cp == plan.ep == 1:  # torch DDP: one all-reduce of the gradients
+            from scaletrain.techniques.data_parallel.cost import comm_bytes_per_step
+
+            return [comm_bytes_per_step(counts["dense"], 0, world)]  # (DDP's replicas clip alike: no norm all-reduce)
+        mp = _MeshShape(plan)
+        return [mesh_predictions(cfg, mp, stage=plan.zero, micro_batch=b, accum=M, seq=seq, counts=counts,
+                                 grad_clip=True, world=world)["predicted_comm_bytes"]]
+    return [_pipeline_traffic(plan, model, cfg, bounds, b, seq, M, r, remat) for r in range(plan.pp)]
+
+
+@dataclass
+class _MeshShape:
+    """What :func:`mesh_predictions` reads of a mesh (the plan's degrees)."""
+
+    plan: Plan
+
+    def __getattr__(self, k: str) -> Any:
+        p = object.__getattribute__(self, "plan")
+        return {"dp": max(p.dp, 1), "tp": p.tp, "cp": p.cp, "ep": p.ep, "sequence_parallel": p.sp}[k]
+
+
+def _tp_local_shape(name: str, shape: tuple[int, ...], t: int) -> tuple[int, ...]:
+    """This TP rank's shape of a GPT-2 parameter (Megatron: column-parallel QKV / MLP-in and the
+    vocabulary-parallel embedding split their rows, row-parallel projections their columns)."""
+    if t == 1 or not shape:
+        return shape
+    if name.endswith(("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "wte.weight", "lm_head.weight")):
+        return (shape[0] // t, *shape[1:])
+    if name.endswith("c_proj.weight"):
+        return (shape[0], shape[1] // t)
+    return shape
+
+
+def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, seq: int, M: int,
+                      rank: int, remat: list | None = None) -> float:
+    """One pipeline rank's collectives per step — the terms
+    :meth:`.pipeline.strategy.PipelineStrategy.predicted_collectives` counts on the running layout:
+    the loss all-reduce, the tied embedding's sum over its holders, the data-parallel all-reduce (or
+    ZeRO-1's reduce-scatter + all-gather of the padded buckets) and the norm all-reduces, and the TP
+    collectives of the rank's stages (:func:`.pipeline.tensor_parallel.stage_tp_bytes`)."""
+    from scaletrain.chain import to_chain
+    from scaletrain.techniques.pipeline.schedules import build
+    from scaletrain.techniques.pipeline.tensor_parallel import stage_tp_bytes
+    from scaletrain.techniques.remat.tree import recompute_counts, tree_of
+
+    chain = to_chain(model)
+    v = (plan.virtual or (2 if plan.schedule == "interleaved" else 1))
+    sched = build(plan.schedule, plan.pp, M, v)
+    S = len(bounds) - 1
+    stages = sorted({a.stage for a in sched.actions[rank] if a.kind == "F"})
+    names = {id(p): n for n, p in model.named_parameters()}
+    holders: dict[int, set[int]] = {}
+    for st in range(S):
+        for blk in chain.blocks[bounds[st]:bounds[st + 1]]:
+            for p in blk.parameters():
+                holders.setdefault(id(p), set()).update(sched.rank_of(st, q) for q in range(sched.n_pipes))
+    mine = [p for p in model.parameters() if rank in holders.get(id(p), ())]  # the runtime's order
+    t, dp = plan.tp, max(plan.dp, 1)
+
+    def ring_ar(n: int, x: float) -> float:
+        return 2 * (n - 1) / n * x if n > 1 else 0.0
+
+    def nbytes(ps: list) -> float:
+        return float(sum(math.prod(_tp_local_shape(names[id(p)], tuple(p.shape), t)) * 4 for p in ps))
+
+    total = ring_ar(plan.pp * dp, 8.0)  # the window's mean loss (float64)
+    shared = [p for p in mine if len(holders[id(p)]) > 1]
+    if shared:
+        total += ring_ar(len(holders[id(shared[0])]), nbytes(shared))
+    if plan.zero == 1:
+        from scaletrain.techniques.data_parallel.zero import bucket_segments
+
+        shapes = []
+        for p in mine:
+            shp = _tp_local_shape(names[id(p)], tuple(p.shape), t)
+            rows = shp[0] if shp else 1
+            shapes.append((rows, math.prod(shp) // max(rows, 1), 4))
+        segs = bucket_segments(shapes, dp, plan.bucket_mb * 2**20)
+        total += 2 * (dp - 1) / dp * sum(dp * seg * 4 for seg in segs)
+    else:
+        total += ring_ar(dp, nbytes(mine))
+        total += ring_ar(plan.pp, 8.0) + (ring_ar(t, 8.0) if t > 1 else 0.0)
+    if t > 1:
+        for st in stages:
+            kinds = ["embed" if i == 0 else "head" if i == bounds[-1] - 1 else "layer"
+                     for i in range(bounds[st], bounds[st + 1])]
+            forwards = sum(1 for a in sched.actions[rank] if a.kind == "F" and a.stage == st)
+            rec = recompute_counts(tree_of(remat[st]), len(kinds)) if remat else None
+            total += stage_tp_bytes(cfg, t, b, seq, kinds, forwards=forwards, recomputes=rec,
+                                    sequence_parallel=plan.sp, precision=plan.precision)
+    return total
