@@ -28,12 +28,11 @@ CASES = [
     for opt in ("adamw", "sgd")
     for accum in (1, 2)
 ]
-# gpt2-small (124M parameters) is slow on 2 shared cores: two configurations cover every axis.
+# gpt2-small (124M parameters) is slow on 2 shared cores (bf16 4 minutes on a CPU without AVX512-BF16):
+# one configuration shows the estimate holds at scale; the bf16 / SGD / accumulation axes are the small models'.
 CASES += [
     pytest.param("gpt2-small", dict(batch=1, seq=128, precision="fp32", optimizer="adamw", accum=1),
                  id="gpt2-small-fp32-adamw-accum1"),
-    pytest.param("gpt2-small", dict(batch=1, seq=128, precision="bf16", optimizer="sgd", accum=2, **SGD),
-                 id="gpt2-small-bf16-sgd-accum2"),
     # the other precision setups: fp16 autocast with a GradScaler; 16-bit parameters + fp32 masters
     pytest.param("resnet-mini", dict(batch=2, precision="fp16", optimizer="adamw", accum=2), id="resnet-mini-fp16"),
     pytest.param("gpt2-tiny", dict(batch=2, seq=64, precision="bf16", optimizer="adamw", params_dtype="bf16"),
