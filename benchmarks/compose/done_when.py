@@ -6,7 +6,7 @@ optimal remat inside the stages — against one process, in fp32 (equal losses) 
 Runs ``scaletrain train`` four times (one process and 8 processes, fp32 and bf16) on the shipped text
 with the same global batch (16 x 128 bytes) and micro-batches (2 samples, 4 per replica and step),
 then writes ``benchmarks/results/compose_done_when.json``: the loss curves, their largest relative
-difference, the per-rank traffic and model states measured next to their predictions, and the
+difference, the per-rank traffic and every pipeline rank's peak (tracker, last step) next to `scaletrain estimate`'s, and the
 machine, versions and date.
 """
 
@@ -45,6 +45,21 @@ def train(out: Path, nproc: int, extra: list[str]) -> tuple[list[dict], float, s
     return rows, time.perf_counter() - t0, r.stdout
 
 
+def predicted_vs_measured(prec: str, budget: str, last: dict) -> dict:
+    """`scaletrain estimate` with the run's flags against the tracker's peak of every pipeline rank
+    (global rank (d pp + p) tp + t: pipeline rank p's first rank is 2 p) and the traffic."""
+    cmd = [sys.executable, "-m", "scaletrain.cli", "estimate", "--model", "gpt2-mini", "--dp", "2", "--tp", "2",
+           "--zero", "1", "--pp", "2", "--microbatches", "4", "--global-batch", "16", "--seq", "128",
+           "--precision", prec, "--remat", "optimal", "--remat-budget", budget, "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
+    ranks = json.loads(r.stdout)["meta"]["plan"]["ranks"]
+    measured = last["tracked_peak_bytes_ranks"]
+    rows = [{"pipeline_rank": p, "predicted_peak_bytes": c["peak_bytes"], "measured_peak_bytes": measured[2 * p],
+             "error": c["peak_bytes"] / measured[2 * p] - 1, "predicted_comm_bytes": c["comm_bytes"]}
+            for p, c in enumerate(ranks)]
+    return {"command": " ".join(cmd[2:]), "ranks": rows, "measured_comm_bytes_rank0": last.get("comm_bytes")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
@@ -60,7 +75,8 @@ def main() -> None:
         for prec in ("fp32", "bf16"):
             pr = [f"train.precision={prec}"]
             one, t1, _ = train(Path(d) / f"one-{prec}", 1, steps + pr + ["train.micro_batch=2"])
-            par, t8, out = train(Path(d) / f"par-{prec}", 8, steps + pr + PLAN + [f"memory.remat.budget={args.budget}"])
+            par, t8, out = train(Path(d) / f"par-{prec}", 8, steps + pr + PLAN + [f"memory.remat.budget={args.budget}",
+                                                                                "train.measure_memory=true"])
             a = [r["loss"] for r in one if "loss" in r]
             b = [r["loss"] for r in par if "loss" in r]
             last = [r for r in par if "loss" in r][-1]
@@ -68,8 +84,10 @@ def main() -> None:
                          "max_rel_loss_diff": max(abs(x - y) / abs(x) for x, y in zip(a, b)),
                          "seconds_one": t1, "seconds_parallel": t8,
                          "rank0_metrics_last_step": {k: v for k, v in last.items() if k not in ("lr",)},
-                         "header": [line for line in out.splitlines() if line.startswith(("remat", "scaletrain"))]}
-            print(prec, "max relative loss difference", res[prec]["max_rel_loss_diff"], flush=True)
+                         "header": [line for line in out.splitlines() if line.startswith(("remat", "scaletrain"))],
+                         "peak": predicted_vs_measured(prec, args.budget, last)}
+            print(prec, "max relative loss difference", res[prec]["max_rel_loss_diff"],
+                  "peak errors", [round(x["error"], 5) for x in res[prec]["peak"]["ranks"]], flush=True)
     dest = ROOT / "benchmarks" / "results" / "compose_done_when.json"
     dest.write_text(json.dumps(res, indent=1))
     print("wrote", dest)

@@ -141,7 +141,7 @@ def _plan(args: argparse.Namespace, overrides: dict) -> dict:
     M = plan.microbatches if plan.pp > 1 and plan.microbatches else gb // max(micro * max(plan.dp, 1), 1)
     compat.check(plan.resolved(world), compat.Facts.of(model, world=world, device=args.device, seq_len=seq,
                                                         microbatches=M))
-    costs = plan_costs(plan, model, world=world, global_batch=gb, seq=seq, micro_batch=micro)
+    costs = plan_costs(plan, model, world=world, global_batch=gb, seq=seq, micro_batch=micro, device=args.device)
     top = heaviest(costs)
     return {"describe": plan.resolved(world).describe(), "world": world, "global_batch": gb,
             "plan": plan.resolved(world).to_dict(), "ranks": [c.to_dict() for c in costs], "heaviest": top.to_dict(),

@@ -88,8 +88,8 @@ def _full_params(cfg: Any, n_blocks: int) -> list[float]:
 
 
 def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, seq: int,
-               micro_batch: int = 0, example: torch.Tensor | None = None, target: torch.Tensor | None = None
-               ) -> list[RankCost]:
+               micro_batch: int = 0, example: torch.Tensor | None = None, target: torch.Tensor | None = None,
+               device: str = "cpu") -> list[RankCost]:
     """Every pipeline rank's predicted peak and traffic for ``plan`` on ``world`` processes (see the
     module docstring). ``model`` may live on the meta device; the compatibility table is the
     caller's."""
@@ -124,7 +124,7 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     cfg = getattr(model, "config", None)
     if plan.tp > 1 or plan.cp > 1:
         _shrink_model_parallel(mem, plan, cfg, bounds, b, seq)
-    _shard_zero(mem, plan, bounds, chain)
+    _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu")
     sched = build(sched_name, plan.pp, M, v)
     sim = simulate(sched, StageCosts(fwd_s=[1.0] * S, bwd_s=[2.0] * S, **mem))
     comm = _traffic(plan, model, cfg, bounds, b, seq, M, world, remat)
@@ -180,8 +180,12 @@ def _shrink_model_parallel(mem: dict, plan: Plan, cfg: Any, bounds: list[int], b
             mem["boundary_bytes"][s] /= (plan.tp if plan.sp else 1) * plan.cp
 
 
-def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module) -> None:
-    """ZeRO over the data-parallel ranks (ZeRO's cost face; rows split as torch.chunk, so ~1/N)."""
+def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo: bool) -> None:
+    """ZeRO over the data-parallel ranks (ZeRO's cost face; rows split as torch.chunk, so ~1/N).
+
+    ``gloo``: the CPU backend reduce-scatters by all-reducing a full copy of the input and keeping this
+    rank's chunk (the tracker sees a bucket-sized buffer, born inside the collective, split at its wait),
+    so every bucket in flight costs its input once more until it is drained; NCCL reduces in place."""
     N = plan.hsdp or max(plan.dp, 1) * (plan.cp if plan.pp == 1 else 1)
     if plan.zero == 0 or N == 1:
         return
@@ -189,9 +193,10 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module) -> N
         mem["state_bytes"][s] /= N
         # the step's transient: the optimizer's over the owned rows, or — ZeRO-1/2 — every bucket's
         # reduce-scatter input (N padded shards) and output, then every bucket's all-gather output and input,
-        # all in flight at once: (N + 1) / N of the stage's parameter bytes
+        # all in flight at once: (N + 1) / N of the stage's parameter bytes, and gloo's copy of the input
+        w = mem["weight_bytes"][s]
         mem["opt_temp_bytes"][s] = max(mem["opt_temp_bytes"][s] / N,
-                                       (N + 1) / N * mem["weight_bytes"][s] if plan.zero in (1, 2) else 0.0)
+                                       (N + 1) / N * w + (w if gloo else 0.0) if plan.zero in (1, 2) else 0.0)
         if plan.zero >= 2:
             mem["grad_bytes"][s] /= N
         if plan.zero == 3:  # one block gathered at a time (its parameters whole during its forward/backward)
