@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from scaletrain import models
 from scaletrain.techniques.pipeline import build, simulate, StageCosts
-from scaletrain.techniques.pipeline.checks import send_releases
+from scaletrain.techniques.pipeline.actions import send_releases
 from scaletrain.techniques.pipeline.memory import stage_memory
 from scaletrain.testing import run_distributed
 
