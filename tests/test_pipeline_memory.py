@@ -64,6 +64,7 @@ def measured() -> list[dict]:
     return run_distributed(_worker, P, timeout_s=120)
 
 
+@pytest.mark.slow  # > 20 s: kept out of make test-fast
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_predicted_peak_matches_tracker_within_10pct(measured, name):
     bounds = measured[0][name]["bounds"]
