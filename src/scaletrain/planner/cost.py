@@ -1,0 +1,274 @@
+"""The analytic cost of a transformer plan on a platform: step time by phase and per-rank peak memory.
+
+Units: seconds and bytes (GiB / ms only when printed). What one step costs (Narayanan et al., SC21,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"):
+
+* **compute** per layer and micro-batch on one rank: each matmul's FLOPs / (peak × the platform's
+  achieved fraction for a matmul of that size, Calculon-style) + each memory-bound kernel's bytes /
+  (HBM bandwidth × fraction for its size) — LayerNorms, bias-GELU, bias-dropout-add and, when the
+  attention is materialised (Megatron 2021), softmax and attention dropout over b·a·s²/t elements.
+  Backward = 2 × forward. Recompute: full = +1 forward (its TP all-reduces included); selective = the
+  attention core again.
+* **tensor parallelism**: 2 all-reduces (or all-gather + reduce-scatter under SP, the same bytes) of
+  b·s·h activations per layer in the forward, 2 in the backward, 2 more per recomputed forward, over
+  NVLink (TP stays inside a node), α–β ring: 2(t−1)/t·S/B + 2(t−1)α; not overlapped (as Megatron).
+* **pipeline**: step = (m + (p − 1)/v)·T_mb, T_mb the slowest rank's time for one micro-batch (its
+  layers, plus the embedding on the first and the logits + loss on the last) and one p2p send per
+  chunk pass each way; bubble fraction (p − 1)/v / (m + (p − 1)/v) — GPipe has the same time.
+* **data parallelism**: bytes from ZeRO's cost face (:func:`~scaletrain.techniques.data_parallel.cost.
+  comm_bytes_per_step`, fp32 gradients: scaletrain keeps fp32 parameters under autocast), timed
+  hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across). Overlap, stated:
+  without a pipeline DDP/ZeRO-2/3 overlap it with the backward of the last micro-batch (ZeRO-2: every
+  micro-batch's backward; ZeRO-3: forward and backward), all but the last bucket; ZeRO-1 and every
+  pipeline synchronise after the flush, fully exposed.
+* **optimizer step**: memory-bound, 28 bytes per (sharded) Adam parameter (read p, g, m, v; write p, m, v).
+
+Memory: :mod:`.memory` (model states by ZeRO stage, Korthikanti activations × in-flight micro-batches,
+autocast's 16-bit weight copies held per micro-batch until its backward, the logits and loss in fp32
+on the last stage, one layer's rematerialised activations during a full-recompute backward) + a stated
+reserve (CUDA context, NCCL buffers, allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from scaletrain.plan import Plan
+from scaletrain.planner import memory as mem
+from scaletrain.planner.shape import Shape
+from scaletrain.platform import GiB, Platform
+from scaletrain.techniques.data_parallel import cost as zero_cost
+
+OPTIM_STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0, "lion": 4.0, "lamb": 8.0, "lars": 4.0,
+                     "adamw8bit": 2.0, "adam8bit": 2.0, "adafactor": 0.0, "came": 0.0}
+"""Optimizer-state bytes per fp32 parameter K (Adam m, v 8; momentum 4; 8-bit Adam 2; Adafactor /
+CAME factored, O(m + n) per matrix: ~0 per parameter at these sizes)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the priced system runs, where it is not in the plan."""
+
+    attention: str = "flash"
+    """flash (SDPA fused attention: no s² tensor in memory or traffic; scaletrain on GPUs) or
+    materialized (Megatron-LM 2021: fused scale-mask-softmax then dropout over b·a·s²)."""
+    p2p_scatter: bool = False
+    """Megatron's scatter/gather (SC21 §4.1): each TP rank sends 1/t of a stage boundary."""
+    reserve_bytes: float = 2 * GiB
+    """Per device, never planned: CUDA context (~0.5 GiB), NCCL buffers, allocator fragmentation."""
+
+
+@dataclass
+class PlanCost:
+    """A plan's predicted cost. Times in seconds, memory in bytes, throughput per second."""
+
+    plan: Plan
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    """Achieved TFLOP/s per device counting recomputation (Narayanan et al. eq. (3) accounting)."""
+    mfu: float
+    """Model FLOPs (no recompute: 72·B·s·l·h²(…)) per second / (devices × peak)."""
+    peak_bytes: dict[str, float]
+    """The heaviest rank's bytes at its peak by category, and ``total``."""
+    device_bytes: float
+    fits: bool
+    bubble_fraction: float
+    exposed_comm_s: float
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """compute, recompute, tp_comm, pipeline_bubble, p2p, dp_comm (exposed), optimizer."""
+    heaviest_rank: str = "first"
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["plan"] = plan_summary(self.plan)
+        return d
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """The plan fields ``scaletrain plan --json`` shows (the issue's schema) plus the rest that matter."""
+    remat = "full" if plan.remat.blocks == "all" else ("selective" if plan.remat.selective != "none" else "none")
+    return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "zero": plan.zero,
+            "micro_batch": plan.micro_batch, "schedule": plan.schedule if plan.pp > 1 else "none",
+            "virtual": max(plan.virtual, 1), "microbatches": plan.microbatches, "sp": plan.sp, "remat": remat,
+            "offload": "none" if not plan.offload.active else "on", "precision": plan.precision,
+            "optimizer": plan.optimizer}
+
+
+def remat_kind(plan: Plan) -> str:
+    return plan_summary(plan)["remat"]
+
+
+def allreduce_time(nbytes: float, n: int, bytes_per_s: float, latency_s: float) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n−1)/n·S/B + 2(n−1)α (REFERENCES, α–β)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bytes_per_s + 2 * (n - 1) * latency_s
+
+
+def _mm(plat: Platform, precision: str, m: float, n: float, k: float, batch: float = 1.0) -> float:
+    """Seconds of a (batched) [m, k] x [k, n] matmul: a roofline, the larger of its FLOPs at the
+    achieved fraction for its size and its bytes (both operands read, the output written) at HBM's."""
+    e = 4 if precision == "fp32" else 2
+    flops = 2 * m * n * k * batch
+    compute = flops / (plat.flops(precision) * plat.matmul_fraction(flops))
+    return max(compute, _mb(plat, e * (m * k + k * n + m * n) * batch))
+
+
+def _mb(plat: Platform, nbytes: float) -> float:
+    """Seconds of one memory-bound kernel moving ``nbytes``."""
+    return nbytes / (plat.device_mem_bytes_per_s * plat.mem_fraction(nbytes)) if nbytes > 0 else 0.0
+
+
+def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: bool, precision: str,
+                opts: Options) -> dict[str, float]:
+    """Seconds of one layer on one TP rank for one micro-batch: ``fwd``, ``bwd``, ``attn_core`` (the
+    part selective recompute repeats), ``tp_fwd`` (forward TP collectives; the backward has as many)."""
+    s, h, a, t, f = seq, shape.hidden, shape.heads, tp, shape.ffn_width
+    e = 4 if precision == "fp32" else 2
+    sbh = s * b * h
+    bs = b * s
+    # QKV, projection, fc1, fc2 on [b·s, ·]; QK^T and AV batched over b·a/t heads of width h/a
+    fwd_mm = (_mm(plat, precision, bs, 3 * h / t, h) + _mm(plat, precision, bs, h, h / t)
+              + _mm(plat, precision, bs, f / t, h) + _mm(plat, precision, bs, h, f / t))
+    heads = b * a / t
+    attn = (_mm(plat, precision, s, s, h / a, heads) + _mm(plat, precision, s, h / a, s, heads))
+    rep = t if sp else 1  # what TP replicates, SP splits
+    drop = 1 if shape.dropout > 0 else 0
+    # LayerNorm x2 (read + write), bias-GELU on f (read + write), bias-dropout-add x2 (2 reads, 1 write, mask)
+    elementwise = [2 * sbh * e / rep, 2 * sbh * e / rep, 2 * s * b * f * e / t,
+                   (3 * e + drop) * sbh / rep, (3 * e + drop) * sbh / rep]
+    ew = sum(_mb(plat, x) for x in elementwise)
+    if opts.attention == "materialized":
+        n2 = b * a * s * s / t
+        attn += _mb(plat, 2 * e * n2) + (_mb(plat, (2 * e + 1) * n2) if drop else 0.0)
+    fwd = fwd_mm + attn + ew
+    tp_fwd = 2 * allreduce_time(sbh * e, t, plat.intra_node_bytes_per_s * plat.intra_node_efficiency,
+                                plat.intra_node_latency_s) if t > 1 else 0.0
+    return {"fwd": fwd, "bwd": 2 * fwd, "attn_core": attn, "tp_fwd": tp_fwd}
+
+
+def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, seq: int,
+              options: Options | None = None) -> PlanCost:
+    """Price ``plan`` (resolved: dp set, micro_batch set, microbatches = m) for ``global_batch``
+    sequences of ``seq`` tokens per step (module docstring). Divisibility is the caller's (search)."""
+    opts = options or Options()
+    dp, tp, pp, v = max(plan.dp, 1), plan.tp, plan.pp, max(plan.virtual, 1) if plan.schedule == "interleaved" else 1
+    b = plan.micro_batch
+    m = global_batch // (dp * b)
+    world = dp * tp * pp
+    e = 4 if plan.precision == "fp32" else 2
+    remat = remat_kind(plan)
+    lt = layer_times(shape, plat, seq=seq, b=b, tp=tp, sp=plan.sp, precision=plan.precision, opts=opts)
+    L = shape.layers / pp
+    recompute = lt["fwd"] + lt["tp_fwd"] if remat == "full" else (lt["attn_core"] if remat == "selective" else 0.0)
+    layer = lt["fwd"] + lt["bwd"] + recompute + 2 * lt["tp_fwd"]
+    # per micro-batch and parameter, memory-bound: the 16-bit weight gradient written, read back and
+    # accumulated into the fp32 gradient (2 + 2 + 4 + 4 bytes), and with fp32 parameters under autocast
+    # the 16-bit copy of each weight made by every forward (read 4, write 2; recomputed forwards too)
+    forwards = 2 if remat == "full" else 1
+    casts = 6 * forwards if plan.precision != "fp32" and plan.params_dtype == "fp32" else 0
+    layer += _mb(plat, (12 + casts) * shape.layer_params() / tp)
+    # the logits (tied head, vocabulary-parallel) and the loss in fp32 on the last stage
+    sbV = seq * b * shape.vocab / tp
+    head = 3 * _mm(plat, plan.precision, seq * b, shape.vocab / tp, shape.hidden) + 2 * _mb(plat, sbV * (e + 8))
+    embed = 3 * _mb(plat, seq * b * shape.hidden * e * 2)
+    first_mb, last_mb = L * layer + embed, L * layer + head
+    if pp == 1:
+        t_mb = L * layer + embed + head
+    else:
+        t_mb = max(first_mb, last_mb)
+    # p2p: one send per chunk pass each way, blocking (Megatron), across nodes once a stage fills one
+    p2p_msg = 0.0
+    if pp > 1:
+        nbytes = seq * b * shape.hidden * e / (tp if (opts.p2p_scatter or plan.sp) else 1)
+        inter = tp * dp >= plat.devices_per_node
+        bw = (plat.inter_node_bytes_per_s * plat.inter_node_efficiency if inter
+              else plat.intra_node_bytes_per_s * plat.intra_node_efficiency)
+        p2p_msg = (plat.inter_node_latency_s if inter else plat.intra_node_latency_s) + nbytes / bw
+    per_mb = t_mb + 2 * v * p2p_msg
+    slots = m + (pp - 1) / v if pp > 1 else m
+    pipeline = slots * per_mb
+    bubble = ((pp - 1) / v) / slots if pp > 1 else 0.0
+    # data parallelism (ZeRO's bytes, timed hierarchically) and its overlap
+    n_first = mem.rank_params(shape, tp=tp, pp=pp, first=True, last=pp == 1)
+    n_last = mem.rank_params(shape, tp=tp, pp=pp, first=pp == 1, last=True)
+    n_rank = max(n_first, n_last)
+    dp_time = _dp_time(plat, n_rank, plan.zero, dp, tp, m, plan.bucket_mb)
+    if pp == 1 and plan.zero != 1:
+        window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: m * L * (lt["fwd"] + lt["bwd"])}[plan.zero]
+        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, plan.bucket_mb)
+        dp_exposed = max(0.0, dp_time - window) + min(last_bucket, dp_time)
+    else:
+        dp_exposed = dp_time
+    k = OPTIM_STATE_BYTES.get(plan.optimizer.lower(), 8.0)
+    opt_params = n_rank / (dp if plan.zero >= 1 else 1)
+    optimizer = _mb(plat, opt_params * (12 + 2 * k)) if k else _mb(plat, opt_params * 12)
+    step = pipeline + dp_exposed + optimizer
+    tokens = global_batch * seq
+    hw_flops = shape.flops_per_iteration(global_batch, seq, recompute=remat == "full")
+    model_flops = shape.flops_per_iteration(global_batch, seq, recompute=False)
+    slots_compute = m * (L * (lt["fwd"] + lt["bwd"]) + (head if pp == 1 else 0.0))
+    phases = {"compute": slots_compute, "recompute": m * L * recompute,
+              "tp_comm": m * L * 2 * lt["tp_fwd"], "pipeline_bubble": (pp - 1) / v * per_mb if pp > 1 else 0.0,
+              "p2p": m * 2 * v * p2p_msg, "dp_comm": dp_exposed, "optimizer": optimizer}
+    peak, which = _peak(shape, plan, plat, seq=seq, m=m, v=v, e=e, remat=remat, k=k, opts=opts)
+    return PlanCost(plan=plan, step_time_s=step, tokens_per_s=tokens / step,
+                    tflops_per_device=hw_flops / step / world / 1e12,
+                    mfu=model_flops / step / world / plat.flops(plan.precision),
+                    peak_bytes=peak, device_bytes=float(plat.device_memory_bytes),
+                    fits=peak["total"] + opts.reserve_bytes <= plat.device_memory_bytes,
+                    bubble_fraction=bubble, exposed_comm_s=phases["tp_comm"] + phases["p2p"] + dp_exposed,
+                    phases_s=phases, heaviest_rank=which)
+
+
+def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, bucket_mb: float) -> float:
+    """Seconds of one step's data-parallel collectives for ``n_params`` on this rank: ZeRO's bytes
+    (ring convention over dp), timed as hierarchical all-reduces — the group's k ranks inside a node
+    over NVLink, then dp/k nodes over each rank's own InfiniBand NIC (tp innermost, dp next)."""
+    if dp <= 1:
+        return 0.0
+    received = zero_cost.comm_bytes_per_step(n_params, zero, dp, grad_bytes=4.0, param_bytes=4.0, accum=m)
+    S = 4.0 * n_params
+    k = max(1, min(dp, plat.devices_per_node // min(tp, plat.devices_per_node)))
+    nodes = dp // k
+    t = allreduce_time(S, k, plat.intra_node_bytes_per_s * plat.intra_node_efficiency, plat.intra_node_latency_s)
+    t += allreduce_time(S / k, nodes, plat.inter_node_bytes_per_s * plat.inter_node_efficiency,
+                        plat.inter_node_latency_s)
+    return t * received / (2 * (dp - 1) / dp * S)
+
+
+def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int, e: int, remat: str, k: float,
+          opts: Options) -> tuple[dict[str, float], str]:
+    """The heaviest pipeline rank's bytes by category (first or last stage) and which it is."""
+    tp, pp, dp, b = plan.tp, plan.pp, max(plan.dp, 1), plan.micro_batch
+    flash = opts.attention == "flash"
+    storage = "fp32" if plan.params_dtype == "fp32" else "mixed"
+    best: tuple[dict[str, float], str] | None = None
+    for which, first, last in (("first", True, pp == 1), ("last", pp == 1, True)):
+        n = mem.rank_params(shape, tp=tp, pp=pp, first=first, last=last)
+        ms = zero_cost.model_state_bytes(n, plan.zero, dp, precision=storage, optim_state_bytes=k)
+        live = mem.inflight(plan.schedule, pp, m, v, last=last and not first)
+        L = shape.layers / pp
+        act = live * L * mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat=remat, elem=e,
+                                                    flash=flash)
+        casts = 0.0
+        if plan.precision != "fp32" and plan.params_dtype == "fp32":  # autocast's copies, per forward
+            casts = 2 * (n / dp if plan.zero == 3 else n) * (1 if remat == "full" else live)
+        transient = 0.0
+        if remat == "full":  # one layer rematerialised during its backward
+            transient = mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat="none", elem=e,
+                                                   flash=flash)
+        if last:  # logits (16-bit), their fp32 copy and its gradient
+            transient = max(transient, seq * b * shape.vocab / tp * (e + 8))
+        d = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "weight_casts": casts,
+             "activations": act, "transient": transient}
+        d["total"] = sum(d.values())
+        if best is None or d["total"] > best[0]["total"]:
+            best = (d, which)
+        if pp == 1:
+            break
+    assert best is not None
+    return best
