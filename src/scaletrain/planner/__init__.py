@@ -9,7 +9,8 @@ table's combinations); where a published system differs (Megatron-LM's materiali
 """
 
 from scaletrain.planner.cost import Options, PlanCost, plan_cost
+from scaletrain.planner.search import SearchResult, search
 
 from scaletrain.planner.shape import Shape
 
-__all__ = ["Options", "PlanCost", "Shape", "plan_cost"]
+__all__ = ["Options", "PlanCost", "SearchResult", "Shape", "plan_cost", "search"]

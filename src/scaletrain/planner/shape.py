@@ -38,7 +38,11 @@ class Shape:
         if entry.builder is not registry._gpt2:
             raise UserError(f"scaletrain plan prices GPT-2-style transformers on paper; {model!r} is not one "
                             f"(allowed: {', '.join(n for n in registry.names() if n.startswith('gpt2-') and n != 'gpt2-moe')})")
-        a = registry.resolve_args(model, **overrides)
+        import dataclasses
+
+        from scaletrain.models.gpt2 import GPT2Config
+
+        a = {**dataclasses.asdict(GPT2Config()), **registry.resolve_args(model, **overrides)}
         for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
             if not isinstance(a[k], int) or a[k] < 1:
                 raise UserError(f"model {model!r}: {k} must be a positive integer (got {a[k]!r})")
