@@ -196,10 +196,10 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     n_first = mem.rank_params(shape, tp=tp, pp=pp, first=True, last=pp == 1)
     n_last = mem.rank_params(shape, tp=tp, pp=pp, first=pp == 1, last=True)
     n_rank = max(n_first, n_last)
-    dp_time = _dp_time(plat, n_rank, plan.zero, dp, tp, m, plan.bucket_mb)
+    dp_time = _dp_time(plat, n_rank, plan.zero, dp, tp, m, e if plan.zero == 3 else 4)
     if pp == 1 and plan.zero != 1:
         window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: m * L * (lt["fwd"] + lt["bwd"])}[plan.zero]
-        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, plan.bucket_mb)
+        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4)
         dp_exposed = max(0.0, dp_time - window) + min(last_bucket, dp_time)
     else:
         dp_exposed = dp_time
@@ -224,14 +224,16 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
                     phases_s=phases, heaviest_rank=which)
 
 
-def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, bucket_mb: float) -> float:
+def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int) -> float:
     """Seconds of one step's data-parallel collectives for ``n_params`` on this rank: ZeRO's bytes
-    (ring convention over dp), timed as hierarchical all-reduces — the group's k ranks inside a node
-    over NVLink, then dp/k nodes over each rank's own InfiniBand NIC (tp innermost, dp next)."""
+    (ring convention over dp; ``elem`` bytes per value: fp32 gradients and parameters for DDP and
+    ZeRO-1/2, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
+    hierarchical all-reduces — the group's k ranks inside a node over NVLink, then dp/k nodes over each
+    rank's own InfiniBand NIC (tp innermost, dp next)."""
     if dp <= 1:
         return 0.0
-    received = zero_cost.comm_bytes_per_step(n_params, zero, dp, grad_bytes=4.0, param_bytes=4.0, accum=m)
-    S = 4.0 * n_params
+    received = zero_cost.comm_bytes_per_step(n_params, zero, dp, grad_bytes=elem, param_bytes=elem, accum=m)
+    S = float(elem) * n_params
     k = max(1, min(dp, plat.devices_per_node // min(tp, plat.devices_per_node)))
     nodes = dp // k
     t = allreduce_time(S, k, plat.intra_node_bytes_per_s * plat.intra_node_efficiency, plat.intra_node_latency_s)
@@ -255,14 +257,17 @@ def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int,
         act = live * L * mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat=remat, elem=e,
                                                     flash=flash)
         casts = 0.0
-        if plan.precision != "fp32" and plan.params_dtype == "fp32":  # autocast's copies, per forward
-            casts = 2 * (n / dp if plan.zero == 3 else n) * (1 if remat == "full" else live)
+        if plan.precision != "fp32" and plan.params_dtype == "fp32" and plan.zero != 3:  # autocast's, per forward
+            casts = 2 * n * (1 if remat == "full" else live)
         transient = 0.0
+        if plan.zero == 3:  # FSDP2: this block and the prefetched one gathered (16-bit), one block's gradients
+            block = max(shape.layer_params() / tp, (shape.vocab / tp + shape.positions) * shape.hidden if first else 0)
+            transient += 3 * e * block
         if remat == "full":  # one layer rematerialised during its backward
-            transient = mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat="none", elem=e,
+            transient += mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat="none", elem=e,
                                                    flash=flash)
         if last:  # logits (16-bit), their fp32 copy and its gradient
-            transient = max(transient, seq * b * shape.vocab / tp * (e + 8))
+            transient = max(transient, seq * b * shape.vocab / tp * (e + 8) + (transient if plan.zero == 3 else 0))
         d = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "weight_casts": casts,
              "activations": act, "transient": transient}
         d["total"] = sum(d.values())
