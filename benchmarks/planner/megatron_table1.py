@@ -69,6 +69,9 @@ def main() -> int:
         res = search(shape, plat, nodes=gpus // 8, gpus_per_node=8, global_batch=batch, seq=SEQ)
         planning_s = time.perf_counter() - t0
         top = res.ranked[0] if res.ranked else None
+        # the same search priced with Megatron 2021's kernels (materialised attention), for a like-for-like view
+        same = search(shape, plat, nodes=gpus // 8, gpus_per_node=8, global_batch=batch, seq=SEQ, options=MEGATRON)
+        top_m = same.ranked[0] if same.ranked else None
         rows.append({
             "params_b": size, "gpus": gpus, "batch": batch, "published_tflops_per_gpu": published,
             "published_plan": c.to_dict()["plan"], "predicted_tflops_per_gpu": c.tflops_per_device,
@@ -83,6 +86,10 @@ def main() -> int:
                 "at_least_predicted_published_plan": top.step_time_s <= c.step_time_s * (1 + 1e-9)
                 or top.tflops_per_device >= c.tflops_per_device,
                 "plans_priced": res.evaluated, "planning_s": planning_s},
+            "planner_megatron_kernels": None if top_m is None else {
+                "describe": top_m.plan.describe(), "micro_batch": top_m.plan.micro_batch,
+                "tflops_per_gpu": top_m.tflops_per_device, "peak_bytes": top_m.peak_bytes["total"],
+                "fits_80gb": top_m.fits, "at_least_published": top_m.tflops_per_device >= published},
         })
         print(f"{size:7.1f}B  t={row[4]} p={row[5]:2d} b={row[8]:2d} v={row[9]}  predicted {c.tflops_per_device:6.1f} "
               f"published {published}  error {err:+.1%}  | planner: "
