@@ -47,6 +47,7 @@ def test_bubble_and_zero_bytes():
                 remat=RematPlan(blocks="all"), precision="bf16")
     c = plan_cost(GPT3, plan, A100, global_batch=384, seq=2048)
     assert c.bubble_fraction == pytest.approx((7 / 2) / (96 + 7 / 2))  # (p-1)/v of m + (p-1)/v slots
+    assert sum(c.phases_s.values()) == pytest.approx(c.step_time_s)
     one = plan_cost(GPT3, plan.with_(schedule="1f1b", virtual=0), A100, global_batch=384, seq=2048)
     assert one.bubble_fraction == pytest.approx(7 / (96 + 7))  # (p-1)/(m+p-1)
     gp = plan_cost(GPT3, plan.with_(schedule="gpipe", virtual=0), A100, global_batch=384, seq=2048)
@@ -101,8 +102,21 @@ def test_done_when_command_json(capsys, tmp_path):
             assert e[k] > 0
     from scaletrain.plan import load_plan_overrides
 
-    keys = load_plan_overrides(out)  # what `scaletrain train --plan` reads
+    from scaletrain.train.config import load_config
+
+    keys = load_plan_overrides(out)  # what `scaletrain train --plan` reads, validated by the config schema
     assert any(k.startswith("parallel.dp=") for k in keys)
+    cfg = load_config(None, keys)
+    assert Plan.from_config(cfg).dp == d["ranked"][0]["plan"]["dp"]
+
+
+def test_platform_file_and_explain(capsys, tmp_path):
+    f = tmp_path / "gpu.json"
+    f.write_text(json.dumps({**P.get("a100-40g").to_dict(), "name": "my-a100"}))
+    rc = main(["plan", "--model", "gpt2-medium", "--platform", str(f), "--nodes", "1", "--gpus-per-node", "8",
+               "--global-batch", "64", "--seq", "1024", "--fix", "pp=2", "--top", "2", "--explain", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "my-a100" in out and "pp=2" in out and "layer_fwd" in out and "the step by phase" in out
 
 
 @pytest.mark.parametrize("argv, msg", [

@@ -81,7 +81,8 @@ def entry(c, best=None) -> dict:
     d = {"plan": c.to_dict()["plan"], "fits": c.fits, "step_time_s": c.step_time_s, "tokens_per_s": c.tokens_per_s,
          "tflops_per_device": c.tflops_per_device, "mfu": c.mfu, "peak_bytes": c.peak_bytes["total"],
          "peak_bytes_by_category": c.peak_bytes, "device_bytes": c.device_bytes, "heaviest_rank": c.heaviest_rank,
-         "bubble_fraction": c.bubble_fraction, "exposed_comm_s": c.exposed_comm_s, "phases_s": c.phases_s}
+         "bubble_fraction": c.bubble_fraction, "exposed_comm_s": c.exposed_comm_s, "phases_s": c.phases_s,
+         "blocks_s": c.blocks_s}
     if best is not None and best is not c:
         d["why_not_first"] = why_lost(best, c)
     return d
@@ -142,11 +143,19 @@ def run(args: argparse.Namespace) -> int:
         if args.explain > len(res.ranked):
             raise UserError(f"--explain {args.explain}: only {len(res.ranked)} plans fit")
         c = res.ranked[args.explain - 1]
-        print(f"plan {args.explain} in full: {c.plan.describe()}")
+        p = c.plan
+        print(f"plan {args.explain} in full: {p.describe()}, micro-batch {p.micro_batch}")
+        print(f"  one micro-batch on one rank ({shape.layers // p.pp} layers per pipeline rank):")
+        for k, v in c.blocks_s.items():
+            print(f"    {k:22s} {v * 1e3:10.2f} ms")
+        print("  the step by phase:")
         for k, v in c.phases_s.items():
-            print(f"  {k:16s} {v * 1e3:10.1f} ms")
+            print(f"    {k:22s} {v * 1e3:10.1f} ms")
+        print(f"    {'step':22s} {c.step_time_s * 1e3:10.1f} ms")
+        print(f"  the heaviest rank ({c.heaviest_rank} stage) at its peak:")
         for k, v in c.peak_bytes.items():
-            print(f"  {k:16s} {v / 2**30:10.2f} GiB")
+            print(f"    {k:22s} {v / 2**30:10.2f} GiB")
+        print(f"    {'device':22s} {c.device_bytes / 2**30:10.2f} GiB (2 GiB of it reserved)")
     if args.out:
         print(f"wrote {args.out}: scaletrain train --plan {args.out} ...")
     return 0

@@ -78,6 +78,9 @@ class PlanCost:
     exposed_comm_s: float
     phases_s: dict[str, float] = field(default_factory=dict)
     """compute, recompute, tp_comm, pipeline_bubble, p2p, dp_comm (exposed), optimizer."""
+    blocks_s: dict[str, float] = field(default_factory=dict)
+    """One micro-batch on one rank, per block and pass: layer_fwd, layer_bwd, layer_recompute,
+    layer_tp_comm, layer_weight_traffic (each per layer), embedding, head (logits + loss, fwd + bwd)."""
     heaviest_rank: str = "first"
     notes: list[str] = field(default_factory=list)
 
@@ -170,7 +173,8 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     # the 16-bit copy of each weight made by every forward (read 4, write 2; recomputed forwards too)
     forwards = 2 if remat == "full" else 1
     casts = 6 * forwards if plan.precision != "fp32" and plan.params_dtype == "fp32" else 0
-    layer += _mb(plat, (12 + casts) * shape.layer_params() / tp)
+    weight_traffic = _mb(plat, (12 + casts) * shape.layer_params() / tp)
+    layer += weight_traffic
     # the logits (tied head, vocabulary-parallel) and the loss in fp32 on the last stage
     sbV = seq * b * shape.vocab / tp
     head = 3 * _mm(plat, plan.precision, seq * b, shape.vocab / tp, shape.hidden) + 2 * _mb(plat, sbV * (e + 8))
@@ -210,7 +214,8 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     tokens = global_batch * seq
     hw_flops = shape.flops_per_iteration(global_batch, seq, recompute=remat == "full")
     model_flops = shape.flops_per_iteration(global_batch, seq, recompute=False)
-    slots_compute = m * (L * (lt["fwd"] + lt["bwd"]) + (head if pp == 1 else 0.0))
+    # phases add up to the step: the m micro-batch slots of the slowest rank split by kind, then the rest
+    slots_compute = m * (t_mb - L * (recompute + 2 * lt["tp_fwd"]))
     phases = {"compute": slots_compute, "recompute": m * L * recompute,
               "tp_comm": m * L * 2 * lt["tp_fwd"], "pipeline_bubble": (pp - 1) / v * per_mb if pp > 1 else 0.0,
               "p2p": m * 2 * v * p2p_msg, "dp_comm": dp_exposed, "optimizer": optimizer}
@@ -221,7 +226,10 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
                     peak_bytes=peak, device_bytes=float(plat.device_memory_bytes),
                     fits=peak["total"] + opts.reserve_bytes <= plat.device_memory_bytes,
                     bubble_fraction=bubble, exposed_comm_s=phases["tp_comm"] + phases["p2p"] + dp_exposed,
-                    phases_s=phases, heaviest_rank=which)
+                    phases_s=phases, heaviest_rank=which,
+                    blocks_s={"layer_fwd": lt["fwd"], "layer_bwd": lt["bwd"], "layer_recompute": recompute,
+                              "layer_tp_comm": 2 * lt["tp_fwd"], "layer_weight_traffic": weight_traffic,
+                              "embedding": embed, "head": head})
 
 
 def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int) -> float:

@@ -158,8 +158,8 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                     scheds.append(("gpipe", 1))
                     scheds += [("interleaved", v) for v in _divisors(shape.layers // pp) if v > 1 and v <= 8]
                 for sched, v in scheds:
-                    if pp > 1 and "schedule" in fx and sched != fx["schedule"]:
-                        continue
+                    if "schedule" in fx and (pp == 1 or sched != fx["schedule"]):
+                        continue  # a pinned schedule asks for a pipeline
                     if "virtual" in fx and v != fx["virtual"]:
                         continue
                     for zero in zeros:
