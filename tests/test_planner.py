@@ -42,6 +42,18 @@ def test_korthikanti_activations_and_inflight():
     assert mem.inflight("interleaved", 4, 16, 2) == pytest.approx(4 + 3 / 2)
 
 
+@pytest.mark.parametrize("name, P, M, v", [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("interleaved", 8, 32, 4),
+                                          ("gpipe", 4, 8, 1)])
+def test_closed_forms_agree_with_the_pipeline_simulator(name, P, M, v):
+    from scaletrain.techniques.pipeline import schedules
+    from scaletrain.techniques.pipeline.simulate import simulate
+
+    r = simulate(schedules.build(name, P, M, v))
+    assert r.peak_inflight_equiv[0] == pytest.approx(mem.inflight(name, P, M, v))
+    assert r.peak_inflight_equiv[-1] == pytest.approx(mem.inflight(name, P, M, v, last=True))
+    assert r.bubble_fraction == pytest.approx(((P - 1) / v) / (M + (P - 1) / v))
+
+
 def test_bubble_and_zero_bytes():
     plan = Plan(dp=4, tp=8, pp=8, micro_batch=1, microbatches=96, schedule="interleaved", virtual=2,
                 remat=RematPlan(blocks="all"), precision="bf16")

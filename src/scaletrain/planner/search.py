@@ -114,8 +114,8 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     facts_base = dict(world=world, device="cuda", gpt2=True, n_head=shape.heads, vocab_size=shape.vocab,
                       n_blocks=shape.layers + 2, seq_len=seq, dropout=shape.dropout)
 
-    def reject(region: str, kind: str, reason: str) -> None:
-        rejected.append({"region": region, "kind": kind, "reason": reason})
+    def reject(region: str, kind: str, reason: str, key: str = "") -> None:
+        rejected.append({"region": region, "kind": kind, "reason": reason, "key": key or reason})
 
     for tp in _divisors(gpus_per_node):
         if "tp" in fx and tp != fx["tp"]:
@@ -176,7 +176,8 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                                 bad = compat.violations(plan, compat.Facts(microbatches=m, **facts_base))
                                 if bad:
                                     reject(f"{region} {sched} v={v} b={b}", "compat", bad[0].message(
-                                        plan, compat.Facts(microbatches=m, **facts_base)))
+                                        plan, compat.Facts(microbatches=m, **facts_base)),
+                                        key=f"{region} {bad[0].name}")
                                     continue
                                 c = plan_cost(shape, plan, plat, global_batch=global_batch, seq=seq, options=opts)
                                 evaluated += 1
@@ -186,7 +187,9 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                                     key = (tp, pp, dp)
                                     if key not in oom or c.peak_bytes["total"] < oom[key].peak_bytes["total"]:
                                         oom[key] = c
-    ranked.sort(key=lambda c: c.step_time_s)
+    # by predicted time; equal times (to a microsecond) go to the simpler plan, then the lighter one
+    ranked.sort(key=lambda c: (round(c.step_time_s, 6), c.plan.zero, REMATS.index(_remat_name(c.plan)),
+                               c.plan.sp, c.peak_bytes["total"]))
     for (tp, pp, dp), c in sorted(oom.items()):
         if not any(r.plan.tp == tp and r.plan.pp == pp for r in ranked):
             over = c.peak_bytes["total"] + opts.reserve_bytes - c.device_bytes
@@ -196,21 +199,30 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                         evaluated=evaluated, seconds=time.perf_counter() - t0, world=world)
 
 
+def _remat_name(plan: Plan) -> str:
+    return "full" if plan.remat.blocks == "all" else ("selective" if plan.remat.selective != "none" else "none")
+
+
 def _merge(rejected: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per (kind, reason) with the regions it covers counted (compat rejections repeat)."""
+    """One entry per (kind, key) — a compat rule within one (tp, pp, dp) region, else the reason — with
+    the first instance's words and how many candidates it stands for."""
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rejected:
-        key = (r["kind"], r["reason"] if r["kind"] != "compat" else r["reason"].split(":")[0])
+        key = (r["kind"], r.pop("key"))
         if key in out:
             out[key]["count"] += 1
         else:
             out[key] = {**r, "count": 1}
-    return list(out.values())
+    order = {"memory": 0, "batch": 1, "divisibility": 2, "compat": 3}
+    return sorted(out.values(), key=lambda r: order.get(r["kind"], 4))
 
 
 def why_lost(best: PlanCost, other: PlanCost) -> str:
     """One line: how much slower ``other`` is than ``best`` and the phase that costs it most."""
+    pct = (other.step_time_s / best.step_time_s - 1) * 100
+    if pct < 0.05:
+        return ("same predicted step time; ranked after the simpler plan (fewer ZeRO stages, less recompute, "
+                "no SP), then the lighter one")
     diff = {k: other.phases_s.get(k, 0.0) - best.phases_s.get(k, 0.0) for k in best.phases_s}
     worst = max(diff, key=lambda k: diff[k])
-    pct = (other.step_time_s / best.step_time_s - 1) * 100
     return f"+{pct:.1f}% step time, mostly {worst.replace('_', ' ')} (+{diff[worst] * 1e3:.0f} ms)"
