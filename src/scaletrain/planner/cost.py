@@ -9,9 +9,11 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   attention is materialised (Megatron 2021), softmax and attention dropout over b·a·s²/t elements.
   Backward = 2 × forward. Recompute: full = +1 forward (its TP all-reduces included); selective = the
   attention core again.
-* **tensor parallelism**: 2 all-reduces (or all-gather + reduce-scatter under SP, the same bytes) of
-  b·s·h activations per layer in the forward, 2 in the backward, 2 more per recomputed forward, over
-  NVLink (TP stays inside a node), α–β ring: 2(t−1)/t·S/B + 2(t−1)α; not overlapped (as Megatron).
+* **tensor parallelism**: the bytes of the TP cost face the runtime is tested against
+  (:func:`~scaletrain.techniques.tensor_parallel.cost.tp_comm_bytes_per_step`: per layer 2 all-reduces
+  of b·s·h activations in the forward and 2 in the backward; under SP all-gathers + reduce-scatters and
+  the backward's re-gathers, 1.5x), plus a recomputed forward's, over NVLink (TP stays inside a node):
+  wire bytes / achieved bandwidth + (t − 1)α per ring step; not overlapped (as Megatron).
 * **pipeline**: step = (m + (p − 1)/v)·T_mb, T_mb the slowest rank's time for one micro-batch (its
   layers, plus the embedding on the first and the logits + loss on the last) and one p2p send per
   chunk pass each way; bubble fraction (p − 1)/v / (m + (p − 1)/v) — GPipe has the same time.
@@ -128,7 +130,8 @@ def _mb(plat: Platform, nbytes: float) -> float:
 def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: bool, precision: str,
                 opts: Options) -> dict[str, float]:
     """Seconds of one layer on one TP rank for one micro-batch: ``fwd``, ``bwd``, ``attn_core`` (the
-    part selective recompute repeats), ``tp_fwd`` (forward TP collectives; the backward has as many)."""
+    part selective recompute repeats), ``tp_fwd`` / ``tp_bwd`` (the TP collectives of each pass) and
+    ``tp_stage`` (once per micro-batch and stage: embedding, loss, SP's replicated gradients)."""
     s, h, a, t, f = seq, shape.hidden, shape.heads, tp, shape.ffn_width
     e = 4 if precision == "fp32" else 2
     sbh = s * b * h
@@ -148,9 +151,33 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
         n2 = b * a * s * s / t
         attn += _mb(plat, 2 * e * n2) + (_mb(plat, (2 * e + 1) * n2) if drop else 0.0)
     fwd = fwd_mm + attn + ew
-    tp_fwd = 2 * allreduce_time(sbh * e, t, plat.intra_node_bytes_per_s * plat.intra_node_efficiency,
-                                plat.intra_node_latency_s) if t > 1 else 0.0
-    return {"fwd": fwd, "bwd": 2 * fwd, "attn_core": attn, "tp_fwd": tp_fwd}
+    tp = tp_wire_bytes(shape, t, b, s, sp, e)
+    bw, alpha = plat.intra_node_bytes_per_s * plat.intra_node_efficiency, plat.intra_node_latency_s
+    # latency: per layer 4 ring collectives' worth of (t-1) steps each way, 6 backward with SP's regathers
+    tp_fwd = tp["fwd"] / bw + 4 * (t - 1) * alpha if t > 1 else 0.0
+    tp_bwd = tp["bwd"] / bw + (6 if sp else 4) * (t - 1) * alpha if t > 1 else 0.0
+    return {"fwd": fwd, "bwd": 2 * fwd, "attn_core": attn, "tp_fwd": tp_fwd, "tp_bwd": tp_bwd,
+            "tp_stage": tp["stage"] / bw if t > 1 else 0.0}
+
+
+def tp_wire_bytes(shape: Shape, t: int, b: int, s: int, sp: bool, elem: int) -> dict[str, float]:
+    """Bytes one TP rank puts on the wire per micro-batch — ``fwd`` / ``bwd`` of one layer and ``stage``
+    (embedding, loss, SP's replicated-gradient all-reduce), from the TP cost face the runtime is tested
+    against (:func:`~scaletrain.techniques.tensor_parallel.cost.tp_comm_bytes_per_step`: with SP the
+    backward re-gathers the inputs it needs, 1.5x the forward's bytes)."""
+    from types import SimpleNamespace
+
+    from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
+
+    def cfg(l: int) -> SimpleNamespace:
+        return SimpleNamespace(n_embd=shape.hidden, n_layer=l, n_positions=shape.positions)
+
+    if t == 1:
+        return {"fwd": 0.0, "bwd": 0.0, "stage": 0.0}
+    w1, w2 = (tp_comm_bytes_per_step(cfg(n), t, b, s, sequence_parallel=sp, act_bytes=elem)["wire_bytes"]
+              for n in (1, 2))
+    fwd = tp_forward_bytes_per_block(cfg(1), t, b, s, sequence_parallel=sp, act_bytes=elem)[1]
+    return {"fwd": fwd, "bwd": (w2 - w1) - fwd, "stage": w1 - (w2 - w1)}
 
 
 def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, seq: int,
@@ -167,7 +194,8 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     lt = layer_times(shape, plat, seq=seq, b=b, tp=tp, sp=plan.sp, precision=plan.precision, opts=opts)
     L = shape.layers / pp
     recompute = lt["fwd"] + lt["tp_fwd"] if remat == "full" else (lt["attn_core"] if remat == "selective" else 0.0)
-    layer = lt["fwd"] + lt["bwd"] + recompute + 2 * lt["tp_fwd"]
+    tp_layer = lt["tp_fwd"] + lt["tp_bwd"]
+    layer = lt["fwd"] + lt["bwd"] + recompute + tp_layer
     # per micro-batch and parameter, memory-bound: the 16-bit weight gradient written, read back and
     # accumulated into the fp32 gradient (2 + 2 + 4 + 4 bytes), and with fp32 parameters under autocast
     # the 16-bit copy of each weight made by every forward (read 4, write 2; recomputed forwards too)
@@ -178,7 +206,7 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     # the logits (tied head, vocabulary-parallel) and the loss in fp32 on the last stage
     sbV = seq * b * shape.vocab / tp
     head = 3 * _mm(plat, plan.precision, seq * b, shape.vocab / tp, shape.hidden) + 2 * _mb(plat, sbV * (e + 8))
-    embed = 3 * _mb(plat, seq * b * shape.hidden * e * 2)
+    embed = 3 * _mb(plat, seq * b * shape.hidden * e * 2) + lt["tp_stage"]
     first_mb, last_mb = L * layer + embed, L * layer + head
     if pp == 1:
         t_mb = L * layer + embed + head
@@ -215,9 +243,9 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     hw_flops = shape.flops_per_iteration(global_batch, seq, recompute=remat == "full")
     model_flops = shape.flops_per_iteration(global_batch, seq, recompute=False)
     # phases add up to the step: the m micro-batch slots of the slowest rank split by kind, then the rest
-    slots_compute = m * (t_mb - L * (recompute + 2 * lt["tp_fwd"]))
+    slots_compute = m * (t_mb - L * (recompute + tp_layer))
     phases = {"compute": slots_compute, "recompute": m * L * recompute,
-              "tp_comm": m * L * 2 * lt["tp_fwd"], "pipeline_bubble": (pp - 1) / v * per_mb if pp > 1 else 0.0,
+              "tp_comm": m * L * tp_layer, "pipeline_bubble": (pp - 1) / v * per_mb if pp > 1 else 0.0,
               "p2p": m * 2 * v * p2p_msg, "dp_comm": dp_exposed, "optimizer": optimizer}
     peak, which = _peak(shape, plan, plat, seq=seq, m=m, v=v, e=e, remat=remat, k=k, opts=opts)
     return PlanCost(plan=plan, step_time_s=step, tokens_per_s=tokens / step,
@@ -228,7 +256,7 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
                     bubble_fraction=bubble, exposed_comm_s=phases["tp_comm"] + phases["p2p"] + dp_exposed,
                     phases_s=phases, heaviest_rank=which,
                     blocks_s={"layer_fwd": lt["fwd"], "layer_bwd": lt["bwd"], "layer_recompute": recompute,
-                              "layer_tp_comm": 2 * lt["tp_fwd"], "layer_weight_traffic": weight_traffic,
+                              "layer_tp_comm": tp_layer, "layer_weight_traffic": weight_traffic,
                               "embedding": embed, "head": head})
 
 
