@@ -156,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         for k, v in c.peak_bytes.items():
             print(f"    {k:22s} {v / 2**30:10.2f} GiB")
         print(f"    {'device':22s} {c.device_bytes / 2**30:10.2f} GiB (2 GiB of it reserved)")
-    if args.out:
-        print(f"wrote {args.out}: scaletrain train --plan {args.out} ...")
+    if args.out:  # the plan file holds how to train; what to train stays on the command line
+        sets = "".join(f" model.overrides.{kv}" for kv in args.set)
+        print(f"wrote {args.out}; run it with: scaletrain train --nproc-per-node {args.gpus_per_node} --plan {args.out} "
+              f"model.name={args.model}{sets} train.global_batch={args.global_batch} data.seq_len={seq}")
     return 0
