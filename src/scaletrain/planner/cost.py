@@ -21,8 +21,9 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   comm_bytes_per_step`, fp32 gradients: scaletrain keeps fp32 parameters under autocast), timed
   hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across). Overlap, stated:
   without a pipeline DDP/ZeRO-2/3 overlap it with the backward of the last micro-batch (ZeRO-2: every
-  micro-batch's backward; ZeRO-3: forward and backward), all but the last bucket; ZeRO-1 and every
-  pipeline synchronise after the flush, fully exposed.
+  micro-batch's backward; ZeRO-3: forward and backward), all but the last bucket, and the hidden part
+  still slows compute by Calculon's processor usage (0.15 over NVLink, 0.02 over InfiniBand); ZeRO-1
+  and every pipeline synchronise after the flush, fully exposed.
 * **optimizer step**: memory-bound, 28 bytes per (sharded) Adam parameter (read p, g, m, v; write p, m, v).
 
 Memory: :mod:`.memory` (model states by ZeRO stage, Korthikanti activations × in-flight micro-batches,
@@ -228,11 +229,17 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     n_first = mem.rank_params(shape, tp=tp, pp=pp, first=True, last=pp == 1)
     n_last = mem.rank_params(shape, tp=tp, pp=pp, first=pp == 1, last=True)
     n_rank = max(n_first, n_last)
-    dp_time = _dp_time(plat, n_rank, plan.zero, dp, tp, m, e if plan.zero == 3 else 4)
+    dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, e if plan.zero == 3 else 4)
     if pp == 1 and plan.zero != 1:
         window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: m * L * (lt["fwd"] + lt["bwd"])}[plan.zero]
-        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4)
-        dp_exposed = max(0.0, dp_time - window) + min(last_bucket, dp_time)
+        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4)[0]
+        hidden = min(dp_time, window)
+        # an overlapped collective still slows the compute it hides behind: NCCL's kernels take SMs and
+        # HBM bandwidth — Calculon's "processor_usage": 0.15 of the device while NVLink traffic runs, 0.02
+        # while InfiniBand's does (calculon-ai/calculon systems/a100_80e.json)
+        share = dp_intra / dp_time if dp_time else 0.0
+        contention = hidden * (0.15 * share + 0.02 * (1 - share))
+        dp_exposed = max(0.0, dp_time - window) + min(last_bucket, dp_time) + contention
     else:
         dp_exposed = dp_time
     k = OPTIM_STATE_BYTES.get(plan.optimizer.lower(), 8.0)
@@ -260,22 +267,23 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
                               "embedding": embed, "head": head})
 
 
-def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int) -> float:
+def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int) -> tuple[float, float]:
     """Seconds of one step's data-parallel collectives for ``n_params`` on this rank: ZeRO's bytes
     (ring convention over dp; ``elem`` bytes per value: fp32 gradients and parameters for DDP and
     ZeRO-1/2, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
     hierarchical all-reduces — the group's k ranks inside a node over NVLink, then dp/k nodes over each
-    rank's own InfiniBand NIC (tp innermost, dp next)."""
+    rank's own InfiniBand NIC (tp innermost, dp next). Returns (seconds, of which over NVLink)."""
     if dp <= 1:
-        return 0.0
+        return 0.0, 0.0
     received = zero_cost.comm_bytes_per_step(n_params, zero, dp, grad_bytes=elem, param_bytes=elem, accum=m)
     S = float(elem) * n_params
     k = max(1, min(dp, plat.devices_per_node // min(tp, plat.devices_per_node)))
     nodes = dp // k
-    t = allreduce_time(S, k, plat.intra_node_bytes_per_s * plat.intra_node_efficiency, plat.intra_node_latency_s)
-    t += allreduce_time(S / k, nodes, plat.inter_node_bytes_per_s * plat.inter_node_efficiency,
-                        plat.inter_node_latency_s)
-    return t * received / (2 * (dp - 1) / dp * S)
+    intra = allreduce_time(S, k, plat.intra_node_bytes_per_s * plat.intra_node_efficiency, plat.intra_node_latency_s)
+    inter = allreduce_time(S / k, nodes, plat.inter_node_bytes_per_s * plat.inter_node_efficiency,
+                           plat.inter_node_latency_s)
+    scale = received / (2 * (dp - 1) / dp * S)
+    return (intra + inter) * scale, intra * scale
 
 
 def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int, e: int, remat: str, k: float,
