@@ -131,12 +131,24 @@ def test_platform_file_and_explain(capsys, tmp_path):
     assert rc == 0 and "my-a100" in out and "pp=2" in out and "layer_fwd" in out and "the step by phase" in out
 
 
+def test_bad_platform_files_are_one_line_errors(capsys, tmp_path):
+    for data, msg in (({"name": "x", "flops_bf16": "fast"}, "flops_bf16"), ({"name": "x", "warp": 1}, "warp"),
+                      ({**A100.to_dict(), "inter_node_bytes_per_s": 0}, "inter_node_bytes_per_s"), ([1, 2], "JSON object")):
+        f = tmp_path / "p.json"
+        f.write_text(json.dumps(data))
+        rc = main(["plan", "--model", "gpt2-small", "--platform", str(f), "--nodes", "2", "--global-batch", "8"])
+        err = capsys.readouterr().err
+        assert rc == 2 and msg in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--global-batch", "0"], "--global-batch"),
     (["--global-batch", "8", "--platform", "tpu9"], "unknown platform"),
     (["--global-batch", "8", "--fix", "tp=3"], "no plan fits"),
     (["--global-batch", "8", "--set", "n_wings=2"], "n_wings"),
     (["--global-batch", "8", "--seq", "4096"], "n_positions"),
+    (["--global-batch", "8", "--optimizer", "magic"], "magic"),
+    (["--global-batch", "8", "--set", "n_head=7"], "n_head"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, msg):
     rc = main(["plan", "--model", "gpt2-small", "--nodes", "1", "--gpus-per-node", "8", *argv])

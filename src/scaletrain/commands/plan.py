@@ -74,6 +74,24 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--seq and --explain must be >= 0")
 
 
+def _check_platform(plat, args: argparse.Namespace) -> None:
+    """The figures the cost model divides by, present and positive (a platform file may lack them)."""
+    need = ["device_memory_bytes", "flops_bf16", "flops_fp32", "device_mem_bytes_per_s", "intra_node_efficiency",
+            "inter_node_efficiency"]
+    if args.gpus_per_node > 1:
+        need.append("intra_node_bytes_per_s")
+    if args.nodes > 1:
+        need.append("inter_node_bytes_per_s")
+    for k in need:
+        v = getattr(plat, k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise UserError(f"platform {plat.name!r}: {k} must be a number > 0 for {args.nodes} node(s) of "
+                            f"{args.gpus_per_node} device(s) (got {v!r})")
+    for k in ("matmul_efficiency", "mem_efficiency"):
+        if not all(0 < f <= 1 for _, f in getattr(plat, k)):
+            raise UserError(f"platform {plat.name!r}: {k} fractions must be in (0, 1]")
+
+
 def entry(c, best=None) -> dict:
     """One ranked plan as JSON (the issue's schema, plus phases and bubble)."""
     from scaletrain.planner.search import why_lost
@@ -96,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     shape = Shape.of(args.model, **parse_overrides(args.set))
     plat = _platform(args.platform)
+    _check_platform(plat, args)
     fixed = parse_fixed(args.fix)
     seq = args.seq or shape.positions
     if seq > shape.positions:
