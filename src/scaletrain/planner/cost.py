@@ -24,7 +24,8 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   micro-batch's backward; ZeRO-3: forward and backward), all but the last bucket, and the hidden part
   still slows compute by Calculon's processor usage (0.15 over NVLink, 0.02 over InfiniBand); ZeRO-1
   and every pipeline synchronise after the flush, fully exposed.
-* **optimizer step**: memory-bound, 28 bytes per (sharded) Adam parameter (read p, g, m, v; write p, m, v).
+* **optimizer step**: memory-bound, 12 + 2K bytes per (sharded) parameter: read p, g, write p, read and write
+  its K bytes of states (Adam: 28).
 
 Memory: :mod:`.memory` (model states by ZeRO stage, Korthikanti activations × in-flight micro-batches,
 autocast's 16-bit weight copies held per micro-batch until its backward, the logits and loss in fp32
@@ -43,10 +44,12 @@ from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
 from scaletrain.techniques.data_parallel import cost as zero_cost
 
-OPTIM_STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0, "lion": 4.0, "lamb": 8.0, "lars": 4.0,
-                     "adamw8bit": 2.0, "adam8bit": 2.0, "adafactor": 0.0, "came": 0.0}
-"""Optimizer-state bytes per fp32 parameter K (Adam m, v 8; momentum 4; 8-bit Adam 2; Adafactor /
-CAME factored, O(m + n) per matrix: ~0 per parameter at these sizes)."""
+def optim_state_bytes(name: str, hidden: int) -> float:
+    """Optimizer-state bytes per fp32 parameter K, from the optimizer registry's cost face on an h x h
+    weight (Adam 8, SGD 0 without momentum, 8-bit Adam ~2.004, Adafactor ~2/h factored, CAME ~4)."""
+    from scaletrain.techniques.optim.registry import state_bytes_per_param
+
+    return float(state_bytes_per_param(name.lower(), (hidden, hidden)))
 
 
 @dataclass(frozen=True)
@@ -242,9 +245,9 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
         dp_exposed = max(0.0, dp_time - window) + min(last_bucket, dp_time) + contention
     else:
         dp_exposed = dp_time
-    k = OPTIM_STATE_BYTES.get(plan.optimizer.lower(), 8.0)
+    k = optim_state_bytes(plan.optimizer, shape.hidden)
     opt_params = n_rank / (dp if plan.zero >= 1 else 1)
-    optimizer = _mb(plat, opt_params * (12 + 2 * k)) if k else _mb(plat, opt_params * 12)
+    optimizer = _mb(plat, opt_params * (12 + 2 * k))  # read p, g; write p (12 B); read + write the states
     step = pipeline + dp_exposed + optimizer
     tokens = global_batch * seq
     hw_flops = shape.flops_per_iteration(global_batch, seq, recompute=remat == "full")

@@ -24,7 +24,7 @@ from typing import Any
 from scaletrain.errors import UserError
 from scaletrain.plan import Plan, RematPlan
 from scaletrain.planner import memory as mem
-from scaletrain.planner.cost import OPTIM_STATE_BYTES, Options, PlanCost, plan_cost
+from scaletrain.planner.cost import Options, PlanCost, optim_state_bytes, plan_cost
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import Platform
 from scaletrain.techniques import compat
@@ -106,7 +106,7 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     opts = options or Options()
     world = nodes * gpus_per_node
     plat = plat.with_(devices_per_node=gpus_per_node)
-    k = OPTIM_STATE_BYTES.get(optimizer.lower(), 8.0)
+    k = optim_state_bytes(optimizer, shape.hidden)
     rejected: list[dict[str, Any]] = []
     ranked: list[PlanCost] = []
     oom: dict[tuple, PlanCost] = {}
