@@ -102,11 +102,11 @@ def test_done_when_command_json(capsys, tmp_path):
     rc = main(["plan", "--model", "gpt2-xl", "--platform", "a100-80g", "--nodes", "4", "--gpus-per-node", "8",
                "--global-batch", "512", "--seq", "1024", "--json", "--out", str(out)])
     assert rc == 0
-    d = json.loads(capsys.readouterr().out)
-    assert d["ranked"]
-    times = [e["step_time_s"] for e in d["ranked"]]
+    ranked = json.loads(capsys.readouterr().out)
+    assert isinstance(ranked, list) and ranked
+    times = [e["step_time_s"] for e in ranked]
     assert times == sorted(times)
-    for e in d["ranked"]:
+    for e in ranked:
         assert e["fits"] and e["peak_bytes"] < e["device_bytes"]
         assert set(e["plan"]) >= {"dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "remat", "offload",
                                   "precision", "optimizer"}
@@ -119,7 +119,11 @@ def test_done_when_command_json(capsys, tmp_path):
     keys = load_plan_overrides(out)  # what `scaletrain train --plan` reads, validated by the config schema
     assert any(k.startswith("parallel.dp=") for k in keys)
     cfg = load_config(None, keys)
-    assert Plan.from_config(cfg).dp == d["ranked"][0]["plan"]["dp"]
+    assert Plan.from_config(cfg).dp == ranked[0]["plan"]["dp"]
+    main(["plan", "--model", "gpt2-xl", "--nodes", "4", "--global-batch", "512", "--seq", "1024", "--json",
+          "--json-rejected", "--top", "2"])
+    d = json.loads(capsys.readouterr().out)
+    assert len(d["ranked"]) == 2 and d["world"] == 32 and any(r["kind"] == "divisibility" for r in d["rejected"])
 
 
 def test_platform_file_and_explain(capsys, tmp_path):

@@ -38,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute precision")
     p.add_argument("--optimizer", default="adamw", help="optimizer (default adamw)")
     p.add_argument("--top", type=int, default=5, help="plans to list (default 5)")
-    p.add_argument("--json", action="store_true", help="print the ranked list as JSON")
+    p.add_argument("--json", action="store_true", help="print the ranked list as JSON (an array, best first)")
+    p.add_argument("--json-rejected", action="store_true",
+                   help="with --json: an object with the ranked list, the rejected regions and the search's size")
     p.add_argument("--explain", type=int, default=0, metavar="N", help="full breakdown of the N-th plan (1 = best)")
     p.add_argument("--out", metavar="FILE", help="write the best plan as a plan TOML for `scaletrain train --plan`")
 
@@ -131,11 +133,14 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(best.plan.to_toml(), encoding="utf-8")
     top = res.ranked[:args.top]
-    if args.json:
-        print(json.dumps({"model": args.model, "platform": plat.name, "world": res.world,
-                          "global_batch": args.global_batch, "seq": seq, "evaluated": res.evaluated,
-                          "seconds": res.seconds, "ranked": [entry(c, best) for c in top],
-                          "rejected": res.rejected}, indent=1))
+    if args.json:  # the ranked list itself, best first (the schema); --json-rejected adds the rest
+        if args.json_rejected:
+            print(json.dumps({"model": args.model, "platform": plat.name, "world": res.world,
+                              "global_batch": args.global_batch, "seq": seq, "evaluated": res.evaluated,
+                              "seconds": res.seconds, "ranked": [entry(c, best) for c in top],
+                              "rejected": res.rejected}, indent=1))
+        else:
+            print(json.dumps([entry(c, best) for c in top], indent=1))
         return 0
     print(f"{args.model} ({shape.params() / 1e9:.2f}B parameters) on {args.nodes} x {args.gpus_per_node} "
           f"{plat.name} ({plat.device_memory_bytes / 2**30:.0f} GiB each), global batch {args.global_batch} x {seq} "
