@@ -120,6 +120,9 @@ def test_done_when_command_json(capsys, tmp_path):
     assert any(k.startswith("parallel.dp=") for k in keys)
     cfg = load_config(None, keys)
     assert Plan.from_config(cfg).dp == ranked[0]["plan"]["dp"]
+    entry = tmp_path / "entry.json"  # one --json entry is a plan file too
+    entry.write_text(json.dumps(ranked[0]))
+    assert Plan.from_config(load_config(None, load_plan_overrides(entry))) == Plan.from_config(cfg)
     main(["plan", "--model", "gpt2-xl", "--nodes", "4", "--global-batch", "512", "--seq", "1024", "--json",
           "--json-rejected", "--top", "2"])
     d = json.loads(capsys.readouterr().out)

@@ -98,7 +98,9 @@ def entry(c, best=None) -> dict:
     """One ranked plan as JSON (the issue's schema, plus phases and bubble)."""
     from scaletrain.planner.search import why_lost
 
-    d = {"plan": c.to_dict()["plan"], "fits": c.fits, "step_time_s": c.step_time_s, "tokens_per_s": c.tokens_per_s,
+    # "plan" is the Plan's own JSON (flat fields, remat and offload as objects): `scaletrain train --plan`
+    # reads this entry back; "summary" says the same in a few words (remat none / selective / full ...)
+    d = {"plan": c.plan.to_dict(), "summary": c.to_dict()["plan"], "describe": c.plan.describe(), "fits": c.fits, "step_time_s": c.step_time_s, "tokens_per_s": c.tokens_per_s,
          "tflops_per_device": c.tflops_per_device, "mfu": c.mfu, "peak_bytes": c.peak_bytes["total"],
          "peak_bytes_by_category": c.peak_bytes, "device_bytes": c.device_bytes, "heaviest_rank": c.heaviest_rank,
          "bubble_fraction": c.bubble_fraction, "exposed_comm_s": c.exposed_comm_s, "phases_s": c.phases_s,
