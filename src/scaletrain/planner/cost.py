@@ -19,7 +19,8 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   chunk pass each way; bubble fraction (p − 1)/v / (m + (p − 1)/v) — GPipe has the same time.
 * **data parallelism**: bytes from ZeRO's cost face (:func:`~scaletrain.techniques.data_parallel.cost.
   comm_bytes_per_step`, fp32 gradients: scaletrain keeps fp32 parameters under autocast), timed
-  hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across). Overlap, stated:
+  hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across), α per ring step
+  of every bucket's or (ZeRO-3) every block's collective. Overlap, stated:
   without a pipeline DDP/ZeRO-2/3 overlap it with the backward of the last micro-batch (ZeRO-2: every
   micro-batch's backward; ZeRO-3: forward and backward), all but the last bucket, and the hidden part
   still slows compute by Calculon's processor usage (0.15 over NVLink, 0.02 over InfiniBand); ZeRO-1
@@ -35,6 +36,7 @@ reserve (CUDA context, NCCL buffers, allocator fragmentation).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -232,10 +234,11 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     n_first = mem.rank_params(shape, tp=tp, pp=pp, first=True, last=pp == 1)
     n_last = mem.rank_params(shape, tp=tp, pp=pp, first=pp == 1, last=True)
     n_rank = max(n_first, n_last)
-    dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, e if plan.zero == 3 else 4)
+    dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, e if plan.zero == 3 else 4,
+                                 blocks=int(L) + 2, bucket_bytes=plan.bucket_mb * 1e6)
     if pp == 1 and plan.zero != 1:
         window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: m * L * (lt["fwd"] + lt["bwd"])}[plan.zero]
-        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4)[0]
+        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4, bucket_bytes=plan.bucket_mb * 1e6)[0]
         hidden = min(dp_time, window)
         # an overlapped collective still slows the compute it hides behind: NCCL's kernels take SMs and
         # HBM bandwidth — Calculon's "processor_usage": 0.15 of the device while NVLink traffic runs, 0.02
@@ -270,23 +273,31 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
                               "embedding": embed, "head": head})
 
 
-def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int) -> tuple[float, float]:
+def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int, *,
+             blocks: int = 1, bucket_bytes: float = 25e6) -> tuple[float, float]:
     """Seconds of one step's data-parallel collectives for ``n_params`` on this rank: ZeRO's bytes
     (ring convention over dp; ``elem`` bytes per value: fp32 gradients and parameters for DDP and
     ZeRO-1/2, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
-    hierarchical all-reduces — the group's k ranks inside a node over NVLink, then dp/k nodes over each
-    rank's own InfiniBand NIC (tp innermost, dp next). Returns (seconds, of which over NVLink)."""
+    hierarchical rings — the group's k ranks inside a node over NVLink, then dp/k nodes over each rank's
+    own InfiniBand NIC (tp innermost, dp next) — plus α per ring step of every collective issued: DDP and
+    ZeRO-1/2 one per ``bucket_bytes`` bucket (ZeRO-2's reduce-scatters per micro-batch), ZeRO-3 (FSDP2)
+    two all-gathers and a reduce-scatter per block and micro-batch. Returns (seconds, of which NVLink)."""
     if dp <= 1:
         return 0.0, 0.0
     received = zero_cost.comm_bytes_per_step(n_params, zero, dp, grad_bytes=elem, param_bytes=elem, accum=m)
     S = float(elem) * n_params
     k = max(1, min(dp, plat.devices_per_node // min(tp, plat.devices_per_node)))
     nodes = dp // k
-    intra = allreduce_time(S, k, plat.intra_node_bytes_per_s * plat.intra_node_efficiency, plat.intra_node_latency_s)
-    inter = allreduce_time(S / k, nodes, plat.inter_node_bytes_per_s * plat.inter_node_efficiency,
-                           plat.inter_node_latency_s)
+    bi, bo = plat.intra_node_bytes_per_s * plat.intra_node_efficiency, plat.inter_node_bytes_per_s * plat.inter_node_efficiency
     scale = received / (2 * (dp - 1) / dp * S)
-    return (intra + inter) * scale, intra * scale
+    intra = allreduce_time(S, k, bi, 0.0) * scale
+    inter = allreduce_time(S / k, nodes, bo, 0.0) * scale
+    buckets = max(1, math.ceil(S / bucket_bytes))
+    # (reduce-scatters + all-gathers) issued per step; an all-reduce is one of each
+    halves = {0: 2 * buckets, 1: 2 * buckets, 2: (m + 1) * buckets, 3: 3 * m * blocks}[zero]
+    intra += halves * (k - 1) * plat.intra_node_latency_s
+    inter += halves * (nodes - 1) * plat.inter_node_latency_s
+    return intra + inter, intra
 
 
 def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int, e: int, remat: str, k: float,
