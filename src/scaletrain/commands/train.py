@@ -47,6 +47,16 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return load_plan_overrides(args.plan) + list(args.overrides)
 
 
+def _check_plan_source(args: argparse.Namespace, cfg) -> None:
+    """``--plan FILE`` and ``plan=auto`` both choose the plan: one of them (one line, exit 2)."""
+    if cfg.plan == "auto" and getattr(args, "plan", None):
+        raise ConfigError(f"--plan {args.plan} and plan=auto both choose the plan; give one of them")
+    if cfg.plan == "auto":
+        from scaletrain.planner.auto import check
+
+        check(cfg)  # keys plan=auto does not plan fail here, before any process starts
+
+
 def _relaunch(args: argparse.Namespace) -> int:
     """Re-run this command under torchrun with ``--nproc-per-node`` processes (one run directory)."""
     import os
@@ -65,6 +75,7 @@ def _relaunch(args: argparse.Namespace) -> int:
     if args.resume and config_path is None and (Path(args.out) / "config.toml").is_file():
         config_path = Path(args.out) / "config.toml"
     cfg = load_config(config_path, _overrides(args))  # bad keys fail here, once, before any process starts
+    _check_plan_source(args, cfg)
     model_ranks = cfg.parallel.pp * cfg.parallel.tp * cfg.parallel.cp  # dp = processes / model_ranks
     if cfg.parallel.dp and cfg.parallel.dp * model_ranks != args.nproc_per_node:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} conflicts with --nproc-per-node {args.nproc_per_node}; "
@@ -104,6 +115,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume and config_path is None and (out / "config.toml").is_file():
         config_path = out / "config.toml"
     cfg = load_config(config_path, _overrides(args))
+    _check_plan_source(args, cfg)
     quiet = args.json
     log = (lambda s: None) if quiet else (lambda s: print(s, flush=True))
     trainer = Trainer(cfg, out, resume=args.resume, log=log)
@@ -127,8 +139,14 @@ def _train(args: argparse.Namespace, cfg, trainer, out: Path, log) -> int:
         f"{cfg.train.steps} steps x {cfg.train.global_batch} samples (micro-batch {trainer.micro_batch} x "
         f"{trainer.accum} accumulation{ranks}), {cfg.train.precision}, {cfg.optim.name}, "
         f"device {trainer.device.type}{how}; run directory {out}")
+    if trainer.auto is not None:
+        log(trainer.auto.header(trainer.world))
     result = trainer.fit()
     summary = {"steps": result.steps, "final_loss": result.final_loss, **result.val_metrics, "out_dir": str(out)}
+    if trainer.auto is not None:  # predicted next to measured (scaletrain.planner.auto)
+        extra, line = trainer.auto.summary(trainer.tracked, result.comm_bytes_per_step)
+        summary.update(extra)
+        log(line)
     if trainer.data_name == "shakespeare":
         from scaletrain.data.text import byte_unigram_entropy
 

@@ -99,8 +99,9 @@ def _states_lower_bound(shape: Shape, tp: int, pp: int, dp: int, zero_max: int, 
 
 def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, global_batch: int, seq: int,
            fixed: dict[str, Any] | None = None, precision: str = "bf16", optimizer: str = "adamw",
-           options: Options | None = None) -> SearchResult:
-    """Every runnable plan for ``nodes × gpus_per_node`` devices, priced and ranked (module docstring)."""
+           options: Options | None = None, device: str = "cuda") -> SearchResult:
+    """Every runnable plan for ``nodes × gpus_per_node`` devices, priced and ranked (module docstring).
+    ``device``: what the compatibility table is asked about (cuda; cpu for ``plan=auto`` here)."""
     t0 = time.perf_counter()
     fx = dict(fixed or {})
     opts = options or Options()
@@ -111,7 +112,7 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     ranked: list[PlanCost] = []
     oom: dict[tuple, PlanCost] = {}
     evaluated = 0
-    facts_base = dict(world=world, device="cuda", gpt2=True, n_head=shape.heads, vocab_size=shape.vocab,
+    facts_base = dict(world=world, device=device, gpt2=True, n_head=shape.heads, vocab_size=shape.vocab,
                       n_blocks=shape.layers + 2, seq_len=seq, dropout=shape.dropout)
 
     def reject(region: str, kind: str, reason: str, key: str = "") -> None:

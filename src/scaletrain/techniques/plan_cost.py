@@ -114,7 +114,9 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     if target is None:
         target = torch.zeros(example.shape if lm else (b,), dtype=torch.long, device="meta")
     v = default_virtual(plan.schedule, plan.virtual) if plan.pp > 1 else 1
-    sched_name = plan.schedule if plan.pp > 1 else "gpipe"
+    # one process runs its micro-batches forward-then-backward one at a time (accumulation): 1F1B on one
+    # rank, never GPipe (which would hold every micro-batch's activations at once)
+    sched_name = plan.schedule if plan.pp > 1 else "1f1b"
     bounds = (stage_bounds(model, example, pp=plan.pp, schedule=plan.schedule, microbatches=M, virtual=v,
                            loss_fn=_loss, balance=plan.balance) if plan.pp > 1 else [0, n])
     remat = _remat(plan, chain, bounds, example, target)

@@ -173,6 +173,12 @@ class ParallelConfig:
 
 @dataclass
 class Config:
+    plan: str = opt("manual", "how the plan keys are chosen: manual = as given; auto = scaletrain plans dp x tp x pp, "
+                              "schedule, virtual stages, micro-batch, ZeRO stage and remat for this machine and the "
+                              "processes launched (plan keys set away from their defaults are pinned; precision and "
+                              "optimizer are kept), prints its prediction and logs predicted_* next to the measured "
+                              "figures. A top-level key: `scaletrain train plan=auto`, TOML `plan = \"auto\"`",
+                    choices=("manual", "auto"))
     model: ModelConfig = section(ModelConfig, "the model")
     data: DataConfig = section(DataConfig, "the data")
     optim: OptimConfig = section(OptimConfig, "optimizer and learning-rate schedule")
@@ -254,7 +260,7 @@ def overrides_to_dict(overrides: list[str]) -> dict:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
-        if len(parts) < 2 or not all(parts):
+        if (len(parts) < 2 and parts[0] not in TOP_LEVEL_KEYS) or not all(parts):
             raise ConfigError(f"override {key!r} must name a section and a key, e.g. train.steps=100")
         d = out
         for p in parts[:-1]:
@@ -263,6 +269,10 @@ def overrides_to_dict(overrides: list[str]) -> dict:
                 raise ConfigError(f"override {key!r} conflicts with another override")
         d[parts[-1]] = parse_value(text.strip())
     return out
+
+
+TOP_LEVEL_KEYS = tuple(f.name for f in dataclasses.fields(Config) if not _is_section(f))
+"""Keys outside any section (``plan``): an override names them alone, ``plan=auto``."""
 
 
 def _merge(a: dict, b: dict) -> dict:

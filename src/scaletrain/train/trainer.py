@@ -99,6 +99,13 @@ def batch_arithmetic(global_batch: int, micro_batch: int, world: int) -> tuple[i
     return micro_batch, global_batch // per_step
 
 
+def _plan_auto(cfg: Config, world: int, rank: int, device: torch.device) -> Any:
+    """``plan=auto``: :func:`scaletrain.planner.auto.choose` (collective; imported only when asked)."""
+    from scaletrain.planner.auto import choose
+
+    return choose(cfg, world, rank, device)
+
+
 def _rss_peak_bytes() -> int:
     """Peak resident set size of this process (Linux reports KiB)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -125,6 +132,8 @@ class Trainer:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         say = log or (lambda s: print(s, flush=True))
         self.log = say if self.rank == 0 else (lambda s: None)
+        self.auto = _plan_auto(cfg, self.world, self.rank, self.device) if cfg.plan == "auto" else None
+        cfg = self.cfg = self.auto.cfg if self.auto is not None else cfg  # plan=auto: the chosen plan's keys set
         self.plan = Plan.from_config(cfg).resolved(self.world)
         self.dp_world = self.plan.dp
         """Data-parallel replicas: processes / (pp x tp x cp)."""
@@ -455,6 +464,7 @@ class Trainer:
                 self.step += 1
                 losses.append(step_loss)
                 dt = time.perf_counter() - t0
+                self.auto.step_times.append(dt) if self.auto is not None else None
                 items = cfg.train.global_batch * (self.tokens_per_sample if self.task == "lm" else 1)
                 window_items += items
                 rate = items / dt if dt > 0 else float("nan")
@@ -474,6 +484,7 @@ class Trainer:
                         row["loss_scale"] = float(self.scaler.get_scale())
                     row.update(self.parallel.metrics())
                     row.update(self.tracked or {})
+                    row.update(self.auto.predicted() if self.auto is not None else {})
                     if self.world > 1:
                         row["comm_bytes"] = self.comm_bytes
                         if self.model_state_bytes:

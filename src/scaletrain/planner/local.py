@@ -1,0 +1,126 @@
+"""This machine as a :class:`~scaletrain.platform.Platform` for the processes of *this* run.
+
+``plan=auto`` prices plans for the N processes the launcher started, so the figures must be what one
+of those N processes gets while the other N − 1 run too. Every figure is therefore measured by all N
+ranks *at the same time* (a barrier before each size), each sample long enough (20 ms) for the
+scheduler to share the cores among the N processes, and the best sample is kept (a shared machine:
+the rate when no *other* job takes the cores, the same convention as :func:`scaletrain.platform.calibrate`):
+
+* **FLOP/s and the matmul efficiency table** — square fp32 (and bf16 when the run uses it) matmuls of
+  n = 16 … 384; the peak is the largest rate, each smaller size's fraction of it becomes a row of
+  :attr:`Platform.matmul_efficiency` (threshold in GFLOP). Small matmuls pay PyTorch's dispatch
+  overhead, which is exactly what makes a small model's step slower than its FLOPs say.
+  With N processes sharing C cores each process's rate is about C/N of one core's (OMP threads: the
+  launcher sets 1 per process): measured, not assumed.
+* **memory-bound kernels and their table** — what the cost model prices as memory-bound (LayerNorm,
+  bias-GELU, bias-dropout-add) measured as such: a tanh-GELU, a LayerNorm and an add over the same
+  tensor of 16 KiB … 16 MiB, bytes counted as the cost model counts them (2 + 2 + 3 times the tensor).
+  On a CPU these are compute-bound (GELU's tanh): a copy's bandwidth would be ~15x too fast.
+* **collectives** — gloo all-reduces over the run's group: a 4-byte one gives the latency α per ring
+  step (t / 2(N − 1)), a 4 MiB one the bandwidth β (ring convention, α removed); one process: none.
+
+Device memory is the host's memory divided among the N processes (the CPU "device" is the logical
+pool in host memory). Units: FLOP/s, bytes/s, seconds, bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.platform import Platform, _host_memory_bytes
+
+MATMUL_SIZES = (16, 32, 64, 128, 256, 512)
+COPY_BYTES = (16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _best_time(fn: Callable[[], object], repeats: int, min_s: float = 0.02) -> float:
+    """Least seconds of one call of ``fn`` over ``repeats`` samples, each looping until ``min_s`` has passed."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_s:
+                break
+        samples.append(dt / n)
+    return max(min(samples), 1e-9)
+
+
+def matmul_table(dtype: torch.dtype, repeats: int = 5) -> tuple[float, tuple]:
+    """(peak FLOP/s, efficiency rows (GFLOP threshold, fraction of peak), largest first)."""
+    rates = []
+    for n in MATMUL_SIZES:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        _barrier()
+        rates.append((2 * n**3, 2 * n**3 / _best_time(lambda: a @ b, repeats)))
+    peak = max(r for _, r in rates)
+    rows = [(f / 1e9, r / peak) for f, r in rates]
+    rows[0] = (0.0, rows[0][1])
+    return peak, tuple(sorted(rows, reverse=True))
+
+
+def elementwise_table(repeats: int = 5) -> tuple[float, tuple]:
+    """(peak bytes/s of the memory-bound kernels, rows (MB threshold, fraction of peak)): GELU (tanh),
+    LayerNorm and add on one tensor of T bytes, counted 2T + 2T + 3T as :mod:`.cost` counts them."""
+    import torch.nn.functional as F
+
+    rates = []
+    for nbytes in COPY_BYTES:
+        x = torch.randn(nbytes // 4 // 128, 128)
+        _barrier()
+        t = (_best_time(lambda: F.gelu(x, approximate="tanh"), repeats)
+             + _best_time(lambda: F.layer_norm(x, (128,)), repeats) + _best_time(lambda: x + x, repeats))
+        rates.append((nbytes, 7 * nbytes / t))
+    peak = max(r for _, r in rates)
+    rows = [(b / 1e6, r / peak) for b, r in rates]
+    rows[0] = (0.0, rows[0][1])
+    return peak, tuple(sorted(rows, reverse=True))
+
+
+def collective_rates(world: int, repeats: int = 7) -> tuple[float, float]:
+    """(bytes/s per direction β, seconds per ring step α) of all-reduce over the default group."""
+    if world <= 1 or not dist.is_initialized():
+        return 1e12, 0.0
+    small, big = torch.zeros(1), torch.zeros(1 << 20)
+    _barrier()
+    t_small = _best_time(lambda: dist.all_reduce(small), repeats, min_s=0.0)
+    _barrier()
+    t_big = _best_time(lambda: dist.all_reduce(big), repeats, min_s=0.0)
+    alpha = t_small / (2 * (world - 1))
+    wire = 2 * (world - 1) / world * big.numel() * 4
+    return wire / max(t_big - 2 * (world - 1) * alpha, 1e-9), alpha
+
+
+def measure(world: int, precision: str = "fp32") -> Platform:
+    """This machine for one of ``world`` processes; every rank calls it at once (module docstring).
+    Returns each rank's own measurement (rank 0's is the one ``plan=auto`` uses)."""
+    t0 = time.perf_counter()
+    f32, mm = matmul_table(torch.float32)
+    f16 = f32
+    if precision != "fp32":  # CPU autocast runs bf16/fp16 matmuls: their own rate
+        f16, mm = matmul_table(torch.bfloat16 if precision == "bf16" else torch.float16)
+    bw, mem = elementwise_table()
+    beta, alpha = collective_rates(world)
+    threads = torch.get_num_threads()
+    return Platform(
+        name=f"local-cpu/{world}", device_type="cpu", device_memory_bytes=_host_memory_bytes() // max(world, 1),
+        host_memory_bytes=_host_memory_bytes(), flops_fp32=f32, flops_bf16=f16, device_mem_bytes_per_s=bw,
+        h2d_bytes_per_s=bw, d2h_bytes_per_s=bw, host_memcpy_bytes_per_s=bw, copy_overlaps_compute=False,
+        matmul_efficiency=mm, mem_efficiency=mem, intra_node_bytes_per_s=beta, inter_node_bytes_per_s=beta,
+        intra_node_efficiency=1.0, inter_node_efficiency=1.0, intra_node_latency_s=alpha,
+        inter_node_latency_s=alpha, devices_per_node=max(world, 1),
+        source=f"planner.local.measure: {world} process(es) x {threads} thread(s) measured at once, "
+               f"{time.strftime('%Y-%m-%dT%H:%M:%S')}",
+        meta={"seconds": time.perf_counter() - t0, "threads": threads})
