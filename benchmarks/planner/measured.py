@@ -10,7 +10,8 @@ median of the steps after two warm-up steps, the last (tracked) step left out; p
 heaviest rank's; traffic = rank 0's ledger. The planner's own first choice for each N (``plan=auto``'s)
 is among the plans. Writes ``benchmarks/results/planner_measured.json``.
 
-    PYTHONPATH=src python benchmarks/planner/measured.py   # ~8 minutes on the shared 2-core machine
+    PYTHONPATH=src python benchmarks/planner/measured.py          # ~10 minutes on the shared 2-core machine
+    PYTHONPATH=src python benchmarks/planner/measured.py --plot   # planner_measured.png from the JSON
 """
 
 from __future__ import annotations
@@ -168,5 +169,36 @@ def main() -> int:
     return 0
 
 
+def plot(path: Path = ROOT / "benchmarks" / "results" / "planner_measured.json") -> Path:
+    """Predicted vs measured step time, one point per plan, coloured by process count (PNG beside the JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(path.read_text())
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    ok = [r for r in data["rows"] if "error" not in r["measured"]]
+    for w, colour in ((1, "tab:blue"), (2, "tab:orange"), (4, "tab:green")):
+        rs = [r for r in ok if r["world"] == w]
+        ax.scatter([r["measured"]["step_time_s"] * 1e3 for r in rs], [r["predicted"]["step_time_s"] * 1e3 for r in rs],
+                   c=colour, label=f"{w} process(es)")
+    hi = max(max(r["measured"]["step_time_s"], r["predicted"]["step_time_s"]) for r in ok) * 1e3 * 1.1
+    ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="predicted = measured")
+    ax.set(xlabel="measured step time (ms, median after warm-up)", ylabel="predicted step time (ms)",
+           title=f"{data['model']}, {len(ok)} plans, Spearman {data['summary']['spearman']:.2f}", xlim=(0, hi),
+           ylim=(0, hi))
+    ax.legend()
+    out = path.with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if "--plot" in sys.argv:  # the figure again from the JSON, nothing run
+        print(plot())
+        raise SystemExit(0)
+    code = main()
+    plot()
+    raise SystemExit(code)
