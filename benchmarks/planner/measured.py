@@ -64,7 +64,7 @@ PARTIAL = ROOT / "benchmarks" / "results" / "planner_measured.partial.json"
 
 
 def _measure(rank: int, world: int, precision: str) -> Any:
-    return local.measure(world, precision)  # every rank at once; rank 0's is used
+    return local.measure(world, precision, (MODEL, {}))  # every rank at once; rank 0's is used
 
 
 def platform_for(world: int, precision: str) -> Any:
@@ -120,7 +120,8 @@ def main() -> int:
         plats = {p: platform_for(world, p) for p in sorted({pl.precision for pl in plans})}
         platforms[world] = {p: {"flops": pl.flops(p), "elementwise_bytes_per_s": pl.device_mem_bytes_per_s,
                                 "allreduce_bytes_per_s": pl.intra_node_bytes_per_s,
-                                "allreduce_alpha_s": pl.intra_node_latency_s} for p, pl in plats.items()}
+                                "allreduce_alpha_s": pl.intra_node_latency_s,
+                                "kernel_overhead_s": pl.kernel_overhead_s} for p, pl in plats.items()}
         cfg = load_config(None, ["plan=auto", *BASE])
         first = Plan.from_flat(auto._plan_on_rank0(cfg, world, {}, plats["fp32"], torch.device("cpu"))["plan"])
         firsts[world] = first.describe() + f", micro-batch {first.micro_batch}"

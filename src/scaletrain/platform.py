@@ -88,6 +88,10 @@ class Platform:
     """Per-step latency alpha of a collective inside a node (Calculon a100_80e: 10 us)."""
     inter_node_latency_s: float = 20e-6
     """Per-step latency alpha of a collective across nodes (Calculon a100_80e: 20 us)."""
+    kernel_overhead_s: float = 0.0
+    """Fixed seconds per kernel the planner prices (dispatch, autograd bookkeeping, launch), on top of its
+    roofline time. 0 on the GPU presets (not modelled there); measured by :mod:`scaletrain.planner.local`
+    on a CPU, where eager PyTorch's per-operator cost dominates a small model's small kernels."""
     source: str = ""
     """Where the figures come from (data sheet, calibration date)."""
     meta: dict = field(default_factory=dict, compare=False, hash=False)

@@ -108,7 +108,8 @@ class AutoPlan:
             f"MiB on the heaviest rank, {self.predicted_comm_bytes / 2**20:.2f} MiB received per step by rank 0",
             f"  chosen first of {self.candidates} runnable plans for {world} process(es) in {self.seconds:.1f} s"
             + (f"; runner-up {self.runner_up}" if self.runner_up else ""),
-            f"  this machine per process: {p['flops'] / 1e9:.1f} GFLOP/s matmul, {p['mem'] / 1e9:.1f} GB/s memory-bound kernels"
+            f"  this machine per process: {p['flops'] / 1e9:.1f} GFLOP/s matmul, {p['mem'] / 1e9:.1f} GB/s memory-bound "
+            f"kernels, {p.get('kernel_s', 0) * 1e6:.0f} us per kernel"
             + (f", all-reduce {p['beta'] / 1e9:.2f} GB/s + {p['alpha'] * 1e6:.0f} us per ring step" if world > 1 else "")])
 
     def summary(self, tracked: dict[str, Any] | None, comm_bytes: float) -> tuple[dict[str, Any], str]:
@@ -153,7 +154,7 @@ def choose(cfg: Any, world: int, rank: int, device: torch.device) -> AutoPlan:
     from scaletrain.planner import local
 
     fixed = check(cfg)
-    plat = local.measure(world, cfg.train.precision)  # all ranks at once
+    plat = local.measure(world, cfg.train.precision, (cfg.model.name, dict(cfg.model.overrides)))  # all ranks at once
     payload: list[Any] = [None]
     if rank == 0:
         try:
@@ -209,6 +210,7 @@ def _plan_on_rank0(cfg: Any, world: int, fixed: dict[str, Any], plat: Any, devic
                 "predicted_peak_bytes": float(top.peak_bytes), "predicted_comm_bytes": float(costs[0].comm_bytes),
                 "platform": {"flops": plat.flops(cfg.train.precision), "mem": plat.device_mem_bytes_per_s,
                              "beta": plat.intra_node_bytes_per_s, "alpha": plat.intra_node_latency_s,
+                             "kernel_s": plat.kernel_overhead_s,
                              "source": plat.source},
                 "candidates": len(res.ranked), "runner_up": runner, "seconds": time.perf_counter() - t0}
     why = "; ".join(f"{r['region']}: {r['reason']}" for r in res.rejected[:2]) or "no candidate left"

@@ -124,13 +124,15 @@ def _mm(plat: Platform, precision: str, m: float, n: float, k: float, batch: flo
     achieved fraction for its size and its bytes (both operands read, the output written) at HBM's."""
     e = 4 if precision == "fp32" else 2
     flops = 2 * m * n * k * batch
-    compute = flops / (plat.flops(precision) * plat.matmul_fraction(flops))
+    compute = flops / (plat.flops(precision) * plat.matmul_fraction(flops)) + plat.kernel_overhead_s
     return max(compute, _mb(plat, e * (m * k + k * n + m * n) * batch))
 
 
 def _mb(plat: Platform, nbytes: float) -> float:
-    """Seconds of one memory-bound kernel moving ``nbytes``."""
-    return nbytes / (plat.device_mem_bytes_per_s * plat.mem_fraction(nbytes)) if nbytes > 0 else 0.0
+    """Seconds of one memory-bound kernel moving ``nbytes`` (plus the platform's fixed cost per kernel)."""
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / (plat.device_mem_bytes_per_s * plat.mem_fraction(nbytes)) + plat.kernel_overhead_s
 
 
 def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: bool, precision: str,

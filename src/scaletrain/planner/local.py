@@ -16,6 +16,13 @@ the rate when no *other* job takes the cores, the same convention as :func:`scal
   bias-GELU, bias-dropout-add) measured as such: a tanh-GELU, a LayerNorm and an add over the same
   tensor of 16 KiB … 16 MiB, bytes counted as the cost model counts them (2 + 2 + 3 times the tensor).
   On a CPU these are compute-bound (GELU's tanh): a copy's bandwidth would be ~15x too fast.
+* **the fixed cost of one kernel** (``Platform.kernel_overhead_s``, added by :mod:`.cost` to every
+  kernel it prices) — the run's model cut to one layer, forward and backward on one sequence of 8
+  tokens (its kernels do almost no work): measured time minus the roofline's, divided by the number of
+  kernels :mod:`.cost` prices for that micro-batch. It is eager PyTorch's dispatch, autograd and Python
+  cost per priced kernel (the real model runs several operators per priced kernel: views, dropout,
+  reshapes). Without it a micro-batch of 1 looks as fast as one of 16 on a CPU; measured, it is twice
+  as slow. No GPT-2 model given: a tiny linear layer's forward and backward / 3.
 * **collectives** — gloo all-reduces over the run's group: a 4-byte one gives the latency α per ring
   step (t / 2(N − 1)), a 4 MiB one the bandwidth β (ring convention, α removed); one process: none.
 
@@ -89,6 +96,46 @@ def elementwise_table(repeats: int = 5) -> tuple[float, tuple]:
     return peak, tuple(sorted(rows, reverse=True))
 
 
+def kernel_overhead(repeats: int = 5) -> float:
+    """Seconds per operator of a step whose operators do no work (module docstring)."""
+    x = torch.randn(1, 8)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def step() -> None:
+        x2 = x.requires_grad_(True)
+        torch.nn.functional.linear(x2, w).backward(torch.ones(1, 8))
+
+    _barrier()
+    return _best_time(step, repeats) / 3
+
+
+def model_kernel_overhead(name: str, overrides: dict, plat: Platform, repeats: int = 5) -> float:
+    """Seconds per priced kernel of ``name`` with one layer on one 8-token sequence (module docstring)."""
+    import torch.nn.functional as F
+
+    from scaletrain import models
+    from scaletrain.plan import Plan
+    from scaletrain.planner.cost import plan_cost
+    from scaletrain.planner.shape import Shape
+
+    over = {**overrides, "n_layer": 1}
+    shape, model = Shape.of(name, **over), models.get(name, **over)
+    x = torch.randint(0, shape.vocab, (1, 8))
+
+    def step() -> None:
+        F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+
+    _barrier()
+    t = _best_time(step, repeats)
+
+    def priced(overhead: float) -> float:
+        return plan_cost(shape, Plan(dp=1, micro_batch=1), plat.with_(kernel_overhead_s=overhead),
+                         global_batch=1, seq=8).phases_s["compute"]
+
+    roofline = priced(0.0)
+    return max((t - roofline) / (priced(1.0) - roofline), 0.0)
+
+
 def collective_rates(world: int, repeats: int = 7) -> tuple[float, float]:
     """(bytes/s per direction β, seconds per ring step α) of all-reduce over the default group."""
     if world <= 1 or not dist.is_initialized():
@@ -103,8 +150,9 @@ def collective_rates(world: int, repeats: int = 7) -> tuple[float, float]:
     return wire / max(t_big - 2 * (world - 1) * alpha, 1e-9), alpha
 
 
-def measure(world: int, precision: str = "fp32") -> Platform:
+def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None = None) -> Platform:
     """This machine for one of ``world`` processes; every rank calls it at once (module docstring).
+    ``model``: (reference model name, overrides) whose operators set the fixed cost per kernel.
     Returns each rank's own measurement (rank 0's is the one ``plan=auto`` uses)."""
     t0 = time.perf_counter()
     f32, mm = matmul_table(torch.float32)
@@ -112,15 +160,25 @@ def measure(world: int, precision: str = "fp32") -> Platform:
     if precision != "fp32":  # CPU autocast runs bf16/fp16 matmuls: their own rate
         f16, mm = matmul_table(torch.bfloat16 if precision == "bf16" else torch.float16)
     bw, mem = elementwise_table()
+    overhead = kernel_overhead()
     beta, alpha = collective_rates(world)
     threads = torch.get_num_threads()
-    return Platform(
+    plat = Platform(
         name=f"local-cpu/{world}", device_type="cpu", device_memory_bytes=_host_memory_bytes() // max(world, 1),
         host_memory_bytes=_host_memory_bytes(), flops_fp32=f32, flops_bf16=f16, device_mem_bytes_per_s=bw,
         h2d_bytes_per_s=bw, d2h_bytes_per_s=bw, host_memcpy_bytes_per_s=bw, copy_overlaps_compute=False,
         matmul_efficiency=mm, mem_efficiency=mem, intra_node_bytes_per_s=beta, inter_node_bytes_per_s=beta,
         intra_node_efficiency=1.0, inter_node_efficiency=1.0, intra_node_latency_s=alpha,
-        inter_node_latency_s=alpha, devices_per_node=max(world, 1),
+        inter_node_latency_s=alpha, devices_per_node=max(world, 1), kernel_overhead_s=overhead,
         source=f"planner.local.measure: {world} process(es) x {threads} thread(s) measured at once, "
                f"{time.strftime('%Y-%m-%dT%H:%M:%S')}",
-        meta={"seconds": time.perf_counter() - t0, "threads": threads})
+        meta={"threads": threads})
+    if model is not None:
+        from scaletrain.errors import UserError
+
+        try:
+            plat = plat.with_(kernel_overhead_s=model_kernel_overhead(model[0], model[1], plat))
+        except UserError:  # not a GPT-2 shape: the planner refuses it later, in its own words
+            pass
+    plat.meta["seconds"] = time.perf_counter() - t0
+    return plat
