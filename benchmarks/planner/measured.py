@@ -12,6 +12,7 @@ is among the plans. Writes ``benchmarks/results/planner_measured.json``.
 
     PYTHONPATH=src python benchmarks/planner/measured.py          # ~10 minutes on the shared 2-core machine
     PYTHONPATH=src python benchmarks/planner/measured.py --plot   # planner_measured.png from the JSON
+    PYTHONPATH=src python benchmarks/planner/measured.py --table  # the README's table from the JSON
 """
 
 from __future__ import annotations
@@ -196,9 +197,30 @@ def plot(path: Path = ROOT / "benchmarks" / "results" / "planner_measured.json")
     return out
 
 
+def table(path: Path = ROOT / "benchmarks" / "results" / "planner_measured.json") -> str:
+    """The README's markdown table from the JSON."""
+    data = json.loads(path.read_text())
+    lines = ["| N | plan | predicted ms | measured ms | error | predicted peak MiB | measured MiB | error | traffic |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in data["rows"]:
+        p, m = r["predicted"], r["measured"]
+        name = r["plan"] + (" **(planner's first)**" if r["planner_first"] else "")
+        if "error" in m:
+            lines.append(f"| {r['world']} | {name} | {p['step_time_s'] * 1e3:.0f} | failed: {m['error']} | | | | | |")
+            continue
+        traffic = "exact" if p["comm_bytes"] == m["comm_bytes"] else f"{p['comm_bytes']:.0f} vs {m['comm_bytes']:.0f} B"
+        lines.append(f"| {r['world']} | {name} | {p['step_time_s'] * 1e3:.0f} | {m['step_time_s'] * 1e3:.0f} | "
+                     f"{(p['step_time_s'] / m['step_time_s'] - 1) * 100:+.0f}% | {p['peak_bytes'] / 2**20:.2f} | "
+                     f"{m['peak_bytes'] / 2**20:.2f} | {(p['peak_bytes'] / m['peak_bytes'] - 1) * 100:+.1f}% | {traffic} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     if "--plot" in sys.argv:  # the figure again from the JSON, nothing run
         print(plot())
+        raise SystemExit(0)
+    if "--table" in sys.argv:
+        print(table())
         raise SystemExit(0)
     code = main()
     plot()
