@@ -109,8 +109,12 @@ def kernel_overhead(repeats: int = 5) -> float:
     return _best_time(step, repeats) / 3
 
 
-def model_kernel_overhead(name: str, overrides: dict, plat: Platform, repeats: int = 5) -> float:
-    """Seconds per priced kernel of ``name`` with one layer on one 8-token sequence (module docstring)."""
+def model_kernel_overhead(name: str, overrides: dict, plat: Platform, precision: str = "fp32",
+                          repeats: int = 5) -> float:
+    """Seconds per priced kernel of ``name`` with one layer on one 8-token sequence, in ``precision``
+    (autocast's casts are kernels too) (module docstring)."""
+    import contextlib
+
     import torch.nn.functional as F
 
     from scaletrain import models
@@ -122,14 +126,19 @@ def model_kernel_overhead(name: str, overrides: dict, plat: Platform, repeats: i
     shape, model = Shape.of(name, **over), models.get(name, **over)
     x = torch.randint(0, shape.vocab, (1, 8))
 
+    cast = (torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+            if precision != "fp32" else contextlib.nullcontext())
+
     def step() -> None:
-        F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+        with cast:
+            out = model(x)
+        F.cross_entropy(out.flatten(0, 1).float(), x.flatten()).backward()
 
     _barrier()
     t = _best_time(step, repeats)
 
     def priced(overhead: float) -> float:
-        return plan_cost(shape, Plan(dp=1, micro_batch=1), plat.with_(kernel_overhead_s=overhead),
+        return plan_cost(shape, Plan(dp=1, micro_batch=1, precision=precision), plat.with_(kernel_overhead_s=overhead),
                          global_batch=1, seq=8).phases_s["compute"]
 
     roofline = priced(0.0)
@@ -177,7 +186,7 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
         from scaletrain.errors import UserError
 
         try:
-            plat = plat.with_(kernel_overhead_s=model_kernel_overhead(model[0], model[1], plat))
+            plat = plat.with_(kernel_overhead_s=model_kernel_overhead(model[0], model[1], plat, precision))
         except UserError:  # not a GPT-2 shape: the planner refuses it later, in its own words
             pass
     plat.meta["seconds"] = time.perf_counter() - t0
