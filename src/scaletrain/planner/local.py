@@ -15,7 +15,9 @@ the rate when no *other* job takes the cores, the same convention as :func:`scal
 * **memory-bound kernels and their table** — what the cost model prices as memory-bound (LayerNorm,
   bias-GELU, bias-dropout-add) measured as such: a tanh-GELU, a LayerNorm and an add over the same
   tensor of 16 KiB … 16 MiB, bytes counted as the cost model counts them (2 + 2 + 3 times the tensor).
-  On a CPU these are compute-bound (GELU's tanh): a copy's bandwidth would be ~15x too fast.
+  On a CPU these are compute-bound (GELU's tanh): a copy's bandwidth would be ~15x too fast. Measured
+  in the run's precision: a bf16 kernel on this CPU converts to fp32 inside and moves half the bytes
+  in about the same time, so its bytes/s is half the fp32 one (the cost model halves the bytes).
 * **the fixed cost of one kernel** (``Platform.kernel_overhead_s``, added by :mod:`.cost` to every
   kernel it prices) — the run's model cut to one layer, forward and backward on one sequence of 8
   tokens (its kernels do almost no work): measured time minus the roofline's, divided by the number of
@@ -78,14 +80,15 @@ def matmul_table(dtype: torch.dtype, repeats: int = 5) -> tuple[float, tuple]:
     return peak, tuple(sorted(rows, reverse=True))
 
 
-def elementwise_table(repeats: int = 5) -> tuple[float, tuple]:
+def elementwise_table(repeats: int = 5, dtype: torch.dtype = torch.float32) -> tuple[float, tuple]:
     """(peak bytes/s of the memory-bound kernels, rows (MB threshold, fraction of peak)): GELU (tanh),
     LayerNorm and add on one tensor of T bytes, counted 2T + 2T + 3T as :mod:`.cost` counts them."""
     import torch.nn.functional as F
 
     rates = []
     for nbytes in COPY_BYTES:
-        x = torch.randn(nbytes // 4 // 128, 128)
+        x = torch.randn(nbytes // 4 // 128, 128, dtype=dtype)  # the same elements in any dtype: the bytes
+        nbytes = x.numel() * x.element_size()                     # the cost model counts are the dtype's
         _barrier()
         t = (_best_time(lambda: F.gelu(x, approximate="tanh"), repeats)
              + _best_time(lambda: F.layer_norm(x, (128,)), repeats) + _best_time(lambda: x + x, repeats))
@@ -168,7 +171,8 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
     f16 = f32
     if precision != "fp32":  # CPU autocast runs bf16/fp16 matmuls: their own rate
         f16, mm = matmul_table(torch.bfloat16 if precision == "bf16" else torch.float16)
-    bw, mem = elementwise_table()
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    bw, mem = elementwise_table(dtype=half or torch.float32)  # under autocast they run in 16 bits
     overhead = kernel_overhead()
     beta, alpha = collective_rates(world)
     threads = torch.get_num_threads()

@@ -41,6 +41,7 @@ from scaletrain.data import build_loader, get_dataset
 from scaletrain.errors import ConfigError
 from scaletrain.measure.comm import LEDGER
 from scaletrain.plan import Plan
+from scaletrain.planner import auto as plan_auto
 from scaletrain.techniques.compat import Facts
 from scaletrain.techniques.data_parallel import launch
 from scaletrain.techniques.runtime import RunContext
@@ -99,13 +100,6 @@ def batch_arithmetic(global_batch: int, micro_batch: int, world: int) -> tuple[i
     return micro_batch, global_batch // per_step
 
 
-def _plan_auto(cfg: Config, world: int, rank: int, device: torch.device) -> Any:
-    """``plan=auto``: :func:`scaletrain.planner.auto.choose` (collective; imported only when asked)."""
-    from scaletrain.planner.auto import choose
-
-    return choose(cfg, world, rank, device)
-
-
 def _rss_peak_bytes() -> int:
     """Peak resident set size of this process (Linux reports KiB)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -132,7 +126,7 @@ class Trainer:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         say = log or (lambda s: print(s, flush=True))
         self.log = say if self.rank == 0 else (lambda s: None)
-        self.auto = _plan_auto(cfg, self.world, self.rank, self.device) if cfg.plan == "auto" else None
+        self.auto = plan_auto.choose(cfg, self.world, self.rank, self.device) if cfg.plan == "auto" else None
         cfg = self.cfg = self.auto.cfg if self.auto is not None else cfg  # plan=auto: the chosen plan's keys set
         self.plan = Plan.from_config(cfg).resolved(self.world)
         self.dp_world = self.plan.dp
