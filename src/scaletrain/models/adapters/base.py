@@ -119,7 +119,7 @@ class Adapter:
     # -- shapes --------------------------------------------------------------------------
     def input_spec(self, batch: int, seq: int | None = None) -> torch.Tensor:
         """A meta-device example input of ``batch`` samples (``seq`` tokens for language models)."""
-        own = getattr(self.model, "input_spec", None)
+        own = getattr(self.model, "input_spec", None) or getattr(getattr(self.model, "source", None), "input_spec", None)
         if callable(own):
             return own(batch, seq)
         if self.task == "lm":
