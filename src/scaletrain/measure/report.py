@@ -60,7 +60,7 @@ def check_step_args(args: argparse.Namespace) -> None:
     from scaletrain import models
     from scaletrain.measure import optimizers
 
-    models.entry(args.model)  # UserError listing the names
+    models.check_name(args.model)  # UserError listing the names
     optimizers.check(args.optimizer)
     if args.batch < 1 or args.accum < 1:
         raise UserError(f"--batch and --accum must be >= 1 (got {args.batch}, {args.accum})")

@@ -65,11 +65,17 @@ class Facts:
         drop = float(getattr(cfg, "dropout", 0.0) or 0.0)
         if hf and cfg is not None:
             drop = max(float(getattr(cfg, k, 0.0) or 0.0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
-        return cls(world=world, device=device, task=getattr(model, "task", "lm"), gpt2=bool(gpt2), hf=hf, moe=moe,
+        from scaletrain.models.adapters import adapt
+
+        try:
+            task, spec = adapt(model).task, True
+        except Exception:  # noqa: BLE001 - not adaptable: the table refuses what needs an example input
+            task, spec = getattr(model, "task", "lm"), callable(getattr(model, "input_spec", None))
+        return cls(world=world, device=device, task=task, gpt2=bool(gpt2), hf=hf, moe=moe,
                    dropout=drop, n_head=int(getattr(cfg, "n_head", 0) or 0),
                    vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
                    n_experts=int(getattr(cfg, "n_experts", 0) or 0), n_blocks=n_blocks, chain=chain,
-                   input_spec=callable(getattr(model, "input_spec", None)), seq_len=seq_len, eval_every=eval_every,
+                   input_spec=spec, seq_len=seq_len, eval_every=eval_every,
                    microbatches=microbatches)
 
 

@@ -45,7 +45,7 @@ class RotaryLayer(nn.Module):
     def __init__(self, layer: nn.Module, rotary: nn.Module, eager: bool):
         super().__init__()
         self.layer, self.eager = layer, eager
-        self.__dict__["rotary"] = rotary  # shared, parameter-free: kept out of the block's module tree
+        self.rotary = rotary  # shared by every layer; no parameters (its inv_freq buffer is not saved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
