@@ -164,3 +164,18 @@ def test_estimate_names_hf_llama():
                                           device="meta").parameters())
     assert est["parameters"] == n
     assert est["bytes"]["parameters"] == 4 * n
+
+
+def test_public_surface():
+    """Short, stable import paths (README "Bring your own model")."""
+    import scaletrain
+    from scaletrain import estimate, offload, remat
+    from scaletrain.optim import CAME, LAMB, LARS, Adafactor, Adam8bit, AdamW8bit, CPUAdam
+
+    assert scaletrain.Trainer is Trainer and scaletrain.load_config is load_config and scaletrain.adapt is adapt
+    assert scaletrain.Config.__name__ == "Config" and scaletrain.Plan.__name__ == "Plan"
+    assert all(issubclass(c, torch.optim.Optimizer) for c in (CAME, LAMB, LARS, Adafactor, Adam8bit, AdamW8bit,
+                                                                CPUAdam))
+    assert callable(remat.plan) and callable(offload.build_offload_runtime)
+    est = estimate.estimate_step(hf_gpt2(), 2, 16)  # an HF object: shapes from its adapter
+    assert est.bytes["parameters"] == 4 * sum(p.numel() for p in hf_gpt2().parameters())
