@@ -144,6 +144,10 @@ def test_py_factory_and_names(tmp_path, monkeypatch, capsys):
     g = models.get("hf:gpt2", n_layer=1, n_embd=16, n_head=2)
     assert len(g.transformer.h) == 1 and g.config.vocab_size == 256
     assert models.get("hf:llama", num_hidden_layers=1, device="meta").model.embed_tokens.weight.is_meta
+    saved = hf_gpt2()
+    saved.save_pretrained(tmp_path / "local")  # hf:/path: config.json + safetensors
+    loaded = models.get(f"hf:{tmp_path / 'local'}")
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), loaded.state_dict().values()))
     for argv in (["train", "model.name=hf:nope"], ["estimate", "--model", "hf:gpt2", "--set", "n_layr=2"],
                  ["train", "model.name=py:no_such_module:f"]):
         capsys.readouterr()

@@ -60,8 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from scaletrain.techniques.remat.fromtrace import estimate_graph
     from scaletrain.techniques.remat.measure_run import measure_autograd, measure_schedule, same_grads
 
-    if args.model not in models.names():
-        raise UserError(f"unknown model {args.model!r}; allowed: {', '.join(models.names())}")
+    models.check_name(args.model)  # a reference model, hf:... or py:...; else one line listing them
     if args.batch < 1:
         raise UserError(f"--batch must be ≥ 1, got {args.batch}")
     if args.budget.strip().startswith("-"):

@@ -80,6 +80,7 @@ def _transformers() -> Any:
         raise UserError("hf: models need the transformers package: pip install 'scaletrain[test]' "
                         "(or transformers)") from None
     transformers.logging.set_verbosity_error()  # config sanity notes would print once per process
+    transformers.logging.disable_progress_bar()  # "Loading weights" bars of hf:/dir
     return transformers
 
 
