@@ -31,7 +31,8 @@ With --intra-block the budget is what block K may keep for backward beyond its i
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from scaletrain.techniques.remat import METHODS
 
-    p.add_argument("--model", required=True, help="reference model name (see `scaletrain models`)")
+    p.add_argument("--model", required=True, help="model: a reference name, hf:<family>, hf:/path/to/dir or "
+                                                   "py:module:factory (see `scaletrain models`)")
     p.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
     p.add_argument("--seq", type=int, default=None, help="sequence length for language models")
     p.add_argument("--budget", required=True, help="activation memory budget: bytes or a size like 1.5GiB, 512MiB")

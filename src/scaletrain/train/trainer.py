@@ -491,5 +491,6 @@ class Trainer:
 
     def _val_line(self, val: dict[str, float]) -> str:
         if "val_ppl" in val:
-            return f"step {self.step}: val_loss {val['val_loss']:.4f} nats/token, perplexity {val['val_ppl']:.2f}"
+            unit = "nats/byte" if self.data_name == "shakespeare" else "nats/token"  # shipped text: byte tokens
+            return f"step {self.step}: val_loss {val['val_loss']:.4f} {unit}, perplexity {val['val_ppl']:.2f}"
         return f"step {self.step}: val_loss {val['val_loss']:.4f}, accuracy {val.get('val_acc', 0):.3f}"
