@@ -124,7 +124,7 @@ def _train(args: argparse.Namespace, cfg, trainer, out: Path, log) -> int:
     # data-parallel replicas only: pipeline / tensor ranks do not multiply the batch (they show in `how`)
     ranks = f" x {trainer.dp_world} data-parallel ranks" if trainer.dp_world > 1 else ""
     how = f", {trainer.parallel.describe()}" if trainer.world > 1 else ""
-    how += _memory_note(trainer.plan)
+    how += "".join(f", {p}" for p in trainer.plan.memory_parts())  # remat / offload on (one process too)
     log(f"scaletrain: training {trainer.model_name} ({n_params:,} parameters) on {trainer.data_name}, "
         f"{cfg.train.steps} steps x {cfg.train.global_batch} samples (micro-batch {trainer.micro_batch} x "
         f"{trainer.accum} accumulation{ranks}), {cfg.train.precision}, {cfg.optim.name}, "
@@ -142,18 +142,3 @@ def _train(args: argparse.Namespace, cfg, trainer, out: Path, log) -> int:
         print(json.dumps(summary))
     return 0
 
-
-def _memory_note(plan) -> str:
-    """", remat ..., offload ..." when the plan recomputes or offloads (the header says what runs)."""
-    r, o = plan.remat, plan.offload
-    bits = []
-    if r.method != "none":
-        bits.append(f"remat {r.method}" + (f" under {r.budget}" if r.budget else ""))
-    if r.blocks != "none":
-        bits.append(f"remat blocks {r.blocks}")
-    if r.selective != "none":
-        bits.append(f"selective remat ({r.selective})")
-    if o.active:
-        bits.append("offload " + (o.plan if o.plan == "auto" else "manual")
-                    + (f" under device budget {o.device_budget}" if o.device_budget else ""))
-    return "".join(f", {b}" for b in bits)
