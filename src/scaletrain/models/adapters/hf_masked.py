@@ -1,11 +1,13 @@
 """Hugging Face masked language models (BERT: ``bert.embeddings / encoder.layer`` + ``cls``) and
 sequence classifiers (``*ForSequenceClassification``), used unmodified.
 
-Masked LM on the shipped text (byte tokens): each sample's input has about 15 % of its positions
-replaced by the mask token (id ``vocab_size - 1``, so the vocabulary must be at least 257), chosen
-deterministically from the sample (so every process and every run sees the same masks), and its
-targets are the original bytes there and -100 elsewhere — BERT's objective without the 10 %
-random / 10 % kept replacements. The loss is BERT's own (cross-entropy ignoring -100).
+Masked LM on the shipped text (byte tokens): each sample's input has 15 % of its positions (the
+same count in every sample) replaced by the mask token (id ``vocab_size - 1``, so the vocabulary
+must be at least 257), chosen deterministically from the sample (so every process and every run
+sees the same masks), and its targets are the original bytes there and -100 elsewhere — BERT's
+objective without the 10 % random / 10 % kept replacements. The loss is BERT's own (cross-entropy
+ignoring -100). An equal count per sample makes every micro-batch's mean over its targets average
+to the global batch's mean, so data-parallel runs equal one process.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ def bert_chain(model: nn.Module) -> Any:
 
 
 def mask_tokens(x: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(masked input, targets) of one sample x [seq]: positions where ``(7 p + sum(x)) mod 100 < 15``
-    become ``mask_id`` and are the only targets (the rest -100)."""
-    pos = torch.arange(x.shape[-1])
-    chosen = (pos * 7 + int(x.sum())) % 100 < MASK_PERCENT
+    """(masked input, targets) of one sample x [seq]: ``max(1, 15 % of seq)`` positions, drawn by a
+    generator seeded with ``sum(x)``, become ``mask_id`` and are the only targets (the rest -100)."""
+    n = x.shape[-1]
+    g = torch.Generator().manual_seed(int(x.sum()))
+    chosen = torch.zeros(n, dtype=torch.bool)
+    chosen[torch.randperm(n, generator=g)[:max(1, n * MASK_PERCENT // 100)]] = True
     y = torch.where(chosen, x, torch.full_like(x, -100))
     return torch.where(chosen, torch.full_like(x, mask_id), x), y
 
