@@ -1,5 +1,6 @@
 """Bring your own model under several processes: the issue's done-when at tiny scale, with parity to one process
-and the user's model object handed back trained (ZeRO-3, TP, pipeline)."""
+(hf:gpt2 under ZeRO-2 + optimal remat, a py: classifier on digits under ZeRO-2, hf:llama under TP) and the
+user's model object handed back trained (ZeRO-3, TP)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from scaletrain.testing import run_distributed  # noqa: E402
 
 HF = ["model.name=hf:gpt2", "model.overrides.n_layer=2", "model.overrides.n_embd=32", "model.overrides.n_head=2",
       "model.overrides.n_positions=32"]
+LLAMA = ["model.name=hf:llama", "model.overrides.num_hidden_layers=2", "model.overrides.hidden_size=32",
+         "model.overrides.intermediate_size=64", "model.overrides.max_position_embeddings=32"]
 PY = ["model.name=py:byom_user_model:make", "model.overrides.width=4", "data.image_size=8"]
 DONE_WHEN = HF + ["parallel.zero=2", "memory.remat.method=optimal", "memory.remat.budget=250KiB"]
 OBJECT_RUNS = [["parallel.zero=3"], ["parallel.tp=2"]]
@@ -38,7 +41,7 @@ def _ranks(rank: int, world: int, tests_dir: str, user_dir: str) -> dict:
 
     logs: list[str] = []
     out = {"done_when": _named(DONE_WHEN, logs), "logs": logs, "digits": _named(PY + ["parallel.zero=2"]),
-           "objects": []}
+           "llama_tp": _named(LLAMA + ["parallel.tp=2"]), "objects": []}
     for extra in OBJECT_RUNS:  # an HF object passed straight to Trainer, handed back after close()
         m = t.hf_gpt2()
         losses = t.fit(m, *extra).losses
@@ -56,7 +59,7 @@ def test_done_when_two_processes_equal_one(tmp_path):
     (tmp_path / "byom_user_model.py").write_text(t.FACTORY)
     sys.path.insert(0, str(tmp_path))
     try:
-        ref_digits = _named(PY)
+        ref_digits, ref_llama = _named(PY), _named(LLAMA)
         m = t.hf_gpt2()  # the same initial weights as hf:gpt2 named with these overrides (seed 0)
         ref, ref_params = t.fit(m).losses, t.params(m)
     finally:
@@ -66,6 +69,7 @@ def test_done_when_two_processes_equal_one(tmp_path):
     for r in res:
         assert r["done_when"] == pytest.approx(ref, rel=1e-6)  # hf:gpt2, ZeRO-2 + optimal remat
         assert r["digits"] == pytest.approx(ref_digits, rel=1e-6)  # py: image classifier on digits, ZeRO-2
+        assert r["llama_tp"] == pytest.approx(ref_llama, rel=1e-6)  # hf:llama, tensor parallelism
         for extra, (losses, params, block, attn) in zip(OBJECT_RUNS, r["objects"]):
             assert losses == pytest.approx(ref, rel=1e-6), extra
             assert (block, attn) == ("GPT2Block", "Conv1D"), extra  # FSDP's class swap and TP's layers undone
