@@ -70,7 +70,8 @@ class Facts:
         from scaletrain.models.adapters import adapt
 
         try:
-            task, spec = adapt(model).task, True
+            a = adapt(model)
+            task, spec = a.task, a.knows_input or callable(getattr(model, "input_spec", None))
         except Exception:  # noqa: BLE001 - not adaptable: the table refuses what needs an example input
             task, spec = getattr(model, "task", "lm"), callable(getattr(model, "input_spec", None))
         return cls(world=world, device=device, task=task, gpt2=bool(gpt2), hf=hf, moe=moe,

@@ -80,6 +80,9 @@ class Adapter:
     channels: int = 3
     max_seq: int | None = None
     """Longest sequence the model accepts (tokens), for example inputs without a given length."""
+    knows_input: bool = True
+    """Whether :meth:`input_spec` can tell the input's shape (False: a module starting with a Linear
+    layer, whose input may be [batch, features] or [batch, seq, features] — it must declare input_spec)."""
     logits_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
     """The family's loss on logits and targets (mean over targets), used when the model returns no loss."""
     chain_finder: Callable[[nn.Module], Any] | None = None
@@ -122,6 +125,9 @@ class Adapter:
         own = getattr(self.model, "input_spec", None) or getattr(getattr(self.model, "source", None), "input_spec", None)
         if callable(own):
             return own(batch, seq)
+        if not self.knows_input:
+            raise UserError(f"cannot tell the input shape of {type(self.model).__name__}: give it a method "
+                            "input_spec(batch, seq) returning a meta tensor of one batch's input")
         if self.task == "lm":
             s = seq or self.max_seq
             if not s:

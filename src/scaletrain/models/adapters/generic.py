@@ -54,5 +54,7 @@ def module_adapter(model: nn.Module) -> Adapter:
         return Adapter(model, "module", task="lm", vocab_size=vocab, max_seq=getattr(model, "max_seq", None))
     num_classes = getattr(model, "num_classes", None) or (head.out_features if head is not None else None)
     channels = getattr(model, "channels", None) or (conv.in_channels if conv is not None else 3)
+    first = next((m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))), None)
     return Adapter(model, "image" if conv is not None else "module", task="classify", num_classes=num_classes,
-                   image_size=getattr(model, "image_size", 32), channels=channels)
+                   image_size=getattr(model, "image_size", 32), channels=channels,
+                   knows_input=isinstance(first, nn.Conv2d) or callable(getattr(model, "input_spec", None)))
