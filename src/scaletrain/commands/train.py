@@ -11,7 +11,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.train.config import describe, load_config
 
 NAME = "train"
-HELP = "train a model (default: gpt2-tiny on the shipped Shakespeare text, on CPU, in ~2 minutes)"
+HELP = "train a model (default: gpt2-tiny on the shipped Shakespeare text, on CPU, in 1-2 minutes)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,8 +121,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, cfg, trainer, out: Path, log) -> int:
     n_params = sum(p.numel() for p in trainer.model.parameters())  # DTensors report their full size
-    ranks = f" x {trainer.world} ranks" if trainer.world > 1 else ""
+    # data-parallel replicas only: pipeline / tensor ranks do not multiply the batch (they show in `how`)
+    ranks = f" x {trainer.dp_world} data-parallel ranks" if trainer.dp_world > 1 else ""
     how = f", {trainer.parallel.describe()}" if trainer.world > 1 else ""
+    how += "".join(f", {p}" for p in trainer.plan.memory_parts())  # remat / offload on (one process too)
     log(f"scaletrain: training {trainer.model_name} ({n_params:,} parameters) on {trainer.data_name}, "
         f"{cfg.train.steps} steps x {cfg.train.global_batch} samples (micro-batch {trainer.micro_batch} x "
         f"{trainer.accum} accumulation{ranks}), {cfg.train.precision}, {cfg.optim.name}, "
@@ -139,3 +141,4 @@ def _train(args: argparse.Namespace, cfg, trainer, out: Path, log) -> int:
     if args.json and trainer.rank == 0:
         print(json.dumps(summary))
     return 0
+

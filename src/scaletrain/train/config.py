@@ -39,8 +39,10 @@ def section(cls: type, help: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = opt("gpt2-tiny", "reference model to train (see `scaletrain models`)")
-    overrides: dict = opt({}, "model shape overrides, e.g. model.overrides.n_layer=2")
+    name: str = opt("gpt2-tiny", "model to train: a reference name, hf:gpt2 / hf:llama / hf:mistral / hf:bert, "
+                                 "hf:/path/to/dir or py:package.module:factory (see `scaletrain models`)")
+    overrides: dict = opt({}, "model shape overrides, e.g. model.overrides.n_layer=2 (hf: config fields; py: the "
+                              "factory's keyword arguments)")
 
 
 @dataclass

@@ -33,11 +33,10 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from scaletrain import models as model_registry
-from scaletrain.data import build_loader, get_dataset
+from scaletrain.data import build_loader
 from scaletrain.errors import ConfigError
 from scaletrain.measure.comm import LEDGER
 from scaletrain.plan import Plan
@@ -45,10 +44,13 @@ from scaletrain.techniques.compat import Facts
 from scaletrain.techniques.data_parallel import launch
 from scaletrain.techniques.runtime import RunContext
 from scaletrain.techniques.stack import build_runtime
+from scaletrain.models.adapters import adapt
 from scaletrain.train import checkpoint as ckpt
+from scaletrain.train import handback
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import MetricsWriter, ProgressBar
 from scaletrain.train.lr import lr_factor
+from scaletrain.train.model_data import build_datasets
 
 
 @dataclass
@@ -137,7 +139,10 @@ class Trainer:
         self.model_name = cfg.model.name if model is None else type(model).__name__
         self.model = (model if model is not None else model_registry.get(cfg.model.name, **cfg.model.overrides))
         self.model.to(self.device)
-        self.task = getattr(self.model, "task", "lm")
+        self.adapter = adapt(self.model)  # what the loop needs of a model it did not write (task, loss, sizes)
+        self.task = self.adapter.task
+        self._snapshot = handback.take(self.model) if model is not None else None
+        """The user's model as given: restored with the trained values after fit() / close()."""
         self._build_data()
         self.ctx = self._context()
         facts = Facts.of(self.model, world=self.world, device=self.device.type, seq_len=cfg.data.seq_len,
@@ -191,25 +196,7 @@ class Trainer:
         self.ctx.forward_backward = fn
 
     def _build_data(self) -> None:
-        cfg = self.cfg
-        name = cfg.data.name or (model_registry.entry(cfg.model.name).default_data
-                                 if cfg.model.name in model_registry.MODELS else "synthetic-text")
-        kw: dict[str, Any] = dict(seed=cfg.train.seed)
-        if self.task == "lm":
-            vocab = self.model.config.vocab_size if hasattr(self.model, "config") else 256
-            kw.update(seq_len=cfg.data.seq_len, vocab_size=vocab)
-            if name == "shakespeare" and vocab < 256:
-                raise ConfigError(f"data.name='shakespeare' needs a byte vocabulary (256); model vocab_size={vocab}")
-        else:
-            kw.update(image_size=cfg.data.image_size or getattr(self.model, "image_size", 32),
-                      channels=getattr(self.model, "channels", 3))
-            if name.startswith("synthetic"):
-                kw["num_classes"] = getattr(self.model, "num_classes", 10)
-        if cfg.data.num_samples:
-            kw["num_samples"] = cfg.data.num_samples
-        self.data_name = name
-        self.train_set = get_dataset(name, "train", **kw)
-        self.val_set = get_dataset(name, "val", **kw)
+        self.data_name, self.train_set, self.val_set = build_datasets(self.cfg, self.adapter, self._snapshot is not None)
         self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 1)
 
     def _make_train_loader(self, start_sample: int):
@@ -266,10 +253,10 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16 if p == "bf16" else torch.float16)
 
-    def loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.task == "lm":  # out: [batch, seq, vocab], y: [batch, seq]
-            return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
-        return F.cross_entropy(out.float(), y)  # out: [batch, classes]
+    def loss_fn(self, out: Any, y: torch.Tensor) -> torch.Tensor:
+        """The model's own loss if it returned one, else its family's (cross-entropy on the logits:
+        [batch, seq, vocab] vs [batch, seq], or [batch, classes] vs [batch]); nats per target."""
+        return self.adapter.loss(out, y)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -336,6 +323,8 @@ class Trainer:
         """
         if getattr(self, "parallel", None) is None:
             return
+        if self.world == 1 or getattr(self, "_finished", False):  # collective: not after an error on a rank
+            self.hand_back(structure=True)
         self.parallel.close()
         self.forward_module = self.model
         self.forward_backward = None  # type: ignore[assignment]
@@ -344,6 +333,11 @@ class Trainer:
         if self.world > 1:
             LEDGER.uninstall()
         launch.shutdown(self._created_group, finished=getattr(self, "_finished", False))
+
+    def hand_back(self, structure: bool) -> None:
+        """Write the trained weights into the user's model object (see :mod:`.handback`); collective."""
+        if self._snapshot is not None:
+            handback.hand_back(self._snapshot, self.parallel.model_state_dict(), structure=structure)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -492,10 +486,13 @@ class Trainer:
         finally:
             metrics.close()
         self._finished = True  # close() may wait for the peers before leaving the group
+        if self.world == 1:  # (several processes: at close(), which every rank calls)
+            self.hand_back(structure=False)
         return TrainResult(self.step, losses[-1] if losses else float("nan"), val.get("val_loss"), val, losses,
                            self.out_dir, self.comm_bytes, dict(self.model_state_bytes))
 
     def _val_line(self, val: dict[str, float]) -> str:
         if "val_ppl" in val:
-            return f"step {self.step}: val_loss {val['val_loss']:.4f} nats/token, perplexity {val['val_ppl']:.2f}"
+            unit = "nats/byte" if self.data_name == "shakespeare" else "nats/token"  # shipped text: byte tokens
+            return f"step {self.step}: val_loss {val['val_loss']:.4f} {unit}, perplexity {val['val_ppl']:.2f}"
         return f"step {self.step}: val_loss {val['val_loss']:.4f}, accuracy {val.get('val_acc', 0):.3f}"
