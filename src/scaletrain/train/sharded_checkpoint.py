@@ -1,0 +1,321 @@
+"""Sharded checkpoints: every rank writes only its own pieces, in parallel; any layout reads them.
+
+On disk, one directory per checkpoint::
+
+    step_00000010/
+      rank_00000.bin ...   raw tensor bytes, one file per rank (its pieces back to back)
+      manifest.json        written last: step, the plan and layout it was written under, world
+                           size, every file's size and CRC32, every tensor's pieces (key, shape,
+                           dtype, offsets, sizes, file, byte offset), scheduler / scaler / data
+                           position, the optimizer's groups by parameter name
+
+Why an own format rather than ``torch.distributed.checkpoint``: the runtimes' local tensors are
+not all DTensors of the single-process tensor (ZeRO-1/2 owned rows of a TP shard, the fused-QKV
+row permutation, pipeline stages), and DCP's metadata is a pickle, which scaletrain never loads.
+Pieces are boxes of the single-process tensors (:mod:`.shards`), so any layout reads the rows it
+needs and nothing is re-gathered to save.
+
+Atomicity: all ranks write into ``step_XXXXXXXX.tmp-<id>/``; after every rank has fsynced its file,
+rank 0 writes the manifest and renames the directory into place. A directory counts as a
+checkpoint only with a manifest whose files exist with the recorded sizes (:func:`problem`), and a
+resume also checks their CRC32 (each rank a share of the files). Loading needs no pickle: tensors
+are raw bytes read with ``torch.frombuffer``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.errors import UserError
+from scaletrain.train.shards import Piece, assign, coverage_errors
+
+FORMAT = "scaletrain-sharded/1"
+MANIFEST = "manifest.json"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.bin"
+
+
+def _json_default(o: Any) -> Any:
+    if torch.is_tensor(o) and o.numel() == 1:
+        return o.item()
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"{type(o).__name__} is not JSON-serialisable")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_pieces(path: Path, pieces: list[Piece]) -> tuple[list[dict[str, Any]], int, int]:
+    """Write ``pieces`` back to back into ``path`` (fsynced): (their index entries, bytes, CRC32)."""
+    entries, pos, crc = [], 0, 0
+    with open(path, "wb") as f:
+        for p in pieces:
+            t = p.data.contiguous()
+            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            f.write(raw)
+            crc = zlib.crc32(raw, crc)
+            entries.append({"key": p.key, "shape": list(p.shape), "dtype": str(t.dtype).split(".")[-1],
+                            "offset": list(p.offsets), "size": list(t.shape), "byte": pos, "nbytes": len(raw)})
+            pos += len(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    return entries, pos, crc
+
+
+def save(directory: Path, step: int, pieces: list[Piece], meta: dict[str, Any], *, rank: int, world: int,
+         keep: int, rotate: Callable[[Path, int], None] | None = None) -> Path:
+    """Write this rank's ``pieces`` of the checkpoint of ``step`` (collective: every rank calls it).
+
+    ``meta``: JSON-serialisable (rank 0's is recorded). Replicated boxes are split between their
+    holders (:func:`~.shards.assign`). Returns the checkpoint directory once it is complete on
+    every rank; ``rotate(directory, keep)`` is called on rank 0 after the rename."""
+    final = directory / f"step_{step:08d}"
+    name = [f"{final.name}.tmp-{os.getpid()}-{time.time_ns()}"] if rank == 0 else [None]
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / name[0]).mkdir()
+    if world > 1:
+        dist.broadcast_object_list(name, src=0)
+    tmp = directory / str(name[0])
+    offers = [(p.key, p.offsets, tuple(p.data.shape)) for p in pieces]
+    everyone = [offers]
+    if world > 1:
+        everyone = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(everyone, offers)
+    share = assign(everyone, rank)
+    mine = []
+    for p, box in zip(pieces, offers):
+        start, rows = share[box]
+        if rows == 0:
+            continue
+        if p.data.ndim and (start, rows) != (0, p.data.shape[0]):
+            p = Piece(p.key, p.shape, (p.offsets[0] + start, *p.offsets[1:]), p.data.narrow(0, start, rows))
+        mine.append(p)
+    entries, nbytes, crc = write_pieces(tmp / rank_file(rank), mine)
+    report = {"file": rank_file(rank), "bytes": nbytes, "crc32": crc, "pieces": entries}
+    reports = [report]
+    if world > 1:
+        reports = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(reports, report)  # also: every rank's file is written and fsynced
+    if rank == 0:
+        _commit(tmp, final, step, meta, reports, world)
+        if rotate is not None:
+            rotate(directory, keep)
+    if world > 1:
+        dist.barrier()  # nobody goes on before the checkpoint exists
+    return final
+
+
+def _commit(tmp: Path, final: Path, step: int, meta: dict[str, Any], reports: list[Any], world: int) -> None:
+    tensors: dict[str, dict[str, Any]] = {}
+    for r in reports:
+        for e in r["pieces"]:
+            t = tensors.setdefault(e["key"], {"shape": e["shape"], "dtype": e["dtype"], "pieces": []})
+            t["pieces"].append({"file": r["file"], "offset": e["offset"], "size": e["size"], "byte": e["byte"],
+                                "nbytes": e["nbytes"], "dtype": e["dtype"]})
+    bad = coverage_errors(tensors)
+    if bad:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"sharded checkpoint would not hold every element exactly once: {bad[:3]}")
+    manifest = {"format": FORMAT, "step": step, "world": world, **meta,
+                "files": {r["file"]: {"bytes": r["bytes"], "crc32": r["crc32"]} for r in reports},
+                "tensors": dict(sorted(tensors.items()))}
+    text = json.dumps(manifest, default=_json_default, indent=1)
+    part = tmp / (MANIFEST + ".part")
+    with open(part, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, tmp / MANIFEST)
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again: the old one goes only once the new one is complete
+        old = final.with_name(final.name + f".old-{time.time_ns()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+# ------------------------------------------------------------------------------------ reading
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint directory ``path``; a missing or foreign one is a UserError."""
+    f = path / MANIFEST
+    if not f.is_file():
+        raise UserError(f"checkpoint {str(path)!r} has no {MANIFEST} (incomplete)")
+    try:
+        m = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"checkpoint {str(path)!r}: {MANIFEST} is not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise UserError(f"checkpoint {str(path)!r} is not a scaletrain sharded checkpoint ({FORMAT})")
+    return m
+
+
+def problem(path: Path, crc_files: list[str] | None = None) -> str | None:
+    """Why checkpoint ``path`` cannot be used (None: intact): manifest, file sizes, and the CRC32 of
+    ``crc_files`` (all files with None... pass [] to skip CRCs)."""
+    try:
+        m = read_manifest(path)
+    except UserError as e:
+        return str(e)
+    for name, info in m["files"].items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != info["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {info['bytes']}"
+    for name in (m["files"] if crc_files is None else crc_files):
+        crc = 0
+        with open(path / name, "rb") as f:
+            while chunk := f.read(1 << 24):
+                crc = zlib.crc32(chunk, crc)
+        if crc != m["files"][name]["crc32"]:
+            return f"{name} fails its CRC32 check"
+    return None
+
+
+class LazyMap(Mapping):
+    """A read-only mapping whose values are loaded when asked for (one tensor at a time), so a
+    runtime taking only its shards never holds the whole state."""
+
+    def __init__(self, keys: list[Any], load: Callable[[Any], Any]) -> None:
+        self._keys, self._load = list(keys), load
+
+    def __getitem__(self, k: Any) -> Any:
+        if k not in self._keys:
+            raise KeyError(k)
+        return self._load(k)
+
+    def __contains__(self, k: object) -> bool:
+        return k in self._keys
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def materialize(obj: Any) -> Any:
+    """Plain dicts (and lists) of loaded values, for runtimes that take whole state dicts."""
+    if isinstance(obj, Mapping):
+        return {k: materialize(obj[k]) for k in obj}
+    if isinstance(obj, list):
+        return [materialize(v) for v in obj]
+    return obj
+
+
+class Reader:
+    """Reads the single-process tensors of a sharded checkpoint from its pieces."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.manifest = read_manifest(path)
+        self.tensors: dict[str, Any] = self.manifest["tensors"]
+
+    def read(self, key: str) -> torch.Tensor:
+        """The whole canonical tensor ``key`` (its pieces read from their files)."""
+        t = self.tensors[key]
+        out = torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]))
+        for p in t["pieces"]:
+            with open(self.path / p["file"], "rb") as f:
+                f.seek(p["byte"])
+                raw = f.read(p["nbytes"])
+            if len(raw) != p["nbytes"]:
+                raise UserError(f"checkpoint {str(self.path)!r}: {p['file']} is truncated")
+            v = torch.frombuffer(bytearray(raw), dtype=getattr(torch, p["dtype"])).reshape(p["size"])
+            if not p["size"]:
+                out.copy_(v.reshape(()))
+                continue
+            box = tuple(slice(o, o + s) for o, s in zip(p["offset"], p["size"]))
+            out[box] = v
+        return out
+
+    def keys(self, prefix: str) -> list[str]:
+        return [k[len(prefix):] for k in self.tensors if k.startswith(prefix)]
+
+    def model_state(self) -> LazyMap:
+        """Like ``model.state_dict()`` (tied parameters under every name), loaded key by key."""
+        aliases = self.manifest.get("aliases", {})
+        names = self.keys("model/") + list(aliases)
+        return LazyMap(names, lambda n: self.read("model/" + aliases.get(n, n)))
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The one-process optimizer's state dict (indices as its parameter numbering), lazily."""
+        groups = self.manifest["param_groups"]
+        order = [n for g in groups for n in g["params"]]
+        states: dict[str, list[str]] = {}
+        for k in self.keys("optim/"):
+            name, _, what = k.rpartition("/")
+            states.setdefault(name, []).append(what)
+        objects = self.manifest.get("optim_objects", {})
+        for k in objects:
+            name, _, what = k.rpartition("/")
+            states.setdefault(name, []).append(what)
+
+        def one(name: str) -> LazyMap:
+            def load(what: str) -> Any:
+                key = f"{name}/{what}"
+                return objects[key] if key in objects else self.read("optim/" + key)
+            return LazyMap(sorted(states[name]), load)
+
+        index = [i for i, n in enumerate(order) if n in states]
+        param_groups, i = [], 0
+        for g in groups:
+            hyper = {k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
+            param_groups.append({**hyper, "params": list(range(i, i + len(g["params"])))})
+            i += len(g["params"])
+        return {"state": LazyMap(index, lambda j: one(order[j])), "param_groups": param_groups}
+
+    def rng(self, rank: int) -> dict[str, Any]:
+        return {k: self.read(f"rng/{rank}/{k}") for k in self.keys(f"rng/{rank}/")}
+
+    def state(self, lazy: bool) -> dict[str, Any]:
+        """The trainer's checkpoint state (as :meth:`Trainer.state_dict` returns), model and optimizer
+        loaded on access when ``lazy``."""
+        m = self.manifest
+        world = int(m["world"])
+        ranks = LazyMap(list(range(world)), self.rng)
+        out = {"step": int(m["step"]), "model": self.model_state(), "optimizer": self.optimizer_state(),
+               "scheduler": m["scheduler"], "scaler": m.get("scaler") or {}, "rng": self.rng(0),
+               "rng_ranks": _LazyList(ranks) if world > 1 else None, "data": m.get("data", {}),
+               "config": m.get("config", "")}
+        if not lazy:
+            out["model"], out["optimizer"] = materialize(out["model"]), materialize(out["optimizer"])
+        return out
+
+
+class _LazyList:
+    """``rng_ranks``: every rank's RNG states, read only for the rank that asks."""
+
+    def __init__(self, m: LazyMap) -> None:
+        self._m = m
+
+    def __len__(self) -> int:
+        return len(self._m)
+
+    def __bool__(self) -> bool:
+        return len(self._m) > 0
+
+    def __getitem__(self, i: int) -> Any:
+        return self._m[i]
