@@ -28,6 +28,12 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"step_{step:08d}.pt"
 
 
+def at_step(directory: Path, step: int) -> Path:
+    """The checkpoint of ``step`` in ``directory``: the sharded directory if there is one, else the file."""
+    d = directory / f"step_{step:08d}"
+    return d if d.is_dir() else checkpoint_path(directory, step)
+
+
 def save(directory: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
     """Write ``state`` atomically as the checkpoint of ``step``; keep the newest ``keep`` files."""
     directory.mkdir(parents=True, exist_ok=True)
