@@ -172,8 +172,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def problem(path: Path, crc_files: list[str] | None = None) -> str | None:
-    """Why checkpoint ``path`` cannot be used (None: intact): manifest, file sizes, and the CRC32 of
-    ``crc_files`` (all files with None... pass [] to skip CRCs)."""
+    """Why checkpoint ``path`` cannot be used (None: intact): its manifest, every file's size, and the
+    CRC32 of ``crc_files`` (None: every file; []: none — a CRC reads the whole file)."""
     try:
         m = read_manifest(path)
     except UserError as e:
