@@ -5,7 +5,7 @@ Fast tests (one process): the pieces of permuted / transposed / row-windowed loc
 the canonical tensor; replicated boxes are split between their holders; a one-process sharded
 checkpoint equals the consolidated state bitwise and resumes bitwise; interrupted saves and damaged
 checkpoints are ignored or skipped with a warning naming them; ``scaletrain checkpoint info`` and
-``export`` (streamed safetensors = the model's state).
+``export`` (streamed safetensors = the model's state) and ``import`` (a run starts from the weights).
 
 Slow test (4 processes): written at ``parallel.tp=2 parallel.pp=2``, resumed at ``parallel.zero=3``
 on 4 processes and in one process with the uninterrupted run's losses; every rank writes about 1/4
@@ -150,9 +150,16 @@ def test_checkpoint_info_and_streamed_export(one_process_run, tmp_path, capsys):
     aliases = {k: v for k, v in state["model"].items() if k not in got}
     assert list(aliases) == ["head.lm_head.weight"]  # the tied weight once
     assert all(torch.equal(got[k], v) for k, v in state["model"].items() if k in got)
+    assert main(["checkpoint", "import", str(target), "--out", str(tmp_path / "imported")]) == 0
+    imported = ckpt.load(tmp_path / "imported" / "checkpoints" / "step_00000000")
+    assert imported["weights_only"] and all(torch.equal(imported["model"][k], v) for k, v in state["model"].items())
+    _, res = _train(tmp_path / "imported", "train.steps=1", resume=True)  # starts from the weights, fresh AdamW
+    assert any("resumed from" in s and "step 0" in s for s in res["logs"])
     capsys.readouterr()
     for argv in (["checkpoint", "info", str(tmp_path / "nope")], ["checkpoint", "export", str(out), "--to", "hf"],
-                 ["checkpoint", "info", str(tmp_path)]):
+                 ["checkpoint", "info", str(tmp_path / "imported" / "metrics.jsonl")],
+                 ["checkpoint", "import", str(target), "--out", str(tmp_path / "imported")],
+                 ["checkpoint", "import", str(out / "config.toml"), "--out", str(tmp_path / "x")]):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("scaletrain: error:"), err

@@ -1,4 +1,4 @@
-"""``scaletrain checkpoint info|export``: what a checkpoint holds, and its model as one file."""
+"""``scaletrain checkpoint info|export|import``: what a checkpoint holds; its model as one file and back."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from pathlib import Path
 from scaletrain.errors import UserError
 
 NAME = "checkpoint"
-HELP = "describe a checkpoint (info) or export its model to one safetensors file (export)"
+HELP = "describe a checkpoint (info), export its model to one safetensors file (export), or import one (import)"
 DESCRIPTION = """Checkpoints are sharded directories (step_N/ with manifest.json and one file per rank) or
 consolidated files (step_N.pt). RUN may be a run directory (its newest checkpoint), its checkpoints/
 directory, or one checkpoint.
 
   scaletrain checkpoint info runs/x [--json]            step, plan/layout written under, sizes, integrity
-  scaletrain checkpoint export runs/x --to safetensors  the model, streamed tensor by tensor"""
+  scaletrain checkpoint export runs/x --to safetensors  the model, streamed tensor by tensor
+  scaletrain checkpoint import model.safetensors --out runs/y   then: scaletrain train --out runs/y --resume ..."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--to", default="safetensors", help="format: safetensors")
     e.add_argument("--out", default=None, help="output file (default: <checkpoint>.safetensors beside it)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
+    m = sub.add_parser("import", help="a safetensors file as the step-0 checkpoint of a new run directory")
+    m.add_argument("file", help="a .safetensors file with the model's single-process tensor names")
+    m.add_argument("--out", required=True, help="the new run directory (must not exist or be empty)")
+    m.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _size(n: float) -> str:
@@ -42,6 +47,11 @@ def _size(n: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from scaletrain.train import export
 
+    if args.action == "import":
+        d = export.import_safetensors(Path(args.file), Path(args.out))
+        print(json.dumps(d) if args.json else f"wrote {d['path']}: {d['tensors']} tensors, {_size(d['bytes'])}; "
+              f"start from it with `scaletrain train --out {args.out} --resume ...`")
+        return 0
     path = export.resolve(Path(args.run))
     if args.action == "info":
         d = export.info(path, verify=not args.no_verify)

@@ -130,6 +130,9 @@ def resume_state(tr: Any) -> tuple[Path, dict[str, Any]]:
         if why is None:
             if state is None:
                 state = sharded.Reader(path).state(lazy=type(tr.parallel).__name__ in LAZY_RUNTIMES)
+            if state.get("weights_only"):  # imported weights: the run's fresh optimizer, schedule and RNG
+                state.update(optimizer=tr.parallel.optimizer_state_dict(tr.optimizer),  # empty at step 0
+                             scheduler=tr.scheduler.state_dict(), scaler={}, rng={"torch": torch.get_rng_state()})
             return path, state
         tr.log(f"warning: skipping damaged checkpoint {path}: {why}")
     raise ConfigError(f"--resume: no intact checkpoint in {str(directory)!r} (the oldest: {why})")

@@ -122,3 +122,35 @@ def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
         os.fsync(f.fileno())
     os.replace(tmp, out)
     return {"path": str(out), "tensors": len(heads), "bytes": out.stat().st_size, "aliases": aliases}
+
+
+def import_safetensors(src: Path, run: Path) -> dict[str, Any]:
+    """Write the weights of safetensors file ``src`` as the step-0 checkpoint of a new run directory
+    ``run`` (model only: ``scaletrain train --out RUN --resume`` starts from them with a fresh
+    optimizer), streamed one tensor at a time. The tensors must carry the model's single-process
+    names (as :func:`export_safetensors` writes them); the run's model checks them when it loads."""
+    from safetensors import SafetensorError, safe_open
+
+    if not src.is_file():
+        raise UserError(f"{str(src)!r} is not a file; give a .safetensors file")
+    if run.exists() and (not run.is_dir() or any(run.iterdir())):
+        raise UserError(f"--out {str(run)!r} exists and is not empty; an existing run is never written into")
+    try:
+        f = safe_open(str(src), framework="pt")
+        names = list(f.keys())
+        aliases = json.loads((f.metadata() or {}).get("scaletrain_aliases", "{}"))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{str(src)!r} is not a safetensors file ({str(e).splitlines()[0][:120]})") from None
+    from scaletrain.train.shards import Piece
+
+    def pieces():
+        for n in names:
+            t = f.get_tensor(n)
+            yield Piece(f"model/{n}", tuple(t.shape), (0,) * t.ndim, t)
+
+    tmp, final = sharded.new_tmp(run / "checkpoints", 0)
+    entries, nbytes, crc = sharded.write_pieces(tmp / sharded.rank_file(0), pieces())
+    meta = {"weights_only": True, "aliases": aliases, "plan": {}, "layout": f"imported from {src.name}"}
+    report = {"file": sharded.rank_file(0), "bytes": nbytes, "crc32": crc, "pieces": entries}
+    sharded.commit(tmp, final, 0, meta, [report], 1)
+    return {"path": str(final), "tensors": len(names), "bytes": nbytes}

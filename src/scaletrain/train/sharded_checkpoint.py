@@ -31,7 +31,7 @@ import time
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -63,8 +63,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_pieces(path: Path, pieces: list[Piece]) -> tuple[list[dict[str, Any]], int, int]:
-    """Write ``pieces`` back to back into ``path`` (fsynced): (their index entries, bytes, CRC32)."""
+def write_pieces(path: Path, pieces: Iterable[Piece]) -> tuple[list[dict[str, Any]], int, int]:
+    """Write ``pieces`` back to back into ``path`` (fsynced): (their index entries, bytes, CRC32).
+    ``pieces`` may be a generator: one piece is in memory at a time."""
     entries, pos, crc = [], 0, 0
     with open(path, "wb") as f:
         for p in pieces:
@@ -88,10 +89,7 @@ def save(directory: Path, step: int, pieces: list[Piece], meta: dict[str, Any], 
     holders (:func:`~.shards.assign`). Returns the checkpoint directory once it is complete on
     every rank; ``rotate(directory, keep)`` is called on rank 0 after the rename."""
     final = directory / f"step_{step:08d}"
-    name = [f"{final.name}.tmp-{os.getpid()}-{time.time_ns()}"] if rank == 0 else [None]
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / name[0]).mkdir()
+    name = [new_tmp(directory, step)[0].name] if rank == 0 else [None]
     if world > 1:
         dist.broadcast_object_list(name, src=0)
     tmp = directory / str(name[0])
@@ -116,7 +114,7 @@ def save(directory: Path, step: int, pieces: list[Piece], meta: dict[str, Any], 
         reports = [None] * world  # type: ignore[list-item]
         dist.all_gather_object(reports, report)  # also: every rank's file is written and fsynced
     if rank == 0:
-        _commit(tmp, final, step, meta, reports, world)
+        commit(tmp, final, step, meta, reports, world)
         if rotate is not None:
             rotate(directory, keep)
     if world > 1:
@@ -124,7 +122,16 @@ def save(directory: Path, step: int, pieces: list[Piece], meta: dict[str, Any], 
     return final
 
 
-def _commit(tmp: Path, final: Path, step: int, meta: dict[str, Any], reports: list[Any], world: int) -> None:
+def new_tmp(directory: Path, step: int) -> tuple[Path, Path]:
+    """(a fresh temporary directory for the checkpoint of ``step``, its final name)."""
+    final = directory / f"step_{step:08d}"
+    tmp = directory / f"{final.name}.tmp-{os.getpid()}-{time.time_ns()}"
+    tmp.mkdir(parents=True)
+    return tmp, final
+
+
+def commit(tmp: Path, final: Path, step: int, meta: dict[str, Any], reports: list[Any], world: int) -> None:
+    """Write the manifest (last) from every rank's report and rename ``tmp`` to ``final``."""
     tensors: dict[str, dict[str, Any]] = {}
     for r in reports:
         for e in r["pieces"]:
@@ -292,8 +299,11 @@ class Reader:
 
     def state(self, lazy: bool) -> dict[str, Any]:
         """The trainer's checkpoint state (as :meth:`Trainer.state_dict` returns), model and optimizer
-        loaded on access when ``lazy``."""
+        loaded on access when ``lazy``. An imported checkpoint (``weights_only``) has the model only."""
         m = self.manifest
+        if m.get("weights_only"):
+            model = self.model_state()
+            return {"step": int(m["step"]), "weights_only": True, "model": model if lazy else materialize(model)}
         world = int(m["world"])
         ranks = LazyMap(list(range(world)), self.rng)
         out = {"step": int(m["step"]), "model": self.model_state(), "optimizer": self.optimizer_state(),
