@@ -7,7 +7,7 @@ checkpoint equals the consolidated state bitwise and resumes bitwise; interrupte
 checkpoints are ignored or skipped with a warning naming them; ``scaletrain checkpoint info`` and
 ``export`` (streamed safetensors = the model's state) and ``import`` (a run starts from the weights).
 
-Slow test (4 processes): written at ``parallel.tp=2 parallel.pp=2``, resumed at ``parallel.zero=3``
+Slow test (4 processes): written at ``parallel.tp=2 parallel.pp=2`` (asynchronously), resumed at ``parallel.zero=3``
 on 4 processes and in one process with the uninterrupted run's losses; every rank writes about 1/4
 of the bytes and no rank writes any whole tensor of more than a few rows.
 """
@@ -184,9 +184,10 @@ def _spread(path: Path) -> tuple[float, int]:
 
 @pytest.mark.slow
 def test_tp2_pp2_checkpoint_resumes_at_zero3_and_in_one_process(tmp_path):
-    """The done-when: written at tp=2 x pp=2 (4 processes), resumed from step 2 at ZeRO-3 on 4
-    processes and in one process: the uninterrupted run's losses (1e-6); each rank wrote ~1/4."""
-    full = _cli(tmp_path / "tp2pp2", "parallel.tp=2", "parallel.pp=2")
+    """The done-when: written at tp=2 x pp=2 (4 processes; the step-2 checkpoint in the background
+    while step 3 trains), resumed from step 2 at ZeRO-3 on 4 processes and in one process: the
+    uninterrupted run's losses (1e-6); each rank wrote ~1/4."""
+    full = _cli(tmp_path / "tp2pp2", "parallel.tp=2", "parallel.pp=2", "train.checkpoint_async=true")
     step2 = tmp_path / "tp2pp2" / "checkpoints" / "step_00000002"
     share, whole = _spread(step2)
     assert share < 0.27 and whole <= 4, (share, whole)  # pp x tp: a stage's TP shards only

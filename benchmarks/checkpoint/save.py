@@ -5,7 +5,8 @@ each), then ``--rounds`` saves of each format, interleaved (machine load hits bo
 save and rank: wall seconds (the slowest rank's is the save's time: every rank waits for the
 checkpoint to be complete), bytes the rank wrote, and the peak bytes of tensors allocated *during*
 the save (the memory tracker's temporaries: a consolidated save gathers whole tensors, a sharded
-one should allocate next to nothing). Output: ``benchmarks/results/checkpoint_save.json``.
+one should allocate next to nothing; ``sharded-async``: training waits only for the snapshot of
+this rank's shards, ``complete_seconds`` is until the checkpoint exists). Output: ``benchmarks/results/checkpoint_save.json``.
 
     PYTHONPATH=src .venv/bin/python benchmarks/checkpoint/save.py --model gpt2-mini --layout parallel.zero=3
 """
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+FORMATS = ("sharded", "sharded-async", "consolidated")
 
 
 def _run(rank: int, world: int, args: argparse.Namespace, out: str) -> dict:
@@ -36,20 +38,27 @@ def _run(rank: int, world: int, args: argparse.Namespace, out: str) -> dict:
     rows = []
     try:
         t.fit()  # one step: optimizer states exist (its end-of-run checkpoint is not timed)
+        from scaletrain.train import checkpoint_io
+
         for i in range(args.rounds):
-            for fmt in ("sharded", "consolidated"):
-                t.cfg.train.checkpoint_format = fmt
-                t.step = 1000 + 2 * i + (fmt == "consolidated")
+            for k, fmt in enumerate(FORMATS):
+                t.cfg.train.checkpoint_format = "consolidated" if fmt == "consolidated" else "sharded"
+                t.cfg.train.checkpoint_async = fmt == "sharded-async"
+                t.cfg.train.steps = 10**9 if fmt == "sharded-async" else 1  # async: not the run's last save
+                t.step = 1000 + len(FORMATS) * i + k
                 with DTensorMemoryTracker(model=t.model, optimizer=t.optimizer) as tr:
                     t0 = time.perf_counter()
                     path = t.save_checkpoint()
-                    dt = time.perf_counter() - t0
+                    dt = time.perf_counter() - t0  # async: what training waits for (the snapshot)
+                    checkpoint_io.wait(t)
+                    total = time.perf_counter() - t0
                 d = Path(out) / "run" / "checkpoints"
-                if fmt == "sharded":
+                if fmt.startswith("sharded"):
                     wrote = (d / f"step_{t.step:08d}" / f"rank_{rank:05d}.bin").stat().st_size
                 else:
                     wrote = path.stat().st_size if rank == 0 else 0
-                rows.append({"format": fmt, "round": i, "seconds": dt, "bytes_written": wrote,
+                rows.append({"format": fmt, "round": i, "seconds": dt, "seconds_until_complete": total,
+                             "bytes_written": wrote,
                              "peak_temporaries_bytes": int(tr.peak_breakdown.get("temporaries", 0)),
                              "peak_tracked_bytes": int(tr.peak_bytes)})
         states = sum(p.numel() * p.element_size() for p in t.model.parameters())  # logical, not per rank
@@ -71,11 +80,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         res = run_distributed(_run, args.world, args, out, timeout_s=1200)
     summary = {}
-    for fmt in ("sharded", "consolidated"):
-        per_round = [max(r["rows"][k]["seconds"] for r in res) for k in range(len(res[0]["rows"]))
-                     if res[0]["rows"][k]["format"] == fmt]
+    for fmt in FORMATS:
+        idx = [k for k in range(len(res[0]["rows"])) if res[0]["rows"][k]["format"] == fmt]
+        per_round = [max(r["rows"][k]["seconds"] for r in res) for k in idx]
+        complete = [max(r["rows"][k]["seconds_until_complete"] for r in res) for k in idx]
         rows = [[x for x in r["rows"] if x["format"] == fmt] for r in res]
         summary[fmt] = {"save_seconds_median": statistics.median(per_round), "save_seconds": per_round,
+                        "complete_seconds_median": statistics.median(complete),
                         "bytes_written_per_rank": [x[0]["bytes_written"] for x in rows],
                         "peak_temporaries_bytes_per_rank": [max(y["peak_temporaries_bytes"] for y in x) for x in rows]}
     report = {"model": args.model, "layout": res[0]["layout"], "world": args.world, "rounds": args.rounds,

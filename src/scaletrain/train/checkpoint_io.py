@@ -12,7 +12,6 @@ newer ones with a one-line warning naming them.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,21 +50,38 @@ def chosen_format(tr: Any) -> tuple[str, str | None]:
 
 
 def save(tr: Any) -> Path | None:
-    """Write the trainer's checkpoint of ``tr.step`` in the chosen format (collective)."""
+    """Write the trainer's checkpoint of ``tr.step`` in the chosen format (collective). With
+    ``train.checkpoint_async`` a sharded save goes on in the background (not the run's last one)."""
+    wait(tr)  # the previous background save completes first: saves never overlap
     directory = tr.out_dir / "checkpoints"
     fmt, why = chosen_format(tr)
     if why and not getattr(tr, "_consolidated_noted", False):
         tr.log(f"checkpoint: consolidated format, not sharded ({why})")
         tr._consolidated_noted = True
-    t0 = time.perf_counter()
-    if fmt == "sharded":
-        path: Path | None = sharded.save(directory, tr.step, *_pieces_and_meta(tr), rank=tr.rank, world=tr.world,
-                                         keep=tr.cfg.train.keep_checkpoints, rotate=ckpt.rotate)
-    else:
+    if fmt == "consolidated":
         state = tr.state_dict()  # collective with several ranks: all take part, rank 0 writes
-        path = ckpt.save(directory, tr.step, state, keep=tr.cfg.train.keep_checkpoints) if tr.rank == 0 else None
-    tr.last_save_s = time.perf_counter() - t0
-    return path
+        return ckpt.save(directory, tr.step, state, keep=tr.cfg.train.keep_checkpoints) if tr.rank == 0 else None
+    background = bool(tr.cfg.train.checkpoint_async) and tr.step < tr.cfg.train.steps
+    group = None
+    if background and tr.world > 1:
+        if getattr(tr, "_checkpoint_group", None) is None:  # its own group: never interleaves with training's
+            tr._checkpoint_group = dist.new_group(backend="gloo")
+        group = tr._checkpoint_group
+    pending = sharded.save(directory, tr.step, *_pieces_and_meta(tr), rank=tr.rank, world=tr.world,
+                           keep=tr.cfg.train.keep_checkpoints, rotate=ckpt.rotate, background=background,
+                           group=group)
+    if background:
+        tr._pending_save = pending
+        return directory / f"step_{tr.step:08d}"
+    return pending.wait()
+
+
+def wait(tr: Any) -> None:
+    """Wait for the trainer's background save, if one is being written (re-raises its error)."""
+    pending = getattr(tr, "_pending_save", None)
+    if pending is not None:
+        tr._pending_save = None
+        pending.wait()
 
 
 def _pieces_and_meta(tr: Any) -> tuple[list[Piece], dict[str, Any]]:

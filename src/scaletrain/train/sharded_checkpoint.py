@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 import zlib
 from collections.abc import Mapping
@@ -82,12 +83,16 @@ def write_pieces(path: Path, pieces: Iterable[Piece]) -> tuple[list[dict[str, An
 
 
 def save(directory: Path, step: int, pieces: list[Piece], meta: dict[str, Any], *, rank: int, world: int,
-         keep: int, rotate: Callable[[Path, int], None] | None = None) -> Path:
+         keep: int, rotate: Callable[[Path, int], None] | None = None, background: bool = False,
+         group: Any = None) -> "PendingSave":
     """Write this rank's ``pieces`` of the checkpoint of ``step`` (collective: every rank calls it).
 
     ``meta``: JSON-serialisable (rank 0's is recorded). Replicated boxes are split between their
-    holders (:func:`~.shards.assign`). Returns the checkpoint directory once it is complete on
-    every rank; ``rotate(directory, keep)`` is called on rank 0 after the rename."""
+    holders (:func:`~.shards.assign`); ``rotate(directory, keep)`` is called on rank 0 after the
+    rename. Returns a :class:`PendingSave` whose ``wait()`` returns the checkpoint directory once it
+    is complete on every rank. ``background``: this rank's pieces are copied (its shards only), then
+    written by a thread while training goes on; its collectives run on ``group`` (a process group of
+    their own, so they never interleave with the training's)."""
     final = directory / f"step_{step:08d}"
     name = [new_tmp(directory, step)[0].name] if rank == 0 else [None]
     if world > 1:
@@ -104,22 +109,56 @@ def save(directory: Path, step: int, pieces: list[Piece], meta: dict[str, Any], 
         start, rows = share[box]
         if rows == 0:
             continue
-        if p.data.ndim and (start, rows) != (0, p.data.shape[0]):
-            p = Piece(p.key, p.shape, (p.offsets[0] + start, *p.offsets[1:]), p.data.narrow(0, start, rows))
-        mine.append(p)
-    entries, nbytes, crc = write_pieces(tmp / rank_file(rank), mine)
-    report = {"file": rank_file(rank), "bytes": nbytes, "crc32": crc, "pieces": entries}
-    reports = [report]
-    if world > 1:
-        reports = [None] * world  # type: ignore[list-item]
-        dist.all_gather_object(reports, report)  # also: every rank's file is written and fsynced
-    if rank == 0:
-        commit(tmp, final, step, meta, reports, world)
-        if rotate is not None:
-            rotate(directory, keep)
-    if world > 1:
-        dist.barrier()  # nobody goes on before the checkpoint exists
-    return final
+        data = p.data.narrow(0, start, rows) if p.data.ndim else p.data
+        mine.append(Piece(p.key, p.shape, (p.offsets[0] + start, *p.offsets[1:]) if p.offsets else (),
+                          data.clone() if background else data))  # a snapshot: training changes the tensors
+
+    def finish() -> Path:
+        entries, nbytes, crc = write_pieces(tmp / rank_file(rank), mine)
+        report = {"file": rank_file(rank), "bytes": nbytes, "crc32": crc, "pieces": entries}
+        reports = [report]
+        if world > 1:
+            reports = [None] * world  # type: ignore[list-item]
+            dist.all_gather_object(reports, report, group=group)  # also: every rank's file is written and fsynced
+        if rank == 0:
+            commit(tmp, final, step, meta, reports, world)
+            if rotate is not None:
+                rotate(directory, keep)
+        if world > 1:
+            dist.barrier(group=group)  # nobody goes on before the checkpoint exists
+        return final
+
+    return PendingSave(finish, background)
+
+
+class PendingSave:
+    """A save being written (``background``) or already written; :meth:`wait` returns its directory
+    and re-raises what went wrong in the writer."""
+
+    def __init__(self, finish: Callable[[], Path], background: bool) -> None:
+        self._result: Path | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, args=(finish,), name="checkpoint-writer", daemon=True)
+            self._thread.start()
+        else:
+            self._result = finish()
+
+    def _run(self, finish: Callable[[], Path]) -> None:
+        try:
+            self._result = finish()
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread at wait()
+            self._error = e
+
+    def wait(self) -> Path:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
 
 
 def new_tmp(directory: Path, step: int) -> tuple[Path, Path]:

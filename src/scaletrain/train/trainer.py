@@ -332,6 +332,8 @@ class Trainer:
         """
         if getattr(self, "parallel", None) is None:
             return
+        with contextlib.suppress(Exception):  # a background checkpoint still being written (fit failed)
+            checkpoint_io.wait(self)
         self.parallel.close()
         self.forward_module = self.model
         self.forward_backward = None  # type: ignore[assignment]
