@@ -82,6 +82,21 @@ def test_replicas_split_rows_and_cover_once():
     assert coverage_errors(index) == ["model/w: 24 of 30 elements"]
 
 
+def test_a_save_that_cannot_write_fails_in_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    pieces = [Piece("model/w", (4, 2), (0, 0), torch.ones(4, 2))]
+    meta = {"param_groups": [], "scheduler": {}}
+    assert sharded.save(tmp_path, 1, pieces, meta, rank=0, world=1, keep=2).wait() == tmp_path / "step_00000001"
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sharded, "write_pieces", full)
+    with pytest.raises(ckpt.UserError, match="step 2 not written: rank 0 could not write .*No space left on device"):
+        sharded.save(tmp_path, 2, pieces, meta, rank=0, world=1, keep=2).wait()
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]
+    assert torch.equal(sharded.Reader(tmp_path / "step_00000001").read("model/w"), torch.ones(4, 2))
+
+
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
     """4 steps with sharded checkpoints at steps 2 and 4, and the consolidated state at the end."""

@@ -113,19 +113,36 @@ def save(directory: Path, step: int, pieces: list[Piece], meta: dict[str, Any], 
         mine.append(Piece(p.key, p.shape, (p.offsets[0] + start, *p.offsets[1:]) if p.offsets else (),
                           data.clone() if background else data))  # a snapshot: training changes the tensors
 
+    def gather(value: Any) -> list[Any]:
+        out = [value]
+        if world > 1:
+            out = [None] * world
+            dist.all_gather_object(out, value, group=group)
+        return out
+
     def finish() -> Path:
-        entries, nbytes, crc = write_pieces(tmp / rank_file(rank), mine)
-        report = {"file": rank_file(rank), "bytes": nbytes, "crc32": crc, "pieces": entries}
-        reports = [report]
-        if world > 1:
-            reports = [None] * world  # type: ignore[list-item]
-            dist.all_gather_object(reports, report, group=group)  # also: every rank's file is written and fsynced
-        if rank == 0:
-            commit(tmp, final, step, meta, reports, world)
-            if rotate is not None:
-                rotate(directory, keep)
-        if world > 1:
-            dist.barrier(group=group)  # nobody goes on before the checkpoint exists
+        # a rank that cannot write (disk full, permissions) still reports, so every rank fails alike
+        try:
+            entries, nbytes, crc = write_pieces(tmp / rank_file(rank), mine)
+            report: dict[str, Any] = {"file": rank_file(rank), "bytes": nbytes, "crc32": crc, "pieces": entries}
+        except OSError as e:
+            report = {"error": f"rank {rank} could not write {tmp / rank_file(rank)} ({e.strerror or e})"}
+        reports = gather(report)  # also: every rank's file is written and fsynced
+        error = next((r["error"] for r in reports if "error" in r), None)  # the same on every rank
+        written = error is None
+        if rank == 0 and written:
+            try:
+                commit(tmp, final, step, meta, reports, world)
+                if rotate is not None:
+                    rotate(directory, keep)
+            except (OSError, RuntimeError) as e:
+                error = f"rank 0 could not commit {final} ({getattr(e, 'strerror', None) or e})"
+        if written:  # rank 0's verdict on the commit; nobody goes on before the checkpoint exists
+            error = gather(error)[0]
+        if error is not None:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"checkpoint of step {step} not written: {error}; the previous checkpoints are intact")
         return final
 
     return PendingSave(finish, background)
