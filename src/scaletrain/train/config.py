@@ -88,6 +88,11 @@ class TrainConfig:
     log_every: int = opt(10, "write a metrics row every N steps", "steps", min=1)
     checkpoint_every: int = opt(0, "save a checkpoint every N steps; 0 = only at the end", "steps", min=0)
     keep_checkpoints: int = opt(2, "checkpoints kept on disk (oldest deleted first)", "files", min=1)
+    checkpoint_format: str = opt("auto", "checkpoint layout: sharded (every rank writes only its own shards, in "
+                                 "parallel; loads under any other layout), consolidated (one file gathered on rank 0), "
+                                 "auto (sharded with several processes)", choices=("auto", "consolidated", "sharded"))
+    checkpoint_async: bool = opt(False, "sharded checkpoints: copy this rank's shards, then write them in a background "
+                                 "thread while training goes on (the last one is written before the run ends)")
     seed: int = opt(0, "seed of model init, data order and dropout")
     device: str = opt("auto", "device: auto (cuda if available else cpu), cpu, cuda", choices=("auto", "cpu", "cuda"))
     progress: str = opt("auto", "progress bar: auto (only on a terminal), on, off", choices=("auto", "on", "off"))

@@ -15,8 +15,8 @@ every process runs this same loop on its share of each global batch. A strategy 
 :mod:`scaletrain.techniques.data_parallel` / :mod:`~scaletrain.techniques.data_parallel.zero` wraps the steps
 above (no-sync for early micro-batches, gradient reduction, sharded clipping, the parameter
 all-gather after the step); logged losses are averaged over ranks, so they equal a single
-process's on the same global batch. Only rank 0 writes files and prints; checkpoints are always
-consolidated to the single-process layout, so they load at any world size and ZeRO stage.
+process's on the same global batch. Only rank 0 writes files and prints; checkpoints are sharded
+(every rank its own pieces) or consolidated (:mod:`.checkpoint_io`), and load at any layout.
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ from scaletrain.techniques.data_parallel import launch
 from scaletrain.techniques.runtime import RunContext
 from scaletrain.techniques.stack import build_runtime
 from scaletrain.models.adapters import adapt
-from scaletrain.train import checkpoint as ckpt
-from scaletrain.train import handback
+from scaletrain.train import checkpoint_io, handback
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import MetricsWriter, ProgressBar
 from scaletrain.train.lr import lr_factor
@@ -308,12 +307,8 @@ class Trainer:
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     def save_checkpoint(self) -> Path | None:
-        if self.out_dir is None:
-            return None
-        state = self.state_dict()  # collective with several ranks: all take part, rank 0 writes
-        if self.rank != 0:
-            return None
-        return ckpt.save(self.out_dir / "checkpoints", self.step, state, keep=self.cfg.train.keep_checkpoints)
+        """Collective: sharded (each rank its shards) or consolidated (rank 0), :mod:`.checkpoint_io`."""
+        return checkpoint_io.save(self) if self.out_dir is not None else None
 
     def close(self) -> None:
         """Release DDP/FSDP objects, then leave the process group if this trainer joined it.
@@ -323,6 +318,8 @@ class Trainer:
         """
         if getattr(self, "parallel", None) is None:
             return
+        with contextlib.suppress(Exception):  # a background checkpoint still being written (fit failed)
+            checkpoint_io.wait(self)
         if self.world == 1 or getattr(self, "_finished", False):  # collective: not after an error on a rank
             self.hand_back(structure=True)
         self.parallel.close()
@@ -417,10 +414,10 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg = self.cfg
         if self.resume:  # before anything is written, so a bad resume changes nothing on disk
-            path = ckpt.latest(self.out_dir / "checkpoints") if self.out_dir else None
-            if path is None:
-                raise ConfigError(f"--resume: no checkpoint in {str((self.out_dir or Path('.')) / 'checkpoints')!r}")
-            self.load_state_dict(ckpt.load(path))
+            if self.out_dir is None:
+                raise ConfigError("--resume needs a run directory")
+            path, state = checkpoint_io.resume_state(self)  # the newest intact one (damaged ones skipped)
+            self.load_state_dict(state)
             self.log(f"resumed from {path} at step {self.step}")
         if self.out_dir is not None and self.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
