@@ -286,9 +286,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start}); TOML files must be UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read ({e.strerror})") from None
     data = _merge(data, overrides_to_dict(overrides or []))
     return from_dict(data)
 

@@ -15,16 +15,18 @@ interpreter print "terminate called without an active exception" at exit.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from scaletrain.errors import ConfigError, UserError
+from scaletrain.errors import ERROR_DIR_ENV, ConfigError, UserError
 from scaletrain.measure.comm import LEDGER
 
 # --------------------------------------------------------------------------- launch
@@ -120,6 +122,14 @@ def torchrun_main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
+        errors = os.environ.get(ERROR_DIR_ENV)
+        if errors:  # under scaletrain's launcher: it says the one line (scaletrain.train.recovery)
+            import json
+
+            died = {"rank": rank, "exitcode": code, "signal": failure.signal_name() if code < 0 else None}
+            with contextlib.suppress(OSError):
+                (Path(errors) / "launcher.json").write_text(json.dumps(died))
+            return 2 if code == 2 else 1
         if code == 2:  # a UserError: the rank printed its one-line message
             return 2
         how = f"signal {failure.signal_name()}" if code < 0 else f"exit code {code}"
@@ -133,6 +143,8 @@ def torchrun_main(argv: list[str] | None = None) -> int:
 
 class CommFailure(UserError):
     """A collective timed out or lost a peer; the message names the rank and the collective."""
+
+    restartable = True  # a fresh attempt (new rendezvous, resume) may well succeed
 
 
 _TIMEOUT_WORDS = ("timed out", "timeout", "time out")

@@ -1,0 +1,64 @@
+"""Checks that must pass before a run touches the disk or starts a step.
+
+Why: without them a model/data mismatch or an oversized sequence fails inside the first forward
+(a conv2d, dtype or position ``RuntimeError``/``ValueError``, once per rank), after the run
+directory was made. Each check here names the config keys at fault and what is allowed, as a
+:class:`ConfigError` (one line, exit 2, nothing written).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from scaletrain import models as model_registry
+from scaletrain.data import DATASETS, build_loader
+from scaletrain.errors import ConfigError, UserError, one_line
+from scaletrain.train.config import Config
+
+_KIND_OF_TASK = {"lm": "text", "classify": "image"}
+"""Which kind of dataset (``DatasetInfo.kind``) a model's ``task`` reads."""
+
+
+def build_model(cfg: Config) -> nn.Module:
+    """The reference model ``cfg.model.name`` with its overrides; a shape the builder rejects in any
+    way (a zero head count, a negative width...) is one line naming ``model.overrides``."""
+    try:
+        return model_registry.get(cfg.model.name, **cfg.model.overrides)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any builder failure here is caused by the overrides
+        raise ConfigError(f"model {cfg.model.name!r} cannot be built with model.overrides={cfg.model.overrides!r} "
+                          f"({type(e).__name__}: {one_line(e)[:160]})") from None
+
+
+def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, data_name: str) -> None:
+    """The dataset's kind fits the model's task; a language model's positions hold ``data.seq_len``."""
+    want = _KIND_OF_TASK.get(task)
+    info = DATASETS.get(data_name)
+    if want is None:
+        raise ConfigError(f"model {model_name!r} (task {task!r}) cannot be trained by `scaletrain train`; allowed "
+                          f"tasks: language models (text data) and image classifiers (image data)")
+    if info is not None and info.kind != want:
+        allowed = ", ".join(n for n, d in DATASETS.items() if d.kind == want)
+        what = "a language model" if task == "lm" else "an image classifier"
+        raise ConfigError(f"data.name={data_name!r} holds {'images' if info.kind == 'image' else info.kind} but model {model_name!r} is {what}; allowed "
+                          f"data.name for it: {allowed}")
+    n_pos = getattr(getattr(model, "config", None), "n_positions", None)
+    if task == "lm" and isinstance(n_pos, int) and cfg.data.seq_len > n_pos:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the {n_pos} positions of model {model_name!r}; "
+                          f"allowed: 1..{n_pos} (or raise model.overrides.n_positions)")
+
+
+def check_loaders(trainer: Any) -> None:
+    """Every rank's share of the training and validation sets holds at least one batch."""
+    par, cfg = trainer.parallel, trainer.cfg
+    for split, dataset in (("training", trainer.train_set), ("validation", trainer.val_set)):
+        try:  # the loaders the run builds drop incomplete batches
+            build_loader(dataset, trainer.micro_batch, shuffle=False, seed=0, rank=par.data_rank,
+                         world_size=par.data_world, drop_last=True)
+        except UserError as e:
+            raise ConfigError(f"the {split} split of data.name={trainer.data_name!r} is too small: {one_line(e)}; "
+                              f"raise data.num_samples (now {cfg.data.num_samples or 'default'}) or lower "
+                              f"train.global_batch={cfg.train.global_batch}") from None
