@@ -14,6 +14,7 @@ what is allowed; the CLI turns it into one line and exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,6 +206,8 @@ def _coerce(path: str, value: Any, typ: Any, meta: dict) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}={value!r} is not allowed; expected a number")
         value = float(value)
+        if not math.isfinite(value):  # nan passes every range check, inf overflows timeouts and sizes
+            raise ConfigError(f"{path}={value!r} is not allowed; expected a finite number")
     elif typ is str:
         if not isinstance(value, str):
             value = str(value)
