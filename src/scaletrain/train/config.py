@@ -157,7 +157,7 @@ class ParallelConfig:
                                             "warm-up; PowerSGD needs at least 2)", "optimizer steps", min=0)
     bucket_mb: float = opt(25.0, "gradient bucket size for all-reduce / reduce-scatter (zero 0-2)", "MiB", min=0.0)
     timeout_s: float = opt(600.0, "collective timeout; a rank waiting longer fails with a message naming the "
-                                  "collective", "seconds", min=1.0)
+                                  "collective", "seconds", min=1.0, max=1e7)
     pp: int = opt(1, "pipeline-parallel stages (ranks); world = dp x pp x tp x cp", "ranks", min=1)
     schedule: str = opt("1f1b", "pipeline schedule (parallel.pp > 1)",
                         choices=("gpipe", "1f1b", "interleaved", "zb1p", "chimera", "pipedream", "pipedream-2bw"))

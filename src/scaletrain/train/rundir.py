@@ -57,7 +57,8 @@ def check_target(out: Path | None, resume: bool) -> None:
         raise ConfigError(f"--out {str(out)!r} is an existing file; name a directory (new, or a run to --resume)")
     if resume:
         if not out.is_dir():
-            raise ConfigError(f"--resume: run directory {str(out)!r} does not exist")
+            raise ConfigError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r} (the run directory does not "
+                              f"exist)")
         return
     if holds_run(out) and restart_attempt() == 0:
         raise ConfigError(f"run directory {str(out)!r} already holds a run; continue it with --resume, or choose "
