@@ -15,8 +15,12 @@ import random
 from pathlib import Path
 from typing import get_type_hints
 
+import pytest
+
 from scaletrain.cli import main
 from scaletrain.train.config import Config
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: threads only add contention
 
 BASE = ["model.overrides={n_layer=1, n_embd=32, n_head=2}", "data.seq_len=16", "data.name=synthetic-text",
         "train.global_batch=2", "train.eval_every=0", "train.eval_batches=1", "train.steps=1", "train.progress=off",
@@ -81,7 +85,7 @@ def _cases(n: int, seed: int = 16) -> list[dict]:
     return cases
 
 
-CASES = _cases(int(os.environ.get("FUZZ_CASES", "120")), int(os.environ.get("FUZZ_SEED", "16")))
+CASES = _cases(int(os.environ.get("FUZZ_CASES", "300")), int(os.environ.get("FUZZ_SEED", "16")))
 
 
 def _run(tmp: Path, i: int, case: dict, capsys) -> tuple[int, str, Path]:

@@ -12,6 +12,8 @@ from scaletrain.errors import ERROR_DIR_ENV, ConfigError, read_reports, report, 
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.rundir import trim_metrics
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: threads only add contention
+
 TINY = ["model.overrides.n_layer=1", "model.overrides.n_embd=32", "model.overrides.n_head=2", "data.seq_len=16",
         "data.name=synthetic-text", "train.global_batch=4", "train.eval_every=0", "train.eval_batches=1",
         "train.log_every=1", "optim.warmup_steps=1", "train.progress=off"]
