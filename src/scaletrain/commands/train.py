@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -56,8 +57,6 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 def _relaunch(args: argparse.Namespace) -> int:
     """Re-run this command under torchrun with ``--nproc-per-node`` processes (one run directory)."""
-    import os
-
     from scaletrain.techniques.data_parallel.launch import torchrun_command
     from scaletrain.train import recovery, rundir
 
@@ -99,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--max-restarts needs --nproc-per-node N (the launcher restarts the processes it started)")
     if getattr(args, "reset_optimizer", False) and not args.resume:
         raise ConfigError("--reset-optimizer applies to a --resume only")
+    if os.environ.get("RANK") is not None:
+        from scaletrain.train.recovery import note_pid
+
+        note_pid(int(os.environ["RANK"]))  # so that the launcher can stop a hung rank
     return _run(args)  # a UserError on several ranks is said once (scaletrain.errors.report)
 
 

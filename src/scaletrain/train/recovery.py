@@ -22,9 +22,11 @@ injector's record (:mod:`.faults`) or, for a real failure, the last completed st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -106,6 +108,51 @@ def _fault_time(job: Path, since: float) -> float | None:
     return max(times) if times else None
 
 
+GRACE_S = 3.0
+"""Seconds a job may take to end by itself after a rank reported its error; then every process of
+the attempt is killed. Why: torchrun waits 30 s (whatever ``--shutdown-timeout`` says, torch 2.13)
+for a stopped — hung — rank to honour SIGTERM before it sends SIGKILL."""
+
+
+def note_pid(rank: int) -> None:
+    """A rank started by the launcher leaves its process id in the job directory (for :func:`_kill_ranks`)."""
+    job = os.environ.get(JOB_DIR_ENV)
+    if job:
+        with contextlib.suppress(OSError):
+            (Path(job) / f"pid-rank{rank}").write_text(str(os.getpid()))
+
+
+def _kill_ranks(job: Path) -> None:
+    """SIGKILL every rank of the current attempt (a stopped process dies of SIGKILL only)."""
+    for p in job.glob("pid-rank*"):
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(p.read_text()), signal.SIGKILL)
+        p.unlink(missing_ok=True)
+
+
+def _run_attempt(cmd: list[str], env: dict[str, str], errors: Path) -> int:
+    """Run one attempt in its own process group; its exit code (-9 when it had to be killed)."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    first_report: float | None = None
+    try:
+        while proc.poll() is None:
+            time.sleep(0.1)
+            if first_report is None and any(errors.glob("rank*.json")):
+                first_report = time.monotonic()
+            if first_report is not None and time.monotonic() - first_report > GRACE_S:
+                _kill_ranks(errors.parent)  # torchrun puts each rank in a session of its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return -9
+    except KeyboardInterrupt:  # the attempt has its own session: pass Ctrl-C on
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        raise
+    return proc.returncode
+
+
 def run_job(torchrun: Callable[[list[str]], list[str]], argv: list[str], out: Path, *, resume: bool,
             reset_optimizer: bool, max_restarts: int, log: Callable[[str], None]) -> int:
     """Run ``scaletrain ARGV`` under torchrun (``torchrun(argv)`` is the command), restarting it up
@@ -127,8 +174,10 @@ def run_job(torchrun: Callable[[list[str]], list[str]], argv: list[str], out: Pa
             env.pop(RESTART_ENV, None)
             if info is not None:
                 env[RESTART_ENV] = json.dumps(info)
+            for stale in job.glob("pid-rank*"):  # the last attempt's processes are gone
+                stale.unlink()
             t_launch = time.time()
-            rc = subprocess.run(torchrun(args), env=env).returncode
+            rc = _run_attempt(torchrun(args), env, errors)
             t_exit = time.time()
             if rc == 0:
                 return 0

@@ -94,6 +94,11 @@ def shutdown(created: bool) -> None:
         dist.destroy_process_group()
 
 
+SHUTDOWN_S = 3
+"""Seconds torchrun waits after SIGTERM before SIGKILL when it stops the other ranks of a failed job
+(its default, 30 s, is what a stopped — hung — rank costs in detection time before a restart)."""
+
+
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
     """The command that runs ``scaletrain ARGV`` on ``nproc`` local processes under torchrun.
 
@@ -104,7 +109,8 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
     import sys
 
     return [sys.executable, "-c", "import sys; from scaletrain.techniques.data_parallel.launch import torchrun_main; "
-            "sys.exit(torchrun_main())", "--standalone", f"--nproc-per-node={nproc}", "-m", "scaletrain.cli", *argv]
+            "sys.exit(torchrun_main())", "--standalone", f"--nproc-per-node={nproc}", f"--shutdown-timeout={SHUTDOWN_S}",
+            "-m", "scaletrain.cli", *argv]
 
 
 def torchrun_main(argv: list[str] | None = None) -> int:
