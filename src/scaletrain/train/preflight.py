@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from scaletrain import models as model_registry
@@ -62,3 +63,16 @@ def check_loaders(trainer: Any) -> None:
             raise ConfigError(f"the {split} split of data.name={trainer.data_name!r} is too small: {one_line(e)}; "
                               f"raise data.num_samples (now {cfg.data.num_samples or 'default'}) or lower "
                               f"train.global_batch={cfg.train.global_batch}") from None
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device of this process; with CUDA, GPU ``local_rank`` (torchrun's LOCAL_RANK)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA device is available; allowed here: auto, cpu")
+    if name == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
+        return torch.device("cuda", local_rank)
+    return torch.device(name)

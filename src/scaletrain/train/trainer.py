@@ -68,19 +68,6 @@ class TrainResult:
     of the second step (when the optimizer states exist); empty for runs of one step."""
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """The device of this process; with CUDA, GPU ``local_rank`` (torchrun's LOCAL_RANK)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device='cuda' but no CUDA device is available; allowed here: auto, cpu")
-    if name == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
-        return torch.device("cuda", local_rank)
-    return torch.device(name)
-
-
 def batch_arithmetic(global_batch: int, micro_batch: int, world: int) -> tuple[int, int]:
     """(micro_batch, accumulation steps) so that micro_batch x accum x world == global_batch.
 
@@ -115,7 +102,7 @@ class Trainer:
         self.resume, self.reset_optimizer = resume, reset_optimizer
         rundir.check_target(self.out_dir, resume)  # before anything is built: an unusable --out is one line
         env = launch.launch_env()
-        self.device = resolve_device(cfg.train.device, env.local_rank)
+        self.device = preflight.resolve_device(cfg.train.device, env.local_rank)
         self._created_group = launch.init_process_group(self.device, cfg.parallel.timeout_s)
         try:
             self._setup(cfg, model, log)
