@@ -179,6 +179,7 @@ def test_threshold(min_bytes: int) -> None:
     assert (stats.compressed > 0) == (min_bytes == 0)
 
 
+@pytest.mark.slow  # > 20 s: kept out of make test-fast
 def test_trainer_compresses_activations_one_process_and_in_pipeline_stages():
     """``memory.activation_compression=true`` through ``scaletrain train``: the saved tensors are 8-bit,
     so the losses stay within a percent of plain training — one process, and inside pipeline stages."""

@@ -46,6 +46,7 @@ def _close(est: int, meas: int) -> bool:
     return abs(est - meas) <= max(0.05 * meas, MIB)
 
 
+@pytest.mark.slow  # > 20 s: kept out of make test-fast
 @pytest.mark.parametrize("model,cfg", CASES)
 def test_estimate_matches_measured_step(model: str, cfg: dict) -> None:
     est = estimate_step(model, **cfg)

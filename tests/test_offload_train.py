@@ -141,6 +141,7 @@ def test_checkpoints_move_between_plain_and_offload_runs(plain, offload, tmp_pat
     assert_same_state(state, base_state)
 
 
+@pytest.mark.slow  # > 20 s: kept out of make test-fast
 def test_impossible_budget_is_one_line_naming_the_smallest_that_works(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", "--out", str(tmp_path / "x"), *BASE,
                            "memory.offload.plan=auto", "memory.device_budget=200000"],

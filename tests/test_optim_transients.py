@@ -120,6 +120,7 @@ def test_tracked_step_takes_the_eager_path() -> None:
     # equal sizes would make Dynamo compile another graph)
     pytest.param([(1024 * 2051,)], {"fused": True, "maximize": True, "block_size": 1024}, id="fused-multi-chunk"),
 ])
+@pytest.mark.slow  # > 20 s: kept out of make test-fast
 def test_compiled_step_allocations_equal_predicted(shapes, kw) -> None:
     """Untracked steps compile, and keep compiling after a tracked step (Dynamo remembers a skip
     for a function's code, so the tracked step must not call the compiled kernel).

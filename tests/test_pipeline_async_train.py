@@ -56,6 +56,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # > 20 s: kept out of make test-fast
 def test_async_schedules_train_and_checkpoint_through_the_trainer(tmp_path):
     from scaletrain.train.trainer import Trainer
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from scaletrain import models
 from scaletrain.techniques.pipeline import build, simulate, StageCosts
-from scaletrain.techniques.pipeline.checks import send_releases
+from scaletrain.techniques.pipeline.actions import send_releases
 from scaletrain.techniques.pipeline.memory import stage_memory
 from scaletrain.testing import run_distributed
 
@@ -64,6 +64,7 @@ def measured() -> list[dict]:
     return run_distributed(_worker, P, timeout_s=120)
 
 
+@pytest.mark.slow  # > 20 s: kept out of make test-fast
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_predicted_peak_matches_tracker_within_10pct(measured, name):
     bounds = measured[0][name]["bounds"]

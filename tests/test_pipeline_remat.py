@@ -73,6 +73,7 @@ def _runtime_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # > 20 s: kept out of make test-fast
 def test_runtime_remat_same_training_less_memory():
     from scaletrain.techniques.pipeline import build, simulate, StageCosts
     from scaletrain.techniques.pipeline.memory import stage_memory
@@ -122,6 +123,7 @@ def _trainer_worker(rank: int, world: int) -> tuple:
     return out
 
 
+@pytest.mark.slow  # > 20 s: kept out of make test-fast
 def test_trainer_pp2_1f1b_periodic_remat_equals_one_process():
     from scaletrain.train.trainer import Trainer
 

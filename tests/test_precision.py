@@ -18,6 +18,7 @@ def _trainer(extra, out=None, resume=False):
     return Trainer(load_config(None, TINY + extra), out, resume=resume, log=lambda s: None)
 
 
+@pytest.mark.slow  # > 20 s: kept out of make test-fast
 def test_bf16_parameters_with_fp32_masters_train_like_fp32_and_cost_16_bytes(tmp_path):
     ref = _trainer(["train.steps=25", "train.precision=bf16"])
     ref_r = ref.fit()

@@ -40,6 +40,7 @@ def _fit_tracked(extra):
     return losses, max(peaks), params
 
 
+@pytest.mark.slow  # > 20 s: kept out of make test-fast
 @pytest.mark.parametrize("method", ["optimal", "revolve", "periodic"])
 def test_trainer_stays_within_budget_with_unchanged_losses(method):
     base_losses, base_peak, base_params = _fit_tracked(DROPOUT)

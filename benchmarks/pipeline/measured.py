@@ -46,7 +46,7 @@ from common import MB, RESULTS, SEQ, example_input, lm_loss, make_model, random_
 
 from scaletrain.techniques.pipeline import SCHEDULES, Link, StageCosts, build, simulate, summarise  # noqa: E402
 from scaletrain.techniques.pipeline.schedules import Action  # noqa: E402
-from scaletrain.techniques.pipeline.simulate import message_key  # noqa: E402
+from scaletrain.techniques.pipeline.actions import message_key  # noqa: E402
 from scaletrain.testing import run_distributed  # noqa: E402
 
 M = 8

@@ -70,6 +70,24 @@ class Platform:
     inter_node_bytes_per_s: float = 0.0
     """Network bandwidth per device between nodes, per direction, bytes/s; 0 if none."""
     devices_per_node: int = 1
+    matmul_efficiency: tuple = ((128.0, 0.86), (16.0, 0.81), (1.0, 0.54), (0.0, 0.09))
+    """Achieved fraction of ``flops_*`` for one matmul of at least that many GFLOP (first row whose
+    threshold the matmul reaches, rows in decreasing order). The shape of Calculon's table
+    (calculon-ai/calculon ``systems/a100_80g.json``, "matrix" ``gflops_efficiency``: 0.95, 0.9, 0.6,
+    0.1) scaled so that its top row is the *measured* best A100 SXM bf16 matmul, 267.9 of 312 TFLOP/s
+    = 0.86 (Bekman, ml-engineering "Maximum Achievable Matmul FLOPS"); Calculon's 0.95 is not reached.
+    H100 / H200 presets scale it to 792.1 / 989 = 0.80 the same way."""
+    mem_efficiency: tuple = ((100.0, 0.9), (10.0, 0.75), (1.0, 0.6), (0.0, 0.3))
+    """Achieved fraction of ``device_mem_bytes_per_s`` for a memory-bound kernel moving at least that
+    many MB (same source, "mem1" ``MB_efficiency``)."""
+    intra_node_efficiency: float = 0.65
+    """Achieved fraction of ``intra_node_bytes_per_s`` by NCCL rings over NVLink (Calculon a100_80e: 0.65)."""
+    inter_node_efficiency: float = 0.9
+    """Achieved fraction of ``inter_node_bytes_per_s`` over InfiniBand (Calculon a100_80g: 0.9)."""
+    intra_node_latency_s: float = 10e-6
+    """Per-step latency alpha of a collective inside a node (Calculon a100_80e: 10 us)."""
+    inter_node_latency_s: float = 20e-6
+    """Per-step latency alpha of a collective across nodes (Calculon a100_80e: 20 us)."""
     source: str = ""
     """Where the figures come from (data sheet, calibration date)."""
     meta: dict = field(default_factory=dict, compare=False, hash=False)
@@ -77,6 +95,14 @@ class Platform:
     def flops(self, precision: str = "fp32") -> float:
         """Peak dense FLOP/s for a compute precision ("fp32", "bf16", "fp16")."""
         return self.flops_fp32 if precision == "fp32" else self.flops_bf16
+
+    def matmul_fraction(self, flops: float) -> float:
+        """Achieved fraction of peak for one matmul of ``flops`` FLOPs (:attr:`matmul_efficiency`)."""
+        return _lookup(self.matmul_efficiency, flops / 1e9)
+
+    def mem_fraction(self, nbytes: float) -> float:
+        """Achieved fraction of HBM bandwidth for a kernel moving ``nbytes`` (:attr:`mem_efficiency`)."""
+        return _lookup(self.mem_efficiency, nbytes / 1e6)
 
     def h2d_time(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` host -> device."""
@@ -99,7 +125,22 @@ class Platform:
         bad = sorted(set(d) - names)
         if bad:
             raise UserError(f"unknown platform field {bad[0]!r}; allowed: {', '.join(sorted(names))}")
+        d = dict(d)
+        for k in ("matmul_efficiency", "mem_efficiency"):  # JSON lists -> the frozen tables
+            if k in d:
+                try:
+                    d[k] = tuple(sorted(((float(a), float(b)) for a, b in d[k]), reverse=True))
+                except (TypeError, ValueError):
+                    raise UserError(f"platform field {k!r} must be a list of [size, fraction] pairs") from None
         return cls(**d)
+
+
+def _lookup(table: tuple, size: float) -> float:
+    """The fraction of the first (largest) threshold ``size`` reaches; 1.0 for an empty table."""
+    for threshold, fraction in table:
+        if size >= threshold:
+            return fraction
+    return table[-1][1] if table else 1.0
 
 
 # Achieved fraction of the PCIe line rate for large pinned copies. 0.8 is what
@@ -167,13 +208,32 @@ PRESETS: dict[str, Platform] = {
     ),
 }
 
+# A100 80GB is what "a100" always meant; the 40GB SXM4 differs in memory and HBM bandwidth only.
+PRESETS["a100-80g"] = PRESETS["a100"].with_(name="a100-80g")
+PRESETS["a100-40g"] = PRESETS["a100"].with_(
+    name="a100-40g",
+    device_memory_bytes=40 * GiB,            # A100 SXM4 40GB
+    host_memory_bytes=1024 * GiB,            # DGX A100 320GB: 1 TB system memory
+    device_mem_bytes_per_s=1.555e12,         # data sheet: 1,555 GB/s (40GB SXM)
+    source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 40GB); DGX A100 320GB data sheet; host/disk/CPU "
+           "rates assumed")
+# H100 SXM's best measured bf16 matmul: 792.1 of 989 TFLOP/s = 0.80 (ml-engineering MAMF table)
+PRESETS["h100"] = PRESETS["h100"].with_(matmul_efficiency=((128.0, 0.80), (16.0, 0.76), (1.0, 0.51), (0.0, 0.08)))
+PRESETS["h200"] = PRESETS["h100"].with_(
+    name="h200",
+    device_memory_bytes=140 * GiB,           # data sheet: 141 GB HBM3e; nvidia-smi reports ~140 GiB usable
+    device_mem_bytes_per_s=4.8e12,           # data sheet: 4.8 TB/s
+    # FP32 67 TFLOPS and BF16 1,979 TFLOPS with sparsity (989.4 dense): the H100 SXM figures, kept
+    # NVLink 4 (900 GB/s total), PCIe Gen5, 8x ConnectX-7 400 Gb/s (DGX H200): as H100
+    source="NVIDIA H200 Tensor Core GPU data sheet (SXM); DGX H200 data sheet; host/disk/CPU rates assumed")
+
 
 def names() -> list[str]:
     return list(PRESETS)
 
 
 def get(name: str) -> Platform:
-    """A preset by name (h100, a100, v100); ``"local"`` calibrates this machine."""
+    """A preset by name (h100, h200, a100 = a100-80g, a100-40g, v100); ``"local"`` calibrates this machine."""
     key = name.lower()
     if key == "local":
         return calibrate()

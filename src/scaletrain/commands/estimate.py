@@ -82,11 +82,17 @@ def run(args: argparse.Namespace) -> int:
         est.meta["data_parallel"] = _data_parallel(est, args)
     if args.plan or args.dp > 1 or args.tp > 1 or args.cp > 1 or args.ep > 1 or args.pp > 1 or args.remat != "none":
         est.meta["plan"] = _plan(args, overrides)
-        est.bytes["peak"] = est.meta["plan"]["heaviest"]["peak_bytes"]  # the heaviest rank's, not one process's
+    one_peak = est.bytes["peak"]
+    if "plan" in est.meta:  # JSON's bytes.peak is the heaviest rank's, not one process's
+        est.meta["one_process_peak_bytes"] = one_peak
+        est.bytes["peak"] = est.meta["plan"]["heaviest"]["peak_bytes"]
     if args.json:
         print(to_json(est))
         return 0
-    print_step(est, f"estimated in {est.meta['seconds_to_estimate']:.2f} s, nothing allocated")
+    how = f"estimated in {est.meta['seconds_to_estimate']:.2f} s, nothing allocated"
+    plan_peak, est.bytes["peak"] = est.bytes["peak"], one_peak  # the table below is the one-process step
+    print_step(est, how + (", one process without the plan (the plan's ranks follow)" if "plan" in est.meta else ""))
+    est.bytes["peak"] = plan_peak
     if "fits" in est.meta:
         print(f"on {est.meta['platform']} ({est.meta['device_memory_bytes'] / 2**30:.0f} GiB): "
               + ("fits" if est.meta["fits"] else "does NOT fit"))

@@ -20,8 +20,8 @@ reference to it or to ``y``, so their lifetimes are those they have inside a who
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -29,7 +29,10 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from scaletrain.measure.step import autocast
 from scaletrain.measure.tracker import MemoryTracker
-from scaletrain.measure.types import BlockProfile
+from scaletrain.measure.types import BlockProfile, Profile
+
+if TYPE_CHECKING:
+    from scaletrain.chain import Chain
 
 aten = torch.ops.aten
 
@@ -311,3 +314,13 @@ def block_profile(tr: BlockTrace, owned: list[nn.Parameter]) -> BlockProfile:
         saved_bytes=tr.saved_bytes, fwd_temp_bytes=tr.fwd_temp_bytes, bwd_temp_bytes=tr.bwd_temp_bytes,
         flops_fwd=tr.flops_fwd, flops_bwd=tr.flops_bwd,
     )
+
+
+def profile_from_traces(chain: Chain, traces: list[BlockTrace], *, model: str, batch: int, seq: int, precision: str,
+                        device: str, measured: bool) -> Profile:
+    """Profile (no times) from the chain's traces (the last trace is the loss, kept in meta)."""
+    owned = chain.owned_params()
+    blocks = [block_profile(tr, own) for tr, own in zip(traces, owned)]
+    loss = block_profile(traces[-1], [])
+    return Profile(blocks=blocks, model=model, batch=batch, seq=seq, precision=precision, device=device,
+                   measured=measured, meta={"loss": asdict(loss)})

@@ -27,8 +27,10 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field, fields
 
+from torch import nn
+
 from scaletrain.measure.blocks import BlockTrace
-from scaletrain.measure.tracker import CATEGORIES
+from scaletrain.measure.tracker import CATEGORIES, MemoryTracker
 from scaletrain.measure.types import Profile
 
 
@@ -251,3 +253,25 @@ def _param_grad(sim: _Sim, pid: int, d: int, i: int, users: dict[int, list[int]]
         return d
     sim.add("temporaries", d)  # gradient accumulation: .grad += new, freed at its free event
     return 0
+
+
+def step_from_tracker(tr: MemoryTracker, model: nn.Module, *, name: str, batch: int, seq: int, precision: str,
+                      optimizer: str, accum: int, params_dtype: str, device: str, measured: bool) -> StepEstimate:
+    """A StepEstimate from a tracked step (``tr`` entered with model, optimizer and the batches)."""
+    maxes = dict.fromkeys(("parameters", "gradients", "optimizer_states", "activations"), 0)
+    for _, _, cats in tr.iter_timeline():
+        for k in maxes:
+            maxes[k] = max(maxes[k], cats[k])
+    phase = ""
+    for idx, label in tr.marks:
+        if idx < tr.peak_event:
+            phase = label
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    points = [(i, cats) for i, _, cats in tr.iter_timeline()]
+    timeline = [(label, points[idx][1] if 0 <= idx < len(points) else {}) for idx, label in tr.marks]
+    return StepEstimate(
+        model=name, batch=batch, seq=seq, precision=precision, optimizer=optimizer, accum=accum,
+        params_dtype=params_dtype, device=device, parameters=n_params,
+        bytes={**maxes, "peak": tr.peak_bytes}, peak_breakdown=tr.peak_breakdown, peak_phase=phase,
+        measured=measured, timeline=timeline, points=points, marks=list(tr.marks),
+    )

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
@@ -36,8 +35,8 @@ from scaletrain import models
 from scaletrain.chain import Chain, to_chain
 from scaletrain.errors import UserError
 from scaletrain.measure import optimizers
-from scaletrain.measure.blocks import block_profile, trace_chain
-from scaletrain.measure.compose import StepEstimate, compose_step
+from scaletrain.measure.blocks import profile_from_traces, trace_chain
+from scaletrain.measure.compose import StepEstimate, compose_step, step_from_tracker
 from scaletrain.measure.step import DTYPES, check_precision, loss_for, make_batch, make_optimizer, train_step
 from scaletrain.measure.tracker import MemoryTracker
 from scaletrain.measure.types import Profile
@@ -93,16 +92,6 @@ def _times(profile: Profile, flops_per_s: float) -> None:
     for b in profile.blocks:
         b.fwd_time_s = b.flops_fwd / flops_per_s
         b.bwd_time_s = b.flops_bwd / flops_per_s
-
-
-def profile_from_traces(chain: Chain, traces, *, model: str, batch: int, seq: int, precision: str,
-                        device: str, measured: bool) -> Profile:
-    """Profile (no times) from the chain's traces (the last trace is the loss, kept in meta)."""
-    owned = chain.owned_params()
-    blocks = [block_profile(tr, own) for tr, own in zip(traces, owned)]
-    loss = block_profile(traces[-1], [])
-    return Profile(blocks=blocks, model=model, batch=batch, seq=seq, precision=precision, device=device,
-                   measured=measured, meta={"loss": asdict(loss)})
 
 
 def estimate_chain(chain: Chain | nn.Module, example_input: torch.Tensor, *, target: torch.Tensor | None = None,
@@ -263,8 +252,6 @@ def simulate_step(model: str | nn.Module, batch: int = 1, seq: int | None = None
         train_step(fmodel, opt, batches, precision=precision, loss_fn=loss_fn)
         with MemoryTracker(model=fmodel, optimizer=opt, extra=[t for b in batches for t in b]) as tr:
             train_step(fmodel, opt, batches, precision=precision, loss_fn=loss_fn, mark=tr.mark)
-    from scaletrain.measure.profiler import step_from_tracker
-
     est = step_from_tracker(tr, fmodel, name=name, batch=batch, seq=seq or 0, precision=precision,
                             optimizer=optimizer, accum=accum, params_dtype=params_dtype, device=device,
                             measured=False)

@@ -23,8 +23,8 @@ from torch import nn
 from scaletrain import models
 from scaletrain.chain import Chain, to_chain
 from scaletrain.measure import optimizers
-from scaletrain.measure.blocks import trace_chain
-from scaletrain.measure.compose import StepEstimate
+from scaletrain.measure.blocks import profile_from_traces, trace_chain
+from scaletrain.measure.compose import StepEstimate, step_from_tracker
 from scaletrain.measure.step import (DTYPES, autocast, check_precision, loss_for, make_batch, make_optimizer,
                                      make_scaler, train_step)
 from scaletrain.measure.tracker import MemoryTracker
@@ -112,8 +112,6 @@ def profile_chain(chain: Chain | nn.Module, example_input: torch.Tensor, loss_fn
         with torch.no_grad():
             for b, v in bufs:
                 b.copy_(v)
-    from scaletrain.measure.estimate import profile_from_traces
-
     prof = profile_from_traces(chain, traces, model=name or type(getattr(chain, "source", None) or chain).__name__,
                                batch=int(example_input.shape[0]), seq=_seq(example_input), precision=precision,
                                device=str(dev), measured=True)
@@ -132,28 +130,6 @@ def profile_chain(chain: Chain | nn.Module, example_input: torch.Tensor, loss_fn
 
 def _seq(x: torch.Tensor) -> int:
     return int(x.shape[1]) if x.dim() == 2 and not x.is_floating_point() else 0
-
-
-def step_from_tracker(tr: MemoryTracker, model: nn.Module, *, name: str, batch: int, seq: int, precision: str,
-                      optimizer: str, accum: int, params_dtype: str, device: str, measured: bool) -> StepEstimate:
-    """A StepEstimate from a tracked step (``tr`` entered with model, optimizer and the batches)."""
-    maxes = dict.fromkeys(("parameters", "gradients", "optimizer_states", "activations"), 0)
-    for _, _, cats in tr.iter_timeline():
-        for k in maxes:
-            maxes[k] = max(maxes[k], cats[k])
-    phase = ""
-    for idx, label in tr.marks:
-        if idx < tr.peak_event:
-            phase = label
-    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    points = [(i, cats) for i, _, cats in tr.iter_timeline()]
-    timeline = [(label, points[idx][1] if 0 <= idx < len(points) else {}) for idx, label in tr.marks]
-    return StepEstimate(
-        model=name, batch=batch, seq=seq, precision=precision, optimizer=optimizer, accum=accum,
-        params_dtype=params_dtype, device=device, parameters=n_params,
-        bytes={**maxes, "peak": tr.peak_bytes}, peak_breakdown=tr.peak_breakdown, peak_phase=phase,
-        measured=measured, timeline=timeline, points=points, marks=list(tr.marks),
-    )
 
 
 def measure_step(model: str | nn.Module, batch: int = 1, seq: int | None = None, *, precision: str = "fp32",

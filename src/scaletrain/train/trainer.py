@@ -107,7 +107,7 @@ class Trainer:
         try:
             self._setup(cfg, model, log)
         except BaseException:
-            launch.shutdown(self._created_group)  # a bad config must not leave the process group behind
+            launch.shutdown(self._created_group, finished=getattr(self, "_finished", False))  # a bad config must not leave the process group behind
             raise
 
     def _setup(self, cfg: Config, model: nn.Module | None, log: Callable[[str], None] | None) -> None:
@@ -340,7 +340,7 @@ class Trainer:
         self.parallel = None  # type: ignore[assignment]
         if self.world > 1:
             LEDGER.uninstall()
-        launch.shutdown(self._created_group)
+        launch.shutdown(self._created_group, finished=getattr(self, "_finished", False))
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -488,6 +488,7 @@ class Trainer:
                     self.save_checkpoint()
         finally:
             metrics.close()
+        self._finished = True  # close() may wait for the peers before leaving the group
         return TrainResult(self.step, losses[-1] if losses else float("nan"), val.get("val_loss"), val, losses,
                            self.out_dir, self.comm_bytes, dict(self.model_state_bytes))
 

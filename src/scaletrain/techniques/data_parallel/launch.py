@@ -85,12 +85,21 @@ def init_process_group(device: torch.device, timeout_s: float) -> bool:
     return True
 
 
-def shutdown(created: bool) -> None:
-    """Collect garbage (DDP reducers, FSDP states), then destroy the group we created (without a
-    group there is nothing to order, and a full collection costs ~0.3 s in a large process)."""
+def shutdown(created: bool, finished: bool = False) -> None:
+    """Collect garbage (DDP reducers, FSDP states), then destroy the group we created.
+
+    ``finished``: the job ended normally on this rank, so every peer will reach this point too;
+    a barrier then keeps a rank from closing its gloo pairs while a peer is still in its last
+    collective or writing the last checkpoint (a rank that tore down early was seen to abort its
+    peer with "terminate called without an active exception", CI 2026-11-24). After an error the
+    barrier is skipped: peers may be dead, and waiting for them would only delay the exit.
+    Without a group there is nothing to order, so no collection (it costs ~0.3 s in a large process).
+    """
     if dist.is_initialized():
         gc.collect()
     if created and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .schedules import (B, COMM_KINDS, COMPUTE_KINDS, F, GRAD_SYNC, I, OPT, RECV_B, RECV_F, SEND_B, SEND_F, W,
-                        Action, Schedule)
+from .actions import (B, COMM_KINDS, COMPUTE_KINDS, F, GRAD_SYNC, I, OPT, RECV_B, RECV_F, SEND_B, SEND_F, W, Action,
+                      Schedule, send_releases)  # noqa: F401 (send_releases re-exported)
+from .simulate import DeadlockError, simulate
 
 
 class ScheduleError(ValueError):
@@ -30,7 +31,6 @@ def validate(schedule: Schedule, p2p: str = "eager") -> None:
     with unit costs under ``p2p`` semantics (see module doc), finish — simulated to prove
     there is no deadlock. Raises :class:`ScheduleError`.
     """
-    from .simulate import DeadlockError, simulate  # local import: schedules re-exports this module
 
     S, P = schedule.n_stages, schedule.n_ranks
     total = schedule.total_microbatches
@@ -194,44 +194,3 @@ def rendezvous_safe(schedule: Schedule) -> Schedule:
         _, q, j = best
         acts[q].insert(ptr[q], acts[q].pop(j))
     return dataclasses.replace(schedule, actions=acts)
-
-
-def send_releases(schedule: Schedule) -> list[dict[int, list[int]]]:
-    """When a rank may drop each tensor it sent: per rank, {index of a RECV: [indices of the
-    SENDs known delivered once that receive completes]}.
-
-    A posted send holds its tensor until the transfer completes, and gloo's ``isend`` reports
-    completion only when waited on, so the runtime must decide when to wait. Waiting right away
-    would turn eager sends into blocking ones; waiting at the step's end keeps every sent
-    tensor of the step (of the whole stream, for the asynchronous schedules) alive. A send to
-    peer q is delivered once q has received it; this rank learns that when it receives a
-    message q sent *after* that receive (list order on q). The send is released right after
-    the first such receive in this rank's list, where waiting on it cannot block. Sends with no
-    such receive later in the list are released when the step drains. Only direct causality
-    (a message back from the same peer) is used; it depends on the lists, not on timing.
-    """
-    from .simulate import message_key  # local import: simulate imports this module's users
-
-    recv_at: dict[tuple, int] = {}  # matching key -> index of the receive on its rank
-    send_at: dict[tuple, int] = {}  # matching key -> index of the send on its rank
-    for acts in schedule.actions:
-        for i, a in enumerate(acts):
-            if a.kind in (RECV_F, RECV_B):
-                recv_at[message_key(a)] = i
-            elif a.kind in (SEND_F, SEND_B):
-                send_at[message_key(a)] = i
-    out: list[dict[int, list[int]]] = []
-    for acts in schedule.actions:
-        # receives on this rank, in order: (index, peer, index of the matching send on the peer)
-        recvs = [(i, a.peer, send_at[message_key(a)]) for i, a in enumerate(acts) if a.kind in (RECV_F, RECV_B)]
-        rel: dict[int, list[int]] = {}
-        for i, a in enumerate(acts):
-            if a.kind not in (SEND_F, SEND_B):
-                continue
-            got = recv_at[message_key(a)]  # the peer's receive of this message
-            for ri, q, sj in recvs:
-                if ri > i and q == a.peer and sj > got:
-                    rel.setdefault(ri, []).append(i)
-                    break
-        out.append(rel)
-    return out

@@ -8,7 +8,7 @@ the operation (kind, micro-batch, stage), the peer and the timeout — a
 
 Matching. Sends are posted with ``isend`` and never block (the eager model of :mod:`.schedules`):
 each is waited for (and its tensor dropped) once the rank knows it was delivered
-(:func:`.checks.send_releases`), the rest when the step drains; a receive posts ``irecv`` and
+(:func:`.actions.send_releases`), the rest when the step drains; a receive posts ``irecv`` and
 waits. On gloo every message carries
 a tag unique to (direction, pipe, stage, micro-batch), so messages between one pair of ranks are
 matched by tag, whatever order the two ranks post them in (interleaved and Chimera send both
@@ -96,7 +96,7 @@ class Transport:
         """Post a non-blocking send of ``t``, kept alive until :meth:`release` of ``key`` (default:
         the tag) or :meth:`drain`. Gloo's ``isend`` work reports completion only once waited on,
         so polling cannot free finished sends: the caller says when a send is surely delivered
-        (:func:`.checks.send_releases`)."""
+        (:func:`.actions.send_releases`)."""
         t = t.detach().contiguous()
         self._sends[tag_ if key is None else key] = (dist.isend(t, peer, tag=tag_ if self.use_tags else 0), t, what,
                                                      peer)

@@ -8,7 +8,7 @@ executed here, in order, on each rank (gloo on CPU, NCCL on GPU):
 * ``SEND_*`` post ``isend``, ``RECV_*`` post ``irecv`` and wait (:mod:`.p2p`, every wait bounded
   by ``timeout_s`` and reported in one line naming the rank, the op and the peer); a sent
   tensor is dropped right after the receive that proves its delivery
-  (:func:`.checks.send_releases`), so a rank never holds the step's (or stream's) sends;
+  (:func:`.actions.send_releases`), so a rank never holds the step's (or stream's) sends;
 * ``GRAD_SYNC`` (Chimera) all-reduces one stage's gradients between its two replicas;
 * ``OPT`` — at the first of a window on a rank: finish the gradients (sum over ranks holding a
   shared parameter — GPT-2's tied ``wte`` on the first and last stage, as Megatron all-reduces
@@ -50,11 +50,11 @@ from scaletrain.chain import Chain, to_chain
 from scaletrain.errors import UserError
 
 from . import p2p
-from .checks import rendezvous_safe, send_releases, validate
+from .actions import overtaken, send_releases
+from .checks import rendezvous_safe, validate
 from .grads import ParamPlan
 from .partition import equal_bounds
-from .schedules import (ASYNC_SCHEDULES, GRAD_SYNC, OPT, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, build,
-                        overtaken)
+from .schedules import ASYNC_SCHEDULES, GRAD_SYNC, OPT, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, build
 from .simulate import Event
 from .stage import Replica, TensorSpec, boundary_specs, check_bounds, stage_remat
 from .tensor_parallel import TPLayout

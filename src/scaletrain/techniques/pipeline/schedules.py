@@ -30,83 +30,13 @@ Chimera (Li & Hoefler, SC21) has two pipelines: ``pipe`` 0 ("down") puts stage s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from scaletrain.errors import UserError
 
-# Action kinds. Compute: F (forward), B (full backward), I (input-gradient part of a split
-# backward), W (weight-gradient part). Communication: SEND_*/RECV_* carry a peer rank.
-F, B, I, W = "F", "B", "I", "W"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-OPT, GRAD_SYNC = "OPT", "GRAD_SYNC"
-COMPUTE_KINDS = (F, B, I, W)
-COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
-BACKWARD_KINDS = (B, I)  # kinds that produce the gradient sent to the previous stage
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "chimera", "pipedream", "pipedream-2bw")
-ASYNC_SCHEDULES = ("pipedream", "pipedream-2bw")
-
-
-@dataclass(frozen=True)
-class Action:
-    """One thing a rank does.
-
-    ``stage`` is the stage executing (for a send: the sender's stage; for a receive: the
-    receiver's stage). ``mb`` is the micro-batch index counted over the whole list
-    (step k owns micro-batches k·M .. k·M+M-1); for ``OPT`` it is the last micro-batch of
-    the gradient-accumulation window the update closes. ``peer`` is the other rank of a
-    send/receive/sync. ``pipe`` selects the stage replica (Chimera: 0 down, 1 up).
-    """
-
-    kind: str
-    stage: int
-    mb: int
-    peer: int | None = None
-    pipe: int = 0
-
-    def __str__(self) -> str:  # compact, for debugging and error messages
-        p = f"→{self.peer}" if self.kind.startswith("SEND") else (f"←{self.peer}" if self.peer is not None else "")
-        return f"{self.kind}{self.mb}@s{self.stage}{'u' if self.pipe else ''}{p}"
-
-
-@dataclass
-class Schedule:
-    """Per-rank action lists plus the shape they were built for."""
-
-    name: str
-    n_ranks: int
-    n_microbatches: int
-    """Micro-batches per optimizer step (M)."""
-    n_stages: int
-    """Stages of one model replica (P, or P·v for interleaved)."""
-    actions: list[list[Action]]
-    virtual: int = 1
-    n_steps: int = 1
-    """Optimizer steps (windows of M micro-batches) covered by the lists."""
-    split_backward: bool = False
-    asynchronous: bool = False
-    n_pipes: int = 1
-    mb_pipe: list[int] = field(default_factory=list)
-    """Pipe (replica) of each micro-batch; all 0 except Chimera."""
-    update_every: int = 0
-    """Micro-batches per weight update (M; 1 for PipeDream). 0 means M."""
-
-    def rank_of(self, stage: int, pipe: int = 0) -> int:
-        if pipe == 1:
-            return self.n_ranks - 1 - stage
-        return stage % self.n_ranks
-
-    def local_stages(self, rank: int) -> list[tuple[int, int]]:
-        """(pipe, stage) pairs held by ``rank``, in ascending (pipe, stage) order."""
-        return [(p, s) for p in range(self.n_pipes) for s in range(self.n_stages) if self.rank_of(s, p) == rank]
-
-    @property
-    def total_microbatches(self) -> int:
-        return self.n_microbatches * self.n_steps
-
-    def __str__(self) -> str:
-        return "\n".join(f"rank {r}: " + " ".join(str(a) for a in acts) for r, acts in enumerate(self.actions))
-
+# the vocabulary lives in .actions and validation in .checks; both re-exported for callers of schedules
+from .actions import (ASYNC_SCHEDULES, B, BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, F, GRAD_SYNC, I,  # noqa: F401
+                      OPT, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, W, Action, Schedule, message_key, overtaken,
+                      send_releases)
+from .checks import ScheduleError, rendezvous_safe, validate  # noqa: F401
 
 # --------------------------------------------------------------------------- compute orders
 # Each order function returns, per rank, a list of compute actions (kind, pipe, stage, mb)
@@ -343,23 +273,3 @@ def _with_comm(sched: Schedule, orders: list[list[tuple]]) -> list[list[Action]]
         out.append(acts)
     return out
 
-
-def overtaken(acts: list[Action], pipe: int, stage: int) -> set[int]:
-    """Micro-batches of (pipe, stage) with an optimizer update between their forward and their
-    backward in one rank's list ``acts``: the ones whose forward weights must be stashed
-    (the runtime's weight stashing and the simulator's memory model both use this)."""
-    fwd_at: dict[int, int] = {}
-    opts: list[int] = []
-    out: set[int] = set()
-    for i, a in enumerate(acts):
-        if a.kind == OPT:
-            opts.append(i)
-        elif a.pipe == pipe and a.stage == stage and a.kind == F:
-            fwd_at[a.mb] = i
-        elif a.pipe == pipe and a.stage == stage and a.kind in (B, I) and opts and opts[-1] > fwd_at[a.mb]:
-            out.add(a.mb)
-    return out
-
-
-# validation lives in .checks; re-exported here for callers of schedules.validate
-from .checks import ScheduleError, rendezvous_safe, validate  # noqa: E402,F401

@@ -40,8 +40,8 @@ from typing import NamedTuple, Sequence
 
 from scaletrain.errors import UserError
 
-from .schedules import (B, COMPUTE_KINDS, F, GRAD_SYNC, I, OPT, RECV_B, RECV_F,
-                        SEND_B, SEND_F, W, Action, Schedule)
+from .actions import (B, COMPUTE_KINDS, F, GRAD_SYNC, I, OPT, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule,
+                      message_key, overtaken, send_releases)
 
 
 class Event(NamedTuple):
@@ -161,17 +161,6 @@ class SimResult:
 
 class DeadlockError(RuntimeError):
     """The action lists cannot all complete: every unfinished rank waits on a peer."""
-
-
-def message_key(a: Action) -> tuple:
-    """Key shared by a send and the receive it feeds."""
-    if a.kind == SEND_F:
-        return (F, a.pipe, a.stage + 1, a.mb)
-    if a.kind == RECV_F:
-        return (F, a.pipe, a.stage, a.mb)
-    if a.kind == SEND_B:
-        return (B, a.pipe, a.stage - 1, a.mb)
-    return (B, a.pipe, a.stage, a.mb)  # RECV_B
 
 
 def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | None = None,
@@ -335,7 +324,7 @@ def _memory(schedule: Schedule, costs: StageCosts):
       backward piece (``wstash_bytes`` from I to W when the backward is split);
     * weights: one live copy per stage replica, plus — asynchronous schedules — the runtime's
       weight snapshots: a snapshot of the current version is taken at the first forward of a
-      micro-batch an update will overtake (:func:`.schedules.overtaken`) and dropped once its
+      micro-batch an update will overtake (:func:`.actions.overtaken`) and dropped once its
       last such backward ran and the live weights moved on. ``peak_weight_versions`` counts
       distinct versions in use (the PipeDream paper's figure), the bytes count copies;
     * gradients (``grad_bytes`` given): alive from the end of a stage's first backward piece
@@ -343,15 +332,13 @@ def _memory(schedule: Schedule, costs: StageCosts):
       makes them — until the rank's next update (``zero_grad(set_to_none=True)``);
       a backward with stashed weights allocates the snapshot's gradients (``weight_bytes``)
       and adds them to live ones, so they coexist at the end of that pass;
-    * held sends: a sent tensor lives until :func:`.checks.send_releases` lets the rank drop
+    * held sends: a sent tensor lives until :func:`.actions.send_releases` lets the rank drop
       it — an input gradient from its SEND_B, a stage output beyond its activation set when its
       release comes after the set's last backward piece;
     * transients: ``fwd_temp_bytes`` during F, ``bwd_temp_bytes`` during B or I (on top of the
       micro-batch's activation set), ``opt_temp_bytes`` (max over the rank's stages) during
       its update.
     """
-    from .checks import send_releases
-    from .schedules import overtaken
 
     g = costs._get
     P = schedule.n_ranks

@@ -1,0 +1,337 @@
+"""The analytic cost of a transformer plan on a platform: step time by phase and per-rank peak memory.
+
+Units: seconds and bytes (GiB / ms only when printed). What one step costs (Narayanan et al., SC21,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"):
+
+* **compute** per layer and micro-batch on one rank: each matmul's FLOPs / (peak × the platform's
+  achieved fraction for a matmul of that size, Calculon-style) + each memory-bound kernel's bytes /
+  (HBM bandwidth × fraction for its size) — LayerNorms, bias-GELU, bias-dropout-add and, when the
+  attention is materialised (Megatron 2021), softmax and attention dropout over b·a·s²/t elements.
+  Backward = 2 × forward. Recompute: full = +1 forward (its TP all-reduces included); selective = the
+  attention core again.
+* **tensor parallelism**: the bytes of the TP cost face the runtime is tested against
+  (:func:`~scaletrain.techniques.tensor_parallel.cost.tp_comm_bytes_per_step`: per layer 2 all-reduces
+  of b·s·h activations in the forward and 2 in the backward; under SP all-gathers + reduce-scatters and
+  the backward's re-gathers, 1.5x), plus a recomputed forward's, over NVLink (TP stays inside a node):
+  wire bytes / achieved bandwidth + (t − 1)α per ring step; not overlapped (as Megatron).
+* **pipeline**: step = (m + (p − 1)/v)·T_mb, T_mb the slowest rank's time for one micro-batch (its
+  layers, plus the embedding on the first and the logits + loss on the last) and one p2p send per
+  chunk pass each way; bubble fraction (p − 1)/v / (m + (p − 1)/v) — GPipe has the same time.
+* **data parallelism**: bytes from ZeRO's cost face (:func:`~scaletrain.techniques.data_parallel.cost.
+  comm_bytes_per_step`, fp32 gradients: scaletrain keeps fp32 parameters under autocast), timed
+  hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across), α per ring step
+  of every bucket's or (ZeRO-3) every block's collective. Overlap, stated:
+  without a pipeline DDP/ZeRO-2/3 overlap it with the backward of the last micro-batch (ZeRO-2: every
+  micro-batch's backward; ZeRO-3: forward and backward), all but the last bucket, and the hidden part
+  still slows compute by Calculon's processor usage (0.15 over NVLink, 0.02 over InfiniBand); ZeRO-1
+  and every pipeline synchronise after the flush, fully exposed.
+* **optimizer step**: memory-bound, 12 + 2K bytes per (sharded) parameter: read p, g, write p, read and write
+  its K bytes of states (Adam: 28).
+
+Memory: :mod:`.memory` (model states by ZeRO stage, Korthikanti activations × in-flight micro-batches,
+autocast's 16-bit weight copies held per micro-batch until its backward, the logits and loss in fp32
+on the last stage, one layer's rematerialised activations during a full-recompute backward) + a stated
+reserve (CUDA context, NCCL buffers, allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from scaletrain.plan import Plan
+from scaletrain.planner import memory as mem
+from scaletrain.planner.shape import Shape
+from scaletrain.platform import GiB, Platform
+from scaletrain.techniques.data_parallel import cost as zero_cost
+
+def optim_state_bytes(name: str, hidden: int) -> float:
+    """Optimizer-state bytes per fp32 parameter K, from the optimizer registry's cost face on an h x h
+    weight (Adam 8, SGD 0 without momentum, 8-bit Adam ~2.004, Adafactor ~2/h factored, CAME ~4)."""
+    from scaletrain.techniques.optim.registry import state_bytes_per_param
+
+    return float(state_bytes_per_param(name.lower(), (hidden, hidden)))
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the priced system runs, where it is not in the plan."""
+
+    attention: str = "flash"
+    """flash (SDPA fused attention: no s² tensor in memory or traffic; scaletrain on GPUs) or
+    materialized (Megatron-LM 2021: fused scale-mask-softmax then dropout over b·a·s²)."""
+    p2p_scatter: bool = False
+    """Megatron's scatter/gather (SC21 §4.1): each TP rank sends 1/t of a stage boundary."""
+    reserve_bytes: float = 2 * GiB
+    """Per device, never planned: CUDA context (~0.5 GiB), NCCL buffers, allocator fragmentation."""
+
+
+@dataclass
+class PlanCost:
+    """A plan's predicted cost. Times in seconds, memory in bytes, throughput per second."""
+
+    plan: Plan
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    """Achieved TFLOP/s per device counting recomputation (Narayanan et al. eq. (3) accounting)."""
+    mfu: float
+    """Model FLOPs (no recompute: 72·B·s·l·h²(…)) per second / (devices × peak)."""
+    peak_bytes: dict[str, float]
+    """The heaviest rank's bytes at its peak by category, and ``total``."""
+    device_bytes: float
+    fits: bool
+    bubble_fraction: float
+    exposed_comm_s: float
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """compute, recompute, tp_comm, pipeline_bubble, p2p, dp_comm (exposed), optimizer."""
+    blocks_s: dict[str, float] = field(default_factory=dict)
+    """One micro-batch on one rank, per block and pass: layer_fwd, layer_bwd, layer_recompute,
+    layer_tp_comm, layer_weight_traffic (each per layer), embedding, head (logits + loss, fwd + bwd)."""
+    heaviest_rank: str = "first"
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["plan"] = plan_summary(self.plan)
+        return d
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """The plan fields ``scaletrain plan --json`` shows (the issue's schema) plus the rest that matter."""
+    remat = "full" if plan.remat.blocks == "all" else ("selective" if plan.remat.selective != "none" else "none")
+    return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "zero": plan.zero,
+            "micro_batch": plan.micro_batch, "schedule": plan.schedule if plan.pp > 1 else "none",
+            "virtual": max(plan.virtual, 1), "microbatches": plan.microbatches, "sp": plan.sp, "remat": remat,
+            "offload": "none" if not plan.offload.active else "on", "precision": plan.precision,
+            "optimizer": plan.optimizer}
+
+
+def remat_kind(plan: Plan) -> str:
+    return plan_summary(plan)["remat"]
+
+
+def allreduce_time(nbytes: float, n: int, bytes_per_s: float, latency_s: float) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n−1)/n·S/B + 2(n−1)α (REFERENCES, α–β)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bytes_per_s + 2 * (n - 1) * latency_s
+
+
+def _mm(plat: Platform, precision: str, m: float, n: float, k: float, batch: float = 1.0) -> float:
+    """Seconds of a (batched) [m, k] x [k, n] matmul: a roofline, the larger of its FLOPs at the
+    achieved fraction for its size and its bytes (both operands read, the output written) at HBM's."""
+    e = 4 if precision == "fp32" else 2
+    flops = 2 * m * n * k * batch
+    compute = flops / (plat.flops(precision) * plat.matmul_fraction(flops))
+    return max(compute, _mb(plat, e * (m * k + k * n + m * n) * batch))
+
+
+def _mb(plat: Platform, nbytes: float) -> float:
+    """Seconds of one memory-bound kernel moving ``nbytes``."""
+    return nbytes / (plat.device_mem_bytes_per_s * plat.mem_fraction(nbytes)) if nbytes > 0 else 0.0
+
+
+def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: bool, precision: str,
+                opts: Options) -> dict[str, float]:
+    """Seconds of one layer on one TP rank for one micro-batch: ``fwd``, ``bwd``, ``attn_core`` (the
+    part selective recompute repeats), ``tp_fwd`` / ``tp_bwd`` (the TP collectives of each pass) and
+    ``tp_stage`` (once per micro-batch and stage: embedding, loss, SP's replicated gradients)."""
+    s, h, a, t, f = seq, shape.hidden, shape.heads, tp, shape.ffn_width
+    e = 4 if precision == "fp32" else 2
+    sbh = s * b * h
+    bs = b * s
+    # QKV, projection, fc1, fc2 on [b·s, ·]; QK^T and AV batched over b·a/t heads of width h/a
+    fwd_mm = (_mm(plat, precision, bs, 3 * h / t, h) + _mm(plat, precision, bs, h, h / t)
+              + _mm(plat, precision, bs, f / t, h) + _mm(plat, precision, bs, h, f / t))
+    heads = b * a / t
+    attn = (_mm(plat, precision, s, s, h / a, heads) + _mm(plat, precision, s, h / a, s, heads))
+    rep = t if sp else 1  # what TP replicates, SP splits
+    drop = 1 if shape.dropout > 0 else 0
+    # LayerNorm x2 (read + write), bias-GELU on f (read + write), bias-dropout-add x2 (2 reads, 1 write, mask)
+    elementwise = [2 * sbh * e / rep, 2 * sbh * e / rep, 2 * s * b * f * e / t,
+                   (3 * e + drop) * sbh / rep, (3 * e + drop) * sbh / rep]
+    ew = sum(_mb(plat, x) for x in elementwise)
+    if opts.attention == "materialized":
+        n2 = b * a * s * s / t
+        attn += _mb(plat, 2 * e * n2) + (_mb(plat, (2 * e + 1) * n2) if drop else 0.0)
+    fwd = fwd_mm + attn + ew
+    tp = tp_wire_bytes(shape, t, b, s, sp, e)
+    bw, alpha = plat.intra_node_bytes_per_s * plat.intra_node_efficiency, plat.intra_node_latency_s
+    # latency: per layer 4 ring collectives' worth of (t-1) steps each way, 6 backward with SP's regathers
+    tp_fwd = tp["fwd"] / bw + 4 * (t - 1) * alpha if t > 1 else 0.0
+    tp_bwd = tp["bwd"] / bw + (6 if sp else 4) * (t - 1) * alpha if t > 1 else 0.0
+    return {"fwd": fwd, "bwd": 2 * fwd, "attn_core": attn, "tp_fwd": tp_fwd, "tp_bwd": tp_bwd,
+            "tp_stage": tp["stage"] / bw if t > 1 else 0.0}
+
+
+def tp_wire_bytes(shape: Shape, t: int, b: int, s: int, sp: bool, elem: int) -> dict[str, float]:
+    """Bytes one TP rank puts on the wire per micro-batch — ``fwd`` / ``bwd`` of one layer and ``stage``
+    (embedding, loss, SP's replicated-gradient all-reduce), from the TP cost face the runtime is tested
+    against (:func:`~scaletrain.techniques.tensor_parallel.cost.tp_comm_bytes_per_step`: with SP the
+    backward re-gathers the inputs it needs, 1.5x the forward's bytes)."""
+    from types import SimpleNamespace
+
+    from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
+
+    def cfg(l: int) -> SimpleNamespace:
+        return SimpleNamespace(n_embd=shape.hidden, n_layer=l, n_positions=shape.positions)
+
+    if t == 1:
+        return {"fwd": 0.0, "bwd": 0.0, "stage": 0.0}
+    w1, w2 = (tp_comm_bytes_per_step(cfg(n), t, b, s, sequence_parallel=sp, act_bytes=elem)["wire_bytes"]
+              for n in (1, 2))
+    fwd = tp_forward_bytes_per_block(cfg(1), t, b, s, sequence_parallel=sp, act_bytes=elem)[1]
+    return {"fwd": fwd, "bwd": (w2 - w1) - fwd, "stage": w1 - (w2 - w1)}
+
+
+def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, seq: int,
+              options: Options | None = None) -> PlanCost:
+    """Price ``plan`` (resolved: dp set, micro_batch set, microbatches = m) for ``global_batch``
+    sequences of ``seq`` tokens per step (module docstring). Divisibility is the caller's (search)."""
+    opts = options or Options()
+    dp, tp, pp, v = max(plan.dp, 1), plan.tp, plan.pp, max(plan.virtual, 1) if plan.schedule == "interleaved" else 1
+    b = plan.micro_batch
+    m = global_batch // (dp * b)
+    world = dp * tp * pp
+    e = 4 if plan.precision == "fp32" else 2
+    remat = remat_kind(plan)
+    lt = layer_times(shape, plat, seq=seq, b=b, tp=tp, sp=plan.sp, precision=plan.precision, opts=opts)
+    L = shape.layers / pp
+    recompute = lt["fwd"] + lt["tp_fwd"] if remat == "full" else (lt["attn_core"] if remat == "selective" else 0.0)
+    tp_layer = lt["tp_fwd"] + lt["tp_bwd"]
+    layer = lt["fwd"] + lt["bwd"] + recompute + tp_layer
+    # per micro-batch and parameter, memory-bound: the 16-bit weight gradient written, read back and
+    # accumulated into the fp32 gradient (2 + 2 + 4 + 4 bytes), and with fp32 parameters under autocast
+    # the 16-bit copy of each weight made by every forward (read 4, write 2; recomputed forwards too)
+    forwards = 2 if remat == "full" else 1
+    casts = 6 * forwards if plan.precision != "fp32" and plan.params_dtype == "fp32" else 0
+    weight_traffic = _mb(plat, (12 + casts) * shape.layer_params() / tp)
+    layer += weight_traffic
+    # the logits (tied head, vocabulary-parallel) and the loss in fp32 on the last stage
+    sbV = seq * b * shape.vocab / tp
+    head = 3 * _mm(plat, plan.precision, seq * b, shape.vocab / tp, shape.hidden) + 2 * _mb(plat, sbV * (e + 8))
+    embed = 3 * _mb(plat, seq * b * shape.hidden * e * 2) + lt["tp_stage"]
+    first_mb, last_mb = L * layer + embed, L * layer + head
+    if pp == 1:
+        t_mb = L * layer + embed + head
+    else:
+        t_mb = max(first_mb, last_mb)
+    # p2p: one send per chunk pass each way, blocking (Megatron), across nodes once a stage fills one
+    p2p_msg = 0.0
+    if pp > 1:
+        nbytes = seq * b * shape.hidden * e / (tp if (opts.p2p_scatter or plan.sp) else 1)
+        inter = tp * dp >= plat.devices_per_node
+        bw = (plat.inter_node_bytes_per_s * plat.inter_node_efficiency if inter
+              else plat.intra_node_bytes_per_s * plat.intra_node_efficiency)
+        p2p_msg = (plat.inter_node_latency_s if inter else plat.intra_node_latency_s) + nbytes / bw
+    per_mb = t_mb + 2 * v * p2p_msg
+    slots = m + (pp - 1) / v if pp > 1 else m
+    pipeline = slots * per_mb
+    bubble = ((pp - 1) / v) / slots if pp > 1 else 0.0
+    # data parallelism (ZeRO's bytes, timed hierarchically) and its overlap
+    n_first = mem.rank_params(shape, tp=tp, pp=pp, first=True, last=pp == 1)
+    n_last = mem.rank_params(shape, tp=tp, pp=pp, first=pp == 1, last=True)
+    n_rank = max(n_first, n_last)
+    dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, e if plan.zero == 3 else 4,
+                                 blocks=int(L) + 2, bucket_bytes=plan.bucket_mb * 1e6)
+    if pp == 1 and plan.zero != 1:
+        window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: m * L * (lt["fwd"] + lt["bwd"])}[plan.zero]
+        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4, bucket_bytes=plan.bucket_mb * 1e6)[0]
+        hidden = min(dp_time, window)
+        # an overlapped collective still slows the compute it hides behind: NCCL's kernels take SMs and
+        # HBM bandwidth — Calculon's "processor_usage": 0.15 of the device while NVLink traffic runs, 0.02
+        # while InfiniBand's does (calculon-ai/calculon systems/a100_80e.json)
+        share = dp_intra / dp_time if dp_time else 0.0
+        contention = hidden * (0.15 * share + 0.02 * (1 - share))
+        dp_exposed = max(0.0, dp_time - window) + min(last_bucket, dp_time) + contention
+    else:
+        dp_exposed = dp_time
+    k = optim_state_bytes(plan.optimizer, shape.hidden)
+    opt_params = n_rank / (dp if plan.zero >= 1 else 1)
+    optimizer = _mb(plat, opt_params * (12 + 2 * k))  # read p, g; write p (12 B); read + write the states
+    step = pipeline + dp_exposed + optimizer
+    tokens = global_batch * seq
+    hw_flops = shape.flops_per_iteration(global_batch, seq, recompute=remat == "full")
+    model_flops = shape.flops_per_iteration(global_batch, seq, recompute=False)
+    # phases add up to the step: the m micro-batch slots of the slowest rank split by kind, then the rest
+    slots_compute = m * (t_mb - L * (recompute + tp_layer))
+    phases = {"compute": slots_compute, "recompute": m * L * recompute,
+              "tp_comm": m * L * tp_layer, "pipeline_bubble": (pp - 1) / v * per_mb if pp > 1 else 0.0,
+              "p2p": m * 2 * v * p2p_msg, "dp_comm": dp_exposed, "optimizer": optimizer}
+    peak, which = _peak(shape, plan, plat, seq=seq, m=m, v=v, e=e, remat=remat, k=k, opts=opts)
+    return PlanCost(plan=plan, step_time_s=step, tokens_per_s=tokens / step,
+                    tflops_per_device=hw_flops / step / world / 1e12,
+                    mfu=model_flops / step / world / plat.flops(plan.precision),
+                    peak_bytes=peak, device_bytes=float(plat.device_memory_bytes),
+                    fits=peak["total"] + opts.reserve_bytes <= plat.device_memory_bytes,
+                    bubble_fraction=bubble, exposed_comm_s=phases["tp_comm"] + phases["p2p"] + dp_exposed,
+                    phases_s=phases, heaviest_rank=which,
+                    blocks_s={"layer_fwd": lt["fwd"], "layer_bwd": lt["bwd"], "layer_recompute": recompute,
+                              "layer_tp_comm": tp_layer, "layer_weight_traffic": weight_traffic,
+                              "embedding": embed, "head": head})
+
+
+def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int, *,
+             blocks: int = 1, bucket_bytes: float = 25e6) -> tuple[float, float]:
+    """Seconds of one step's data-parallel collectives for ``n_params`` on this rank: ZeRO's bytes
+    (ring convention over dp; ``elem`` bytes per value: fp32 gradients and parameters for DDP and
+    ZeRO-1/2, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
+    hierarchical rings — the group's k ranks inside a node over NVLink, then dp/k nodes over each rank's
+    own InfiniBand NIC (tp innermost, dp next) — plus α per ring step of every collective issued: DDP and
+    ZeRO-1/2 one per ``bucket_bytes`` bucket (ZeRO-2's reduce-scatters per micro-batch), ZeRO-3 (FSDP2)
+    two all-gathers and a reduce-scatter per block and micro-batch. Returns (seconds, of which NVLink)."""
+    if dp <= 1:
+        return 0.0, 0.0
+    received = zero_cost.comm_bytes_per_step(n_params, zero, dp, grad_bytes=elem, param_bytes=elem, accum=m)
+    S = float(elem) * n_params
+    k = max(1, min(dp, plat.devices_per_node // min(tp, plat.devices_per_node)))
+    nodes = dp // k
+    bi, bo = plat.intra_node_bytes_per_s * plat.intra_node_efficiency, plat.inter_node_bytes_per_s * plat.inter_node_efficiency
+    scale = received / (2 * (dp - 1) / dp * S)
+    intra = allreduce_time(S, k, bi, 0.0) * scale
+    inter = allreduce_time(S / k, nodes, bo, 0.0) * scale
+    buckets = max(1, math.ceil(S / bucket_bytes))
+    # (reduce-scatters + all-gathers) issued per step; an all-reduce is one of each
+    halves = {0: 2 * buckets, 1: 2 * buckets, 2: (m + 1) * buckets, 3: 3 * m * blocks}[zero]
+    intra += halves * (k - 1) * plat.intra_node_latency_s
+    inter += halves * (nodes - 1) * plat.inter_node_latency_s
+    return intra + inter, intra
+
+
+def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int, e: int, remat: str, k: float,
+          opts: Options) -> tuple[dict[str, float], str]:
+    """The heaviest pipeline rank's bytes by category (first or last stage) and which it is."""
+    tp, pp, dp, b = plan.tp, plan.pp, max(plan.dp, 1), plan.micro_batch
+    flash = opts.attention == "flash"
+    storage = "fp32" if plan.params_dtype == "fp32" else "mixed"
+    best: tuple[dict[str, float], str] | None = None
+    for which, first, last in (("first", True, pp == 1), ("last", pp == 1, True)):
+        n = mem.rank_params(shape, tp=tp, pp=pp, first=first, last=last)
+        ms = zero_cost.model_state_bytes(n, plan.zero, dp, precision=storage, optim_state_bytes=k)
+        live = mem.inflight(plan.schedule, pp, m, v, last=last and not first)
+        L = shape.layers / pp
+        act = live * L * mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat=remat, elem=e,
+                                                    flash=flash)
+        casts = 0.0
+        if plan.precision != "fp32" and plan.params_dtype == "fp32" and plan.zero != 3:  # autocast's, per forward
+            casts = 2 * n * (1 if remat == "full" else live)
+        transient = 0.0
+        if plan.zero == 3:  # FSDP2: this block and the prefetched one gathered (16-bit), one block's gradients
+            block = max(shape.layer_params() / tp, (shape.vocab / tp + shape.positions) * shape.hidden if first else 0)
+            transient += 3 * e * block
+        if remat == "full":  # one layer rematerialised during its backward
+            transient += mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat="none", elem=e,
+                                                   flash=flash)
+        if last:  # logits (16-bit), their fp32 copy and its gradient
+            transient = max(transient, seq * b * shape.vocab / tp * (e + 8) + (transient if plan.zero == 3 else 0))
+        d = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "weight_casts": casts,
+             "activations": act, "transient": transient}
+        d["total"] = sum(d.values())
+        if best is None or d["total"] > best[0]["total"]:
+            best = (d, which)
+        if pp == 1:
+            break
+    assert best is not None
+    return best

@@ -1,0 +1,75 @@
+"""Per-rank memory of a transformer plan, on paper: model states by ZeRO stage and activations by
+Korthikanti et al. (2022), in bytes.
+
+Model states reuse ZeRO's cost face (:func:`scaletrain.techniques.data_parallel.cost.model_state_bytes`)
+on the parameters one rank holds after tensor and pipeline splitting. Activations per layer and
+micro-batch (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+arXiv 2205.05198, §4, 16-bit, derived again here for an element size ``e`` and MLP width ``f``):
+
+* per layer, no parallelism: sbh(34 + 5as/h) with e = 2, f = 4h, dropout. Split as
+  *replicated under TP* — two LayerNorm inputs 2e, QKV input e, MLP input e, two dropout masks 1+1
+  (= 10) — and *split under TP* — Q and K 2e, V e, projection input e, GELU input (f/h)e, second
+  linear input (f/h)e (= 24) — plus the s² terms a·s/h·(softmax output e + dropout mask 1 + dropout
+  output e) (= 5as/h).
+* tensor parallel t: sbh(10 + 24/t + 5as/(ht)); + sequence parallel: sbh(34/t + 5as/(ht));
+  selective recompute (the attention core) drops the s² term; full recompute keeps the layer's
+  input only, 2sbh (/t with SP).
+* flash attention (``F.scaled_dot_product_attention`` on GPUs, what scaletrain's GPT-2 runs) saves
+  no s² tensor: its output is the projection input, already counted.
+
+In-flight micro-batches on pipeline rank 0: GPipe m; 1F1B min(p, m) (Narayanan et al. 2021);
+interleaved 1F1B with v chunks per rank: Megatron's warm-up runs 2(p − 1) + (v − 1)p forward chunks
+before the first backward, so 2(p − 1) + (v − 1)p + 1 chunks of 1/v of the rank's layers are alive,
+i.e. p + (p − 1)/v micro-batches' worth (capped by m). The last rank holds 1 (1F1B) or
+((v − 1)p + 1)/v (interleaved).
+"""
+
+from __future__ import annotations
+
+from scaletrain.planner.shape import Shape
+
+
+def layer_activation_bytes(shape: Shape, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
+                           remat: str = "none", elem: int = 2, flash: bool = True) -> float:
+    """Bytes one transformer layer keeps for backward per micro-batch on one TP rank (module docstring).
+
+    ``remat``: none, selective (attention core recomputed) or full (layer input only).
+    ``elem``: bytes of an activation element (2 under bf16/fp16 autocast, 4 in fp32).
+    """
+    s, b, h, a, t = seq, micro_batch, shape.hidden, shape.heads, tp
+    sbh = s * b * h
+    if remat == "full":
+        return elem * sbh / (t if sp else 1)
+    masks = 2.0 if shape.dropout > 0 else 0.0
+    replicated = 4 * elem + masks
+    split = 4 * elem + 2 * (shape.ffn_width / h) * elem
+    quad = 0.0
+    if remat != "selective" and not flash:
+        quad = ((2 * elem + 1) if shape.dropout > 0 else elem) * a * s / h
+    return sbh * ((replicated / t if sp else replicated) + split / t + quad / t)
+
+
+def inflight(schedule: str, pp: int, microbatches: int, virtual: int = 1, last: bool = False) -> float:
+    """Micro-batches' worth of a pipeline rank's activations alive at its peak (module docstring)."""
+    m, p, v = microbatches, pp, max(virtual, 1)
+    if p <= 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved" and v > 1:
+        chunks = (v - 1) * p + 1 if last else 2 * (p - 1) + (v - 1) * p + 1
+        return min(chunks, m * v) / v
+    return 1.0 if last else float(min(p, m))
+
+
+def rank_params(shape: Shape, *, tp: int, pp: int, first: bool, last: bool) -> float:
+    """Parameter elements one rank holds: its l/pp layers split over tp (Megatron's split: the
+    replicated biases and norms are few), the vocabulary-parallel embedding (V/t rows) and positions
+    on the first stage, the tied head's copy of the embedding and the final norm on the last."""
+    h = shape.hidden
+    n = shape.layers / pp * shape.layer_params() / tp
+    if first:
+        n += shape.vocab * h / tp + shape.positions * h
+    if last:
+        n += 2 * h + (shape.vocab * h / tp if not first else 0)
+    return n
