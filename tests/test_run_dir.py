@@ -90,6 +90,8 @@ def test_resume_skips_a_corrupt_newest_checkpoint_and_logs_no_step_twice(tmp_pat
     assert rc == 0 and f"skipping checkpoint {str(newest)!r}" in captured.out + captured.err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert newest.with_name(newest.name + ".corrupt").is_file()  # kept for a look, out of rotation's count
+    assert ckpt.load(ckpt.latest(out / "checkpoints"))["step"] == 6
 
 
 def test_trim_metrics_drops_later_and_torn_rows_keeps_events(tmp_path):

@@ -54,31 +54,36 @@ def check_compatible(cfg: Config, saved: Config | None, path: Path, *, reset_opt
                           f"{cfg.optim.name!r} states, or resume with optim.name={saved.optim.name!r}")
 
 
-def load_newest(directory: Path, log: Any) -> tuple[Path, dict[str, Any]]:
-    """(path, state) of the newest checkpoint in ``directory`` that loads; older ones are tried in turn."""
+def load_newest(directory: Path, log: Any) -> tuple[Path, dict[str, Any], list[Path]]:
+    """(path, state, newer unloadable paths) of the newest checkpoint in ``directory`` that loads;
+    older ones are tried in turn."""
     paths = ckpt.list_checkpoints(directory)
     if not paths:
         raise ConfigError(f"--resume: no checkpoint in {str(directory)!r}")
-    first_error = ""
+    first_error, skipped = "", []
     for path in reversed(paths):
         try:
-            return path, ckpt.load(path)
+            return path, ckpt.load(path), skipped
         except UserError as e:
             first_error = first_error or one_line(e)
+            skipped.append(path)
             log(f"warning: skipping checkpoint {str(path)!r}: {one_line(e)}")
     raise ConfigError(f"--resume: none of the {len(paths)} checkpoints in {str(directory)!r} loads ({first_error})")
 
 
-def restore(trainer: Any, reset_optimizer: bool) -> tuple[Path, float, float]:
+def restore(trainer: Any, reset_optimizer: bool) -> tuple[Path, list[Path], float, float]:
     """Load the newest good checkpoint of ``trainer.out_dir`` into ``trainer`` (nothing is written).
 
-    Returns (its path, load start, load end) with times in seconds since the epoch.
+    Returns (its path, the newer ones that did not load, load start, load end), times in seconds
+    since the epoch. The run directory sets the unloadable ones aside once the run has made a good
+    step (:meth:`RunDir.open`): left in place, checkpoint rotation would count them and could
+    delete the good checkpoints written after them.
     """
     if trainer.out_dir is None:
         raise ConfigError("--resume needs --out DIR naming the run to continue")
     t0 = time.time()
-    path, state = load_newest(trainer.out_dir / "checkpoints", trainer.log)
+    path, state, skipped = load_newest(trainer.out_dir / "checkpoints", trainer.log)
     check_compatible(trainer.cfg, saved_config(state), path, reset_optimizer=reset_optimizer,
                      registry_model=trainer.model_name == trainer.cfg.model.name)
     trainer.load_state_dict(state, reset_optimizer=reset_optimizer)
-    return path, t0, time.time()
+    return path, skipped, t0, time.time()

@@ -112,8 +112,10 @@ class RunDir:
     """
 
     def __init__(self, path: Path | None, start_step: int, config_text: str,
-                 log: Callable[[str], None] = lambda s: None):
+                 log: Callable[[str], None] = lambda s: None, unloadable: list[Path] | None = None):
         self.path, self.start_step, self.config_text, self.log = path, start_step, config_text, log
+        self.unloadable = list(unloadable or [])
+        """Checkpoints the resume skipped: renamed ``*.corrupt`` on open, out of rotation's reach."""
         self._metrics: MetricsWriter | None = None
         self._pending: list[dict[str, Any]] = []
         from scaletrain.train import recovery
@@ -132,6 +134,10 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path / "config.toml", self.config_text)
         trim_metrics(self.path / "metrics.jsonl", self.start_step)
+        for bad in self.unloadable:
+            if bad.exists():
+                os.replace(bad, bad.with_name(bad.name + ".corrupt"))
+                self.log(f"set aside unloadable checkpoint {str(bad)!r} as {bad.name}.corrupt")
         self._metrics = MetricsWriter(self.path / "metrics.jsonl")
         for row in self._pending:
             self._metrics.write(row)

@@ -419,12 +419,12 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         cfg = self.cfg
-        t_load = (time.time(),) * 2
+        t_load, skipped = (time.time(),) * 2, []
         if self.resume:  # nothing is written before the first good step, so a bad resume changes nothing on disk
-            path, *t_load = resuming.restore(self, self.reset_optimizer)
+            path, skipped, *t_load = resuming.restore(self, self.reset_optimizer)
             self.log(f"resumed from {path} at step {self.step}")
         # the run directory is created after the first good step (config.toml, metrics trimmed to self.step)
-        metrics = rundir.RunDir(self.out_dir if self.rank == 0 else None, self.step, to_toml(cfg), self.log)
+        metrics = rundir.RunDir(self.out_dir if self.rank == 0 else None, self.step, to_toml(cfg), self.log, skipped)
         if metrics.restart is not None:
             metrics.restart.note_reload(t_load[0], t_load[1], self.step)
         show = cfg.train.progress == "on" or (cfg.train.progress == "auto" and sys.stderr.isatty())
