@@ -78,8 +78,9 @@ def summarize(reports: list[dict[str, Any]], died: dict[str, Any] | None = None)
     """(one line naming the rank and the reason, whether a restart may help) for a failed job.
 
     A bad input (not restartable) wins over everything: it is the cause, and the other ranks'
-    lost peers are its echo. Then a rank killed by a signal (``died``: torchrun's first failure,
-    ``{"rank", "exitcode", "signal"}``), then the earliest lost peer or timeout. Identical messages
+    lost peers are its echo. Then a rank killed by a signal or ended by an unexpected exception
+    (``died``: torchrun's first failure, ``{"rank", "exitcode", "signal"}``), then the earliest lost
+    peer or timeout. Identical messages
     from several ranks are said once, with the count.
     """
     bad = [r for r in reports if not r.get("restartable")]
@@ -90,10 +91,10 @@ def summarize(reports: list[dict[str, Any]], died: dict[str, Any] | None = None)
         return _with_rank(first) + more, False
     if died and died.get("signal"):
         return f"rank {died.get('rank')} died ({died['signal']})", True
+    if died and died.get("exitcode") != 2:  # an unexpected exception: its traceback is the cause
+        return f"rank {died.get('rank')} failed (exit code {died.get('exitcode')}); its output is above", True
     if reports:
         return _with_rank(min(reports, key=lambda r: (r.get("time", 0.0), r.get("rank", 0)))), True
-    if died:
-        return f"rank {died.get('rank')} failed (exit code {died.get('exitcode')}); its output is above", True
     return "the job failed without a message; see the output above", True
 
 
