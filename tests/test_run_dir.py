@@ -46,6 +46,8 @@ def _one_line(rc: int, err: str) -> str:
     (["data.name=synthetic-text", "data.num_samples=3"], "too small"),
     ([*TINY, "memory.remat.method=optimal", "memory.remat.budget=1KiB"], "budget"),
     (["model.name=gpt2-tiny", "model.overrides.n_head=0"], "model.overrides"),
+    (["model.name=mlp", "data.name=digits", "train.params_dtype=fp16"], "autocast"),
+    (["model.name=resnet-mini", "data.name=digits", "train.params_dtype=bf16", "train.precision=bf16"], "batch-norm"),
     (["--reset-optimizer"], "--resume"),
     (["--max-restarts", "2"], "--nproc-per-node"),
 ])

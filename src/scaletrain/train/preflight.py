@@ -46,10 +46,31 @@ def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, 
         what = "a language model" if task == "lm" else "an image classifier"
         raise ConfigError(f"data.name={data_name!r} holds {'images' if info.kind == 'image' else info.kind} but model {model_name!r} is {what}; allowed "
                           f"data.name for it: {allowed}")
+    check_params_dtype(cfg, model, task, model_name)
     n_pos = getattr(getattr(model, "config", None), "n_positions", None)
     if task == "lm" and isinstance(n_pos, int) and cfg.data.seq_len > n_pos:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the {n_pos} positions of model {model_name!r}; "
                           f"allowed: 1..{n_pos} (or raise model.overrides.n_positions)")
+
+
+def check_params_dtype(cfg: Config, model: nn.Module, task: str, model_name: str) -> None:
+    """16-bit parameters (``train.params_dtype``) where the model can run them.
+
+    Why: float images meet 16-bit weights outside autocast (``mat1 and mat2 must have the same
+    dtype``), and batch norm keeps fp32 statistics that 16-bit activations do not match
+    (``expected scalar type Half but found Float``) — both in the first forward, once per rank.
+    """
+    dtype, precision = cfg.train.params_dtype, cfg.train.precision
+    if dtype == "fp32":
+        return
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise ConfigError(f"train.params_dtype={dtype!r}: model {model_name!r} has batch-norm layers, which keep "
+                          f"fp32 statistics; allowed: train.params_dtype='fp32' (train.precision='bf16' or 'fp16' "
+                          f"still computes in 16 bits)")
+    if task != "lm" and precision != dtype:
+        raise ConfigError(f"train.params_dtype={dtype!r} with train.precision={precision!r}: model {model_name!r} "
+                          f"reads float images, which meet 16-bit weights only under autocast; allowed: "
+                          f"train.precision={dtype!r} with it, or train.params_dtype='fp32'")
 
 
 def check_loaders(trainer: Any) -> None:
