@@ -48,6 +48,8 @@ def _one_line(rc: int, err: str) -> str:
     (["model.name=gpt2-tiny", "model.overrides.n_head=0"], "model.overrides"),
     (["model.name=mlp", "data.name=digits", "train.params_dtype=fp16"], "autocast"),
     (["model.name=resnet-mini", "data.name=digits", "train.params_dtype=bf16", "train.precision=bf16"], "batch-norm"),
+    (["model.name=mlp", "data.name=synthetic-images", "data.image_size=4"], "data.image_size=4"),
+    (["model.name=vgg-mini", "data.name=synthetic-images", "data.image_size=7"], "cannot take 3x7x7"),
     (["--reset-optimizer"], "--resume"),
     (["--max-restarts", "2"], "--nproc-per-node"),
 ])

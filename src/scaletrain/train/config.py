@@ -87,7 +87,7 @@ class TrainConfig:
     log_every: int = opt(10, "write a metrics row every N steps", "steps", min=1)
     checkpoint_every: int = opt(0, "save a checkpoint every N steps; 0 = only at the end", "steps", min=0)
     keep_checkpoints: int = opt(2, "checkpoints kept on disk (oldest deleted first)", "files", min=1)
-    seed: int = opt(0, "seed of model init, data order and dropout")
+    seed: int = opt(0, "seed of model init, data order and dropout", min=0, max=2**32 - 1)
     device: str = opt("auto", "device: auto (cuda if available else cpu), cpu, cuda", choices=("auto", "cpu", "cuda"))
     progress: str = opt("auto", "progress bar: auto (only on a terminal), on, off", choices=("auto", "on", "off"))
     measure_memory: bool = opt(False, "run the last step under the memory tracker: every rank's peak bytes of "

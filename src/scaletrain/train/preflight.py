@@ -34,8 +34,10 @@ def build_model(cfg: Config) -> nn.Module:
                           f"({type(e).__name__}: {one_line(e)[:160]})") from None
 
 
-def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, data_name: str) -> None:
-    """The dataset's kind fits the model's task; a language model's positions hold ``data.seq_len``."""
+def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, data_name: str,
+                     dataset: Any = None) -> None:
+    """The dataset's kind fits the model's task; a language model's positions hold ``data.seq_len``;
+    an image classifier takes the dataset's image size."""
     want = _KIND_OF_TASK.get(task)
     info = DATASETS.get(data_name)
     if want is None:
@@ -51,6 +53,24 @@ def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, 
     if task == "lm" and isinstance(n_pos, int) and cfg.data.seq_len > n_pos:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the {n_pos} positions of model {model_name!r}; "
                           f"allowed: 1..{n_pos} (or raise model.overrides.n_positions)")
+    if task != "lm" and dataset is not None and len(dataset) and model_name == cfg.model.name:  # ours: meta-safe
+        check_image_fits(cfg, model, model_name, tuple(dataset[0][0].shape))
+
+
+def check_image_fits(cfg: Config, model: nn.Module, model_name: str, sample_shape: tuple[int, ...]) -> None:
+    """One forward of a batch of two on the meta device (shapes only: no memory, no time): an image
+    size the model cannot take (a flattening MLP, a VGG pooled below 1x1) fails here, in one line."""
+    from torch.func import functional_call
+
+    meta = {k: torch.empty_like(v, device="meta") for k, v in (*model.named_parameters(), *model.named_buffers())}
+    try:
+        with torch.no_grad():
+            functional_call(model, meta, (torch.empty(2, *sample_shape, device="meta"),))
+    except (RuntimeError, ValueError) as e:
+        own = getattr(model, "image_size", None)
+        raise ConfigError(f"data.image_size={cfg.data.image_size or own}: model {model_name!r} cannot take "
+                          f"{'x'.join(map(str, sample_shape))} inputs ({one_line(e)[:120]}); allowed: its own size "
+                          f"(data.image_size=0{f', {own} pixels' if own else ''})") from None
 
 
 def check_params_dtype(cfg: Config, model: nn.Module, task: str, model_name: str) -> None:

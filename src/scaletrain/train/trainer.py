@@ -128,7 +128,7 @@ class Trainer:
         self.model.to(self.device)
         self.task = getattr(self.model, "task", "lm")
         self._build_data()
-        preflight.check_model_data(cfg, self.model, self.task, self.model_name, self.data_name)
+        preflight.check_model_data(cfg, self.model, self.task, self.model_name, self.data_name, self.train_set)
         self.ctx = self._context()
         facts = Facts.of(self.model, world=self.world, device=self.device.type, seq_len=cfg.data.seq_len,
                          eval_every=cfg.train.eval_every, microbatches=self.accum)
