@@ -85,7 +85,7 @@ def _cases(n: int, seed: int = 16) -> list[dict]:
     return cases
 
 
-CASES = _cases(int(os.environ.get("FUZZ_CASES", "300")), int(os.environ.get("FUZZ_SEED", "16")))
+CASES = _cases(int(os.environ.get("FUZZ_CASES", "500")), int(os.environ.get("FUZZ_SEED", "16")))
 
 
 def _run(tmp: Path, i: int, case: dict, capsys) -> tuple[int, str, Path]:
