@@ -133,14 +133,14 @@ def _why_not(tr: Any, path: Path) -> tuple[str | None, dict[str, Any] | None]:
         return str(e), None
 
 
-def resume_state(tr: Any) -> tuple[Path, dict[str, Any]]:
-    """(the newest intact checkpoint, its state for ``Trainer.load_state_dict``); damaged newer ones
-    are skipped with a one-line warning each. ConfigError when none is left."""
+def resume_state(tr: Any) -> tuple[Path, dict[str, Any], list[Path]]:
+    """(the newest intact checkpoint, its state for ``Trainer.load_state_dict``, the damaged newer
+    ones, skipped with a one-line warning each). ConfigError when none is left."""
     directory = tr.out_dir / "checkpoints"
     found = ckpt.list_checkpoints(directory)
     if not found:
         raise ConfigError(f"--resume: no checkpoint in {str(directory)!r}")
-    why = None
+    why, skipped = None, []
     for path in reversed(found):
         why, state = _why_not(tr, path)
         if why is None:
@@ -149,6 +149,7 @@ def resume_state(tr: Any) -> tuple[Path, dict[str, Any]]:
             if state.get("weights_only"):  # imported weights: the run's fresh optimizer, schedule and RNG
                 state.update(optimizer=tr.parallel.optimizer_state_dict(tr.optimizer),  # empty at step 0
                              scheduler=tr.scheduler.state_dict(), scaler={}, rng={"torch": torch.get_rng_state()})
-            return path, state
+            return path, state, skipped
+        skipped.append(path)
         tr.log(f"warning: skipping damaged checkpoint {path}: {why}")
     raise ConfigError(f"--resume: no intact checkpoint in {str(directory)!r} (the oldest: {why})")

@@ -14,6 +14,7 @@ what is allowed; the CLI turns it into one line and exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +94,7 @@ class TrainConfig:
                                  "auto (sharded with several processes)", choices=("auto", "consolidated", "sharded"))
     checkpoint_async: bool = opt(False, "sharded checkpoints: copy this rank's shards, then write them in a background "
                                  "thread while training goes on (the last one is written before the run ends)")
-    seed: int = opt(0, "seed of model init, data order and dropout")
+    seed: int = opt(0, "seed of model init, data order and dropout", min=0, max=2**32 - 1)
     device: str = opt("auto", "device: auto (cuda if available else cpu), cpu, cuda", choices=("auto", "cpu", "cuda"))
     progress: str = opt("auto", "progress bar: auto (only on a terminal), on, off", choices=("auto", "on", "off"))
     measure_memory: bool = opt(False, "run the last step under the memory tracker: every rank's peak bytes of "
@@ -163,7 +164,7 @@ class ParallelConfig:
                                             "warm-up; PowerSGD needs at least 2)", "optimizer steps", min=0)
     bucket_mb: float = opt(25.0, "gradient bucket size for all-reduce / reduce-scatter (zero 0-2)", "MiB", min=0.0)
     timeout_s: float = opt(600.0, "collective timeout; a rank waiting longer fails with a message naming the "
-                                  "collective", "seconds", min=1.0)
+                                  "collective", "seconds", min=1.0, max=1e7)
     pp: int = opt(1, "pipeline-parallel stages (ranks); world = dp x pp x tp x cp", "ranks", min=1)
     schedule: str = opt("1f1b", "pipeline schedule (parallel.pp > 1)",
                         choices=("gpipe", "1f1b", "interleaved", "zb1p", "chimera", "pipedream", "pipedream-2bw"))
@@ -212,6 +213,8 @@ def _coerce(path: str, value: Any, typ: Any, meta: dict) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}={value!r} is not allowed; expected a number")
         value = float(value)
+        if not math.isfinite(value):  # nan passes every range check, inf overflows timeouts and sizes
+            raise ConfigError(f"{path}={value!r} is not allowed; expected a finite number")
     elif typ is str:
         if not isinstance(value, str):
             value = str(value)
@@ -293,9 +296,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start}); TOML files must be UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read ({e.strerror})") from None
     data = _merge(data, overrides_to_dict(overrides or []))
     return from_dict(data)
 

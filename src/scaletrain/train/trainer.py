@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletrain import models as model_registry
 from scaletrain.data import build_loader
 from scaletrain.errors import ConfigError
 from scaletrain.measure.comm import LEDGER
@@ -45,9 +44,9 @@ from scaletrain.techniques.data_parallel import launch
 from scaletrain.techniques.runtime import RunContext
 from scaletrain.techniques.stack import build_runtime
 from scaletrain.models.adapters import adapt
-from scaletrain.train import checkpoint_io, handback
+from scaletrain.train import checkpoint_io, faults, handback, preflight, resume as resuming, rundir
 from scaletrain.train.config import Config, to_toml
-from scaletrain.train.logging import MetricsWriter, ProgressBar
+from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
 from scaletrain.train.model_data import build_datasets
 
@@ -66,19 +65,6 @@ class TrainResult:
     model_state_bytes: dict[str, float] = field(default_factory=dict)
     """Per-rank bytes of parameters / gradients / optimizer states, measured after the backward
     of the second step (when the optimizer states exist); empty for runs of one step."""
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """The device of this process; with CUDA, GPU ``local_rank`` (torchrun's LOCAL_RANK)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device='cuda' but no CUDA device is available; allowed here: auto, cpu")
-    if name == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
-        return torch.device("cuda", local_rank)
-    return torch.device(name)
 
 
 def batch_arithmetic(global_batch: int, micro_batch: int, world: int) -> tuple[int, int]:
@@ -109,12 +95,13 @@ class Trainer:
     """Builds everything a run needs from a :class:`Config` and runs the loop (:meth:`fit`)."""
 
     def __init__(self, cfg: Config, out_dir: Path | str | None = None, *, model: nn.Module | None = None,
-                 resume: bool = False, log: Callable[[str], None] | None = None):
+                 resume: bool = False, log: Callable[[str], None] | None = None, reset_optimizer: bool = False):
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.resume = resume
+        self.resume, self.reset_optimizer = resume, reset_optimizer
+        rundir.check_target(self.out_dir, resume)  # before anything is built: an unusable --out is one line
         env = launch.launch_env()
-        self.device = resolve_device(cfg.train.device, env.local_rank)
+        self.device = preflight.resolve_device(cfg.train.device, env.local_rank)
         self._created_group = launch.init_process_group(self.device, cfg.parallel.timeout_s)
         try:
             self._setup(cfg, model, log)
@@ -136,18 +123,20 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # the same on every rank: identical initial weights
         random.seed(cfg.train.seed)
         self.model_name = cfg.model.name if model is None else type(model).__name__
-        self.model = (model if model is not None else model_registry.get(cfg.model.name, **cfg.model.overrides))
+        self.model = model if model is not None else preflight.build_model(cfg)
         self.model.to(self.device)
         self.adapter = adapt(self.model)  # what the loop needs of a model it did not write (task, loss, sizes)
         self.task = self.adapter.task
         self._snapshot = handback.take(self.model) if model is not None else None
         """The user's model as given: restored with the trained values after fit() / close()."""
         self._build_data()
+        preflight.check_model_data(cfg, self.model, self.task, self.model_name, self.data_name, self.train_set)
         self.ctx = self._context()
         facts = Facts.of(self.model, world=self.world, device=self.device.type, seq_len=cfg.data.seq_len,
                          eval_every=cfg.train.eval_every, microbatches=self.accum)
         self.parallel = build_runtime(self.plan, self.model, self.ctx, facts)
         self.forward_module: nn.Module = self.parallel.forward_module
+        preflight.check_loaders(self)
         if self.world > 1:  # per-replica streams for dropout etc. (the data order has its own generator): equal
             # within a TP group (replicated regions draw the same masks; sharded ones fork per TP rank)
             from scaletrain.techniques.tensor_parallel.rng import replica_seed
@@ -223,11 +212,9 @@ class Trainer:
         return batch_arithmetic(t.global_batch, t.micro_batch, self.dp_world)
 
     def _build_optimizer(self, module: nn.Module | None = None) -> torch.optim.Optimizer:
-        from scaletrain.techniques.optim import build_optimizer
-
-        from scaletrain.techniques.optim import OPTIMIZERS
-
         import inspect
+
+        from scaletrain.techniques.optim import OPTIMIZERS, build_optimizer
 
         o = self.cfg.optim
         spec = OPTIMIZERS[o.name]
@@ -280,16 +267,24 @@ class Trainer:
             "config": to_toml(self.cfg),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], reset_optimizer: bool = False) -> None:
+        """Continue from ``state``; with ``reset_optimizer`` the optimizer states start fresh (the
+        weights, step, data position and RNG come from ``state``; the lr schedule goes on from its step)."""
         try:
             self.parallel.load_model_state_dict(state["model"])
-            self.parallel.load_optimizer_state_dict(self.optimizer, state["optimizer"])
+            if not reset_optimizer:
+                self.parallel.load_optimizer_state_dict(self.optimizer, state["optimizer"])
         except ConfigError:
             raise
         except (RuntimeError, ValueError, KeyError) as e:
             first = str(e).strip().splitlines()[0][:200]
             raise ConfigError(f"checkpoint does not match this model/optimizer configuration ({first})") from None
-        self.scheduler.load_state_dict(state["scheduler"])
+        if reset_optimizer:  # lr of the checkpoint's step, from this run's optim.lr
+            self.scheduler.last_epoch = int(state["step"])
+            for g, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+                g["lr"] = base * self._lr_lambda(self.scheduler.last_epoch)
+        else:
+            self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
@@ -345,8 +340,8 @@ class Trainer:
         loader = build_loader(self.val_set, self.micro_batch, shuffle=False, seed=0, rank=par.data_rank,
                               world_size=par.data_world, drop_last=True)
         total, correct, count = 0.0, 0, 0
-        for i, (x, y) in enumerate(loader):
-            if i >= self.cfg.train.eval_batches:
+        for i, (x, y) in enumerate(loader):  # eval_batches global batches: the same samples under every layout
+            if i >= self.cfg.train.eval_batches * self.accum:
                 break
             loss_sum, right, n = par.eval_batch(self.ctx, x.to(self.device), y.to(self.device))
             total, correct, count = total + loss_sum, correct + right, count + n
@@ -413,16 +408,14 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         cfg = self.cfg
-        if self.resume:  # before anything is written, so a bad resume changes nothing on disk
-            if self.out_dir is None:
-                raise ConfigError("--resume needs a run directory")
-            path, state = checkpoint_io.resume_state(self)  # the newest intact one (damaged ones skipped)
-            self.load_state_dict(state)
+        t_load, skipped = (time.time(),) * 2, []
+        if self.resume:  # nothing is written before the first good step, so a bad resume changes nothing on disk
+            path, skipped, *t_load = resuming.restore(self, self.reset_optimizer)
             self.log(f"resumed from {path} at step {self.step}")
-        if self.out_dir is not None and self.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.toml").write_text(to_toml(cfg))
-        metrics = MetricsWriter(self.out_dir / "metrics.jsonl" if self.out_dir is not None and self.rank == 0 else None)
+        # the run directory is created after the first good step (config.toml, metrics trimmed to self.step)
+        metrics = rundir.RunDir(self.out_dir if self.rank == 0 else None, self.step, to_toml(cfg), self.log, skipped)
+        if metrics.restart is not None:
+            metrics.restart.note_reload(t_load[0], t_load[1], self.step)
         show = cfg.train.progress == "on" or (cfg.train.progress == "auto" and sys.stderr.isatty())
         unit = "tok" if self.task == "lm" else "samples"
         bar = ProgressBar(cfg.train.steps, self.step, unit, enabled=show and self.rank == 0)
@@ -435,6 +428,7 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 t0 = time.perf_counter()
+                faults.maybe_fire(self.step + 1, self.rank, self.out_dir)  # tests only: SCALETRAIN_FAULT_*
                 try:
                     step_loss = self._train_step(it)
                 except Exception as exc:
@@ -444,6 +438,7 @@ class Trainer:
                     raise failure from None
                 grad_norm = self._grad_norm
                 self.step += 1
+                metrics.after_step(self.step)
                 losses.append(step_loss)
                 dt = time.perf_counter() - t0
                 items = cfg.train.global_batch * (self.tokens_per_sample if self.task == "lm" else 1)
