@@ -22,7 +22,7 @@ from typing import Any, get_type_hints
 
 import tomli_w
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError, one_line
 
 
 def opt(default: Any, help: str, unit: str = "", choices: tuple | None = None, min: float | None = None,
@@ -107,7 +107,7 @@ class RematConfig:
     method: str = opt("none", "rematerialization schedule",
                       choices=("none", "periodic", "revolve", "optimal", "ilp", "dtr"))
     budget: str = opt("", "memory budget for activations of a step (with parallel.pp > 1: of one micro-batch in "
-                          "one stage): bytes or a string like '1.5GiB'; empty = none")
+                          "one stage): bytes or a string like '1.5GiB'; empty = none", "bytes")
     blocks: str = opt("none", "blocks recomputed whole in the backward (activation checkpointing of chosen Chain "
                               "blocks, as torchtitan's full AC): none, all, or a list like '1,3,5'")
     selective: str = opt("none", "selective recompute: attention = recompute the attention core (QK^T, softmax, "
@@ -218,6 +218,13 @@ def _coerce(path: str, value: Any, typ: Any, meta: dict) -> Any:
     elif typ is str:
         if not isinstance(value, str):
             value = str(value)
+        if meta.get("unit") == "bytes":  # read every size now, used or not (a typo must not wait for its feature)
+            from scaletrain.techniques.remat.schedule import parse_bytes
+
+            try:
+                parse_bytes(value)
+            except UserError as e:
+                raise ConfigError(f"{path}={value!r} is not allowed; {one_line(e)}") from None
     elif typ is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}={value!r} is not allowed; expected a table")
