@@ -82,3 +82,11 @@ def test_help_lists_every_key():
     assert r.returncode == 0
     for k, _ in describe():
         assert k in r.stdout
+
+
+def test_every_size_is_read_whether_or_not_its_feature_is_on():
+    """`memory.remat.budget=lots` with no remat method used to pass silently (issue 18, item 5)."""
+    for key in ("memory.remat.budget=lots", "memory.device_budget=3 apples", "memory.offload.disk_chunk_bytes=4q"):
+        with pytest.raises(ConfigError, match="is not allowed; cannot read budget"):
+            load_config(None, [key])
+    assert load_config(None, ["memory.remat.budget=12MiB"]).memory.remat.budget == "12MiB"

@@ -68,10 +68,10 @@ def test_async_schedules_train_and_checkpoint_through_the_trainer(tmp_path):
         assert all(math.isfinite(x) for x in losses[0]) and last < first - 0.3, (schedule, losses[0])
         assert math.isfinite(results[0][schedule][1]) and results[0][schedule][2].startswith(f"pipeline {schedule}")
         for step in (4, STEPS):
-            state = ckpt.load(ckpt.checkpoint_path(tmp_path / schedule / "checkpoints", step))
+            state = ckpt.load(ckpt.at_step(tmp_path / schedule / "checkpoints", step))
             assert state["step"] == step
         # the final checkpoint (single-process layout) loads into one process and evaluates near the run's
         t = Trainer(load_config(None, CFG[:-2] + [f"train.micro_batch={8 // M}"]), None, log=_quiet)
-        t.load_state_dict(ckpt.load(ckpt.checkpoint_path(tmp_path / schedule / "checkpoints", STEPS)))
+        t.load_state_dict(ckpt.load(ckpt.at_step(tmp_path / schedule / "checkpoints", STEPS)))
         assert t.evaluate()["val_loss"] == pytest.approx(results[0][schedule][1], rel=1e-5)
         t.close()

@@ -134,7 +134,7 @@ def _worker(rank: int, world: int, one_dir: str, full: bool, extra: tuple = ()) 
     if not full:
         return out
     t = Trainer(pp_tp_cfg(), None, log=_quiet)  # resume at step 2 from the one-process checkpoint
-    t.load_state_dict(ckpt.load(ckpt.checkpoint_path(Path(one_dir) / "checkpoints", 2)))
+    t.load_state_dict(ckpt.load(ckpt.at_step(Path(one_dir) / "checkpoints", 2)))
     out["resumed"] = t.fit().losses
     t.close()
     for s in OTHER_SCHEDULES:  # losses and the clipped norm only

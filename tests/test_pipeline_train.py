@@ -154,7 +154,7 @@ def _pipeline_worker(rank: int, world: int, one_dir: str, out_dir: str, full: bo
     # resume at step 2 from the one-process checkpoint and from the pipeline's own (1f1b)
     for name, path in (("from-one", f"{one_dir}/checkpoints"), ("from-pp", f"{out_dir}/zb1p/checkpoints")):
         t = Trainer(pipe_cfg("1f1b"), None, log=_quiet)
-        t.load_state_dict(ckpt.load(ckpt.checkpoint_path(Path(path), 2)))
+        t.load_state_dict(ckpt.load(ckpt.at_step(Path(path), 2)))
         out[name] = t.fit().losses
         t.close()
     for bad in (["parallel.zero=2"], ["memory.remat.method=periodic", "parallel.schedule=zb1p"]):
@@ -224,7 +224,7 @@ def test_trainer_sync_schedules_pp2_equal_one_process(tmp_path):
     from scaletrain.train.trainer import Trainer
 
     t = Trainer(load_config(None, TINY), None, log=_quiet)
-    t.load_state_dict(ckpt.load(ckpt.checkpoint_path(tmp_path / "pp" / "zb1p" / "checkpoints", 2)))
+    t.load_state_dict(ckpt.load(ckpt.at_step(tmp_path / "pp" / "zb1p" / "checkpoints", 2)))
     assert t.fit().losses == pytest.approx(ref[0][2:], rel=1e-5)
     t.close()
 

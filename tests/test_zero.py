@@ -194,13 +194,16 @@ def test_checkpoints_move_between_world_sizes_and_stages(tmp_path):
     """One process -> 2 ranks ZeRO-2 and 2 ranks ZeRO-3 -> one process continue the same run."""
     import shutil
 
+    from scaletrain.train import checkpoint as ckpt_lib
+
     common = ["train.steps=6", "train.checkpoint_every=3", "train.keep_checkpoints=5"]
     full = _train(common, tmp_path / "one")
-    # a sharded run writes consolidated checkpoints ...
+    # a ZeRO-3 run writes sharded checkpoints (each rank its shards: train.checkpoint_format=auto) ...
     sharded = run_distributed(_ckpt_runs, 2, [(common + ["parallel.zero=3"], tmp_path / "z3")])[0][0]
     assert sharded["losses"] == pytest.approx(full["losses"], rel=1e-5)
     # ... that one process resumes
-    (tmp_path / "z3" / "checkpoints" / "step_00000006.pt").unlink()
+    assert ckpt_lib.at_step(tmp_path / "z3" / "checkpoints", 6).is_dir()
+    ckpt_lib.remove(ckpt_lib.at_step(tmp_path / "z3" / "checkpoints", 6))
     resumed = _train(common, tmp_path / "z3", resume=True)
     assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-5)
     assert _rel(resumed["params"], full["params"]) < 1e-5

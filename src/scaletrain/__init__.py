@@ -2,6 +2,35 @@
 
 The flow (see DESIGN.md): nn.Module -> Chain -> Profile -> planner -> Plan -> runtime -> Trainer,
 with the measurement tools checking every prediction against what happened.
+
+The stable public surface (the internal layout may move behind it)::
+
+    from scaletrain import Trainer, Config, Plan, load_config, adapt, to_chain
+    from scaletrain.optim import AdamW8bit, Adafactor, CAME, LAMB, LARS, CPUAdam
+    from scaletrain import remat, offload, estimate
+
+Names are imported on first use, so ``import scaletrain`` stays cheap.
 """
 
+from importlib import import_module
+from typing import Any
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Trainer": "scaletrain.train.trainer", "TrainResult": "scaletrain.train.trainer",
+    "Config": "scaletrain.train.config", "load_config": "scaletrain.train.config",
+    "Plan": "scaletrain.plan", "adapt": "scaletrain.models.adapters", "Adapter": "scaletrain.models.adapters",
+    "Chain": "scaletrain.chain", "to_chain": "scaletrain.chain", "UserError": "scaletrain.errors",
+    "ConfigError": "scaletrain.errors",
+}
+
+__all__ = [*_LAZY, "estimate", "models", "offload", "optim", "remat"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    if name in ("estimate", "models", "offload", "optim", "remat"):
+        return import_module(f"scaletrain.{name}")
+    raise AttributeError(f"module 'scaletrain' has no attribute {name!r}")

@@ -13,7 +13,8 @@ How a Chain is found (:func:`to_chain`), first match wins:
 4. Hugging Face GPT-2 layout (``transformer.wte/wpe/h/ln_f`` + ``lm_head``): embedding, each layer of
    ``transformer.h`` (whose tuple output is reduced to the hidden state), final norm + head;
 5. torchvision ResNet layout (``conv1 bn1 relu maxpool layer1..4 avgpool fc``): stem, every block
-   of ``layer1..layer4``, pooling + classifier.
+   of ``layer1..layer4``, pooling + classifier;
+6. Hugging Face Llama/Mistral and BERT layouts (:func:`scaletrain.models.adapters.find_chain`).
 
 Anything else is declared in one line: ``Chain([model.embed, *model.layers, model.head])``.
 """
@@ -162,12 +163,14 @@ def to_chain(model: nn.Module | Sequence[nn.Module]) -> Chain:
         return Chain(model.chain_blocks(), source=model)
     if isinstance(model, nn.Sequential):
         return Chain(list(model.named_children()), source=model)
-    for finder in (_hf_gpt2, _torchvision_resnet):
+    from scaletrain.models.adapters import find_chain
+
+    for finder in (_hf_gpt2, _torchvision_resnet, find_chain):
         c = finder(model)
         if c is not None:
             return c
     raise UserError(
         f"cannot find the blocks of {type(model).__name__}: supported are nn.Sequential, the reference models, "
-        "Hugging Face GPT-2 and torchvision ResNet layouts; otherwise declare them: "
+        "Hugging Face GPT-2, Llama/Mistral and BERT, and torchvision ResNet layouts; otherwise declare them: "
         "scaletrain.chain.Chain([embed, *layers, head])"
     )

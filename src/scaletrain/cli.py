@@ -14,7 +14,7 @@ import sys
 from typing import Sequence
 
 from scaletrain import __version__
-from scaletrain.errors import UserError
+from scaletrain.errors import UserError, report
 
 
 def _command_modules() -> list:
@@ -51,8 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except UserError as e:
-        print(f"scaletrain: error: {e}", file=sys.stderr)
+    except UserError as e:  # the one error path: one line (or the launcher's error directory), exit 2
+        report(e)
         return 2
     except KeyboardInterrupt:
         print("scaletrain: interrupted", file=sys.stderr)

@@ -126,6 +126,26 @@ class Plan:
                               f"or set parallel.dp=0")
         return dataclasses.replace(self, dp=dp)
 
+    def memory_parts(self) -> list[str]:
+        """The rematerialization and offloading the plan does, one phrase each (empty when none)."""
+        parts = []
+        r = self.remat
+        if r.method != "none":
+            parts.append(f"remat {r.method}" + (f" {r.budget}" if r.budget else ""))
+        if r.blocks != "none":
+            parts.append(f"remat blocks {r.blocks}")
+        if r.selective != "none":
+            parts.append(f"selective remat ({r.selective})")
+        if self.offload.active:
+            o = self.offload
+            bits = [k for k, on in (("auto", o.plan == "auto"), (f"params {o.params}", o.params != "device"),
+                                    (f"optimizer {o.optimizer}", o.optimizer != "device"),
+                                    (f"activations {o.activations}", o.activations != "none"),
+                                    ("dpu", o.dpu)) if on]
+            parts.append("offload " + ", ".join(bits or ["(budget)"])
+                         + (f" under device budget {o.device_budget}" if o.device_budget else ""))
+        return parts
+
     def describe(self) -> str:
         """One line naming every technique the plan uses (for the run header and reports)."""
         parts = [f"dp={max(self.dp, 1)}"]
@@ -141,22 +161,9 @@ class Plan:
             parts.append(f"ep={self.ep}")
         if self.pp > 1:
             parts.append(f"pp={self.pp} {self.schedule}" + (f" x{self.virtual}" if self.virtual > 1 else ""))
-        r = self.remat
-        if r.method != "none":
-            parts.append(f"remat {r.method}" + (f" {r.budget}" if r.budget else ""))
-        if r.blocks != "none":
-            parts.append(f"remat blocks {r.blocks}")
-        if r.selective != "none":
-            parts.append(f"selective remat ({r.selective})")
+        parts += self.memory_parts()
         if self.activation_compression:
             parts.append("8-bit activations")
-        if self.offload.active:
-            o = self.offload
-            bits = [k for k, on in (("auto", o.plan == "auto"), (f"params {o.params}", o.params != "device"),
-                                    (f"optimizer {o.optimizer}", o.optimizer != "device"),
-                                    (f"activations {o.activations}", o.activations != "none"),
-                                    ("dpu", o.dpu)) if on]
-            parts.append("offload " + ", ".join(bits or ["(budget)"]))
         parts.append(self.precision + (f" params {self.params_dtype}" if self.params_dtype != "fp32" else ""))
         parts.append(self.optimizer)
         return ", ".join(parts)

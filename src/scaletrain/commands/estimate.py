@@ -9,7 +9,8 @@ from scaletrain.measure.report import add_step_arguments, check_step_args, parse
 NAME = "estimate"
 HELP = "predict a training step's memory and per-block costs without allocating anything"
 DESCRIPTION = """Predict the memory of one training step (steady state: optimizer states exist) and
-the per-block table, from fake tensors — any reference model at any size, in seconds.
+the per-block table, from fake tensors — any reference model at any size, or a model named hf:... /
+py:... (`scaletrain models`), in seconds.
 
 Bytes per category (the largest during the step): parameters, gradients, optimizer states,
 activations (saved for backward) and the step's peak, with where it happens and its breakdown.
@@ -18,6 +19,7 @@ nominal figure (see scaletrain.measure.estimate).
 
 examples:
   scaletrain estimate --model gpt2-xl --batch 16 --seq 1024 --precision bf16 --optimizer adamw
+  scaletrain estimate --model hf:llama --set num_hidden_layers=8 --set hidden_size=512 --batch 4 --seq 256
   scaletrain estimate --model gpt2-small --set n_layer=96 --set n_embd=12288 --set n_head=96 \\
       --set n_positions=2048 --seq 2048 --params-dtype bf16 --precision bf16 --json
 """

@@ -98,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
         units = "s"
     res = simulate(sched, costs, link)
     out = res.to_dict()
-    out.update(virtual=v, steps=sched.n_steps, time_unit=units, asynchronous=sched.asynchronous)
+    # without --model/--profile every pass costs 1: times are counted in forward passes of one micro-batch
+    out.update(virtual=v, steps=sched.n_steps, time_unit="s" if units == "s" else "forward_pass",
+               asynchronous=sched.asynchronous)
     if split is not None:
         out.update(stage_bounds=split.bounds, stage_time_s=split.stage_time_s,
                    partition_rank_memory_bytes=split.rank_memory_bytes)

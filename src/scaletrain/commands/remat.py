@@ -31,7 +31,8 @@ With --intra-block the budget is what block K may keep for backward beyond its i
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from scaletrain.techniques.remat import METHODS
 
-    p.add_argument("--model", required=True, help="reference model name (see `scaletrain models`)")
+    p.add_argument("--model", required=True, help="model: a reference name, hf:<family>, hf:/path/to/dir or "
+                                                   "py:module:factory (see `scaletrain models`)")
     p.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
     p.add_argument("--seq", type=int, default=None, help="sequence length for language models")
     p.add_argument("--budget", required=True, help="activation memory budget: bytes or a size like 1.5GiB, 512MiB")
@@ -60,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from scaletrain.techniques.remat.fromtrace import estimate_graph
     from scaletrain.techniques.remat.measure_run import measure_autograd, measure_schedule, same_grads
 
-    if args.model not in models.names():
-        raise UserError(f"unknown model {args.model!r}; allowed: {', '.join(models.names())}")
+    models.check_name(args.model)  # a reference model, hf:... or py:...; else one line listing them
     if args.batch < 1:
         raise UserError(f"--batch must be ≥ 1, got {args.batch}")
     if args.budget.strip().startswith("-"):

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
+import sys
 from pathlib import Path
 
 from scaletrain.errors import ConfigError
 from scaletrain.train.config import describe, load_config
 
 NAME = "train"
-HELP = "train a model (default: gpt2-tiny on the shipped Shakespeare text, on CPU, in ~2 minutes)"
+HELP = "train a model (default: gpt2-tiny on the shipped Shakespeare text, on CPU, in 1-2 minutes)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,11 +25,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "config.toml, metrics.jsonl and checkpoints/")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out; with no "
                    "--config, the run's own config.toml is reused (overrides still apply)")
+    p.add_argument("--reset-optimizer", action="store_true", help="with --resume: keep the checkpoint's weights, "
+                   "step and data position but start fresh optimizer states (needed to change optim.name)")
     p.add_argument("--json", action="store_true", help="print the final result as one JSON object")
     p.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
                    help="data-parallel processes on this machine: re-runs this command under "
                    "`python -m torch.distributed.run --standalone --nproc-per-node N` (gloo on CPU, NCCL on GPU); "
                    "for several machines run torchrun yourself")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="with --nproc-per-node: restart the job up to K times when a rank dies or hangs past "
+                   "parallel.timeout_s, each time with a fresh rendezvous, resuming from the newest complete "
+                   "checkpoint (no sample lost or repeated); the time each failure cost is logged as a restart row")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides (listed below)")
     width = max(len(k) for k, _ in describe())
     p.epilog = "config keys (section.key=value):\n" + "\n".join(f"  {k:<{width}}  {h}" for k, h in describe())
@@ -59,10 +67,8 @@ def _check_plan_source(args: argparse.Namespace, cfg) -> None:
 
 def _relaunch(args: argparse.Namespace) -> int:
     """Re-run this command under torchrun with ``--nproc-per-node`` processes (one run directory)."""
-    import os
-    import subprocess
-
     from scaletrain.techniques.data_parallel.launch import torchrun_command
+    from scaletrain.train import recovery, rundir
 
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node={args.nproc_per_node} is not allowed; must be >= 1")
@@ -80,29 +86,34 @@ def _relaunch(args: argparse.Namespace) -> int:
     if cfg.parallel.dp and cfg.parallel.dp * model_ranks != args.nproc_per_node:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} conflicts with --nproc-per-node {args.nproc_per_node}; "
                           f"give one of them (or dp x pp x tp x cp = --nproc-per-node)")
-    out = args.out or str(_default_out())  # chosen once, so every rank writes/reads the same directory
-    argv = ["train", "--out", out]
+    if args.reset_optimizer and not args.resume:
+        raise ConfigError("--reset-optimizer applies to a --resume only")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={args.max_restarts} is not allowed; must be >= 0")
+    out = Path(args.out or _default_out())  # chosen once, so every rank writes/reads the same directory
+    rundir.check_target(out, args.resume)  # once, here, before any process starts
+    argv = ["train", "--out", str(out)]
     argv += ["--config", str(args.config)] if args.config else []
     argv += ["--plan", str(args.plan)] if args.plan else []
-    argv += ["--resume"] if args.resume else []
     argv += ["--json"] if args.json else []
-    argv += list(args.overrides)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.run(torchrun_command(args.nproc_per_node, argv), env=env)
-    return proc.returncode
+    argv += list(args.overrides)  # --resume / --reset-optimizer: per attempt (recovery.run_job)
+    log = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    return recovery.run_job(lambda a: torchrun_command(args.nproc_per_node, a), argv, out, resume=args.resume,
+                            reset_optimizer=args.reset_optimizer, max_restarts=args.max_restarts, log=log)
 
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "nproc_per_node", 0):
         return _relaunch(args)
-    try:
-        return _run(args)
-    except ConfigError:
-        from scaletrain.techniques.data_parallel.launch import launch_env
+    if getattr(args, "max_restarts", 0):
+        raise ConfigError("--max-restarts needs --nproc-per-node N (the launcher restarts the processes it started)")
+    if getattr(args, "reset_optimizer", False) and not args.resume:
+        raise ConfigError("--reset-optimizer applies to a --resume only")
+    if os.environ.get("RANK") is not None:
+        from scaletrain.train.recovery import note_pid
 
-        if launch_env().rank != 0:  # the same config error on every rank: rank 0 says it once
-            return 2
-        raise
+        note_pid(int(os.environ["RANK"]))  # so that the launcher can stop a hung rank
+    return _run(args)  # a UserError on several ranks is said once (scaletrain.errors.report)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -118,7 +129,7 @@ def _run(args: argparse.Namespace) -> int:
     _check_plan_source(args, cfg)
     quiet = args.json
     log = (lambda s: None) if quiet else (lambda s: print(s, flush=True))
-    trainer = Trainer(cfg, out, resume=args.resume, log=log)
+    trainer = Trainer(cfg, out, resume=args.resume, log=log, reset_optimizer=getattr(args, "reset_optimizer", False))
     try:
         if trainer.world > 1 and not args.out:  # under plain torchrun: use rank 0's directory everywhere
             import torch.distributed as dist
@@ -133,8 +144,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, cfg, trainer, out: Path, log) -> int:
     n_params = sum(p.numel() for p in trainer.model.parameters())  # DTensors report their full size
-    ranks = f" x {trainer.world} ranks" if trainer.world > 1 else ""
+    # data-parallel replicas only: pipeline / tensor ranks do not multiply the batch (they show in `how`)
+    ranks = f" x {trainer.dp_world} data-parallel ranks" if trainer.dp_world > 1 else ""
     how = f", {trainer.parallel.describe()}" if trainer.world > 1 else ""
+    how += "".join(f", {p}" for p in trainer.plan.memory_parts())  # remat / offload on (one process too)
     log(f"scaletrain: training {trainer.model_name} ({n_params:,} parameters) on {trainer.data_name}, "
         f"{cfg.train.steps} steps x {cfg.train.global_batch} samples (micro-batch {trainer.micro_batch} x "
         f"{trainer.accum} accumulation{ranks}), {cfg.train.precision}, {cfg.optim.name}, "
@@ -157,3 +170,4 @@ def _train(args: argparse.Namespace, cfg, trainer, out: Path, log) -> int:
     if args.json and trainer.rank == 0:
         print(json.dumps(summary))
     return 0
+

@@ -21,7 +21,9 @@ ROWS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer st
 
 def add_step_arguments(p: argparse.ArgumentParser) -> None:
     """--model --batch --seq --precision --optimizer --accum --params-dtype --set --json."""
-    p.add_argument("--model", required=True, help="reference model name (see `scaletrain models`)")
+    p.add_argument("--model", required=True, help="model: a reference name, hf:gpt2 / hf:llama / hf:mistral / "
+                                                   "hf:bert, hf:/path/to/dir or py:module:factory (see `scaletrain "
+                                                   "models`); --set KEY=VALUE sets its config fields")
     p.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
     p.add_argument("--seq", type=int, default=None, help="sequence length for language models (default: context)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
@@ -60,7 +62,7 @@ def check_step_args(args: argparse.Namespace) -> None:
     from scaletrain import models
     from scaletrain.measure import optimizers
 
-    models.entry(args.model)  # UserError listing the names
+    models.check_name(args.model)  # UserError listing the names
     optimizers.check(args.optimizer)
     if args.batch < 1 or args.accum < 1:
         raise UserError(f"--batch and --accum must be >= 1 (got {args.batch}, {args.accum})")

@@ -63,7 +63,9 @@ def loss_for(model: nn.Module) -> LossFn:
         return lm_loss
     if task == "classify":
         return classify_loss
-    raise UserError(f"{type(model).__name__} has no task attribute ('lm' or 'classify'): pass loss_fn=")
+    from scaletrain.models.adapters import adapt  # a model scaletrain did not write: its adapter's loss
+
+    return adapt(_source(model)).loss
 
 
 def _source(model: nn.Module) -> nn.Module:
@@ -78,8 +80,10 @@ def make_batch(model: nn.Module, batch: int, seq: int | None = None, *, device: 
     [batch, seq] for "lm" models and class ids [batch] for "classify" models.
     """
     src = _source(model)
-    if not hasattr(src, "input_spec"):
-        raise UserError(f"{type(src).__name__} has no input_spec(batch, seq): pass example inputs explicitly")
+    if not hasattr(src, "input_spec"):  # a model scaletrain did not write: its adapter knows the shapes
+        from scaletrain.models.adapters import adapt
+
+        return adapt(src).example_inputs(batch, seq, device=device, generator=generator)
     spec = src.input_spec(batch, seq)
     task = getattr(src, "task", None)
     if task == "lm":

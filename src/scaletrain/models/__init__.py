@@ -1,5 +1,5 @@
 """Reference models: plain PyTorch modules whose body is a sequence of single-tensor blocks."""
 
-from scaletrain.models.registry import MODELS, count_params, entry, get, names
+from scaletrain.models.registry import MODELS, check_name, count_params, default_data, entry, get, names
 
-__all__ = ["MODELS", "count_params", "entry", "get", "names"]
+__all__ = ["MODELS", "check_name", "count_params", "default_data", "entry", "get", "names"]

@@ -14,6 +14,9 @@ import torch
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.models.external import build as build_external
+from scaletrain.models.external import default_data as external_default_data
+from scaletrain.models.external import is_external
 from scaletrain.models.gpt2 import GPT2, GPT2Config
 from scaletrain.models.mlp import MLP
 from scaletrain.models.resnet import ResNet
@@ -86,8 +89,26 @@ def names() -> list[str]:
 
 def entry(name: str) -> ModelEntry:
     if name not in MODELS:
-        raise UserError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+        raise UserError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}, hf:gpt2, hf:llama, hf:mistral, "
+                        "hf:bert, hf:/path/to/dir, py:package.module:factory")
     return MODELS[name]
+
+
+def check_name(name: str) -> None:
+    """One-line UserError unless ``name`` is a reference model or an ``hf:`` / ``py:`` name."""
+    if not is_external(name):
+        entry(name)
+
+
+def default_data(name: str, model: nn.Module | None = None) -> str:
+    """The shipped dataset model ``name`` trains on when ``data.name`` is empty."""
+    if name in MODELS:
+        return MODELS[name].default_data
+    if is_external(name) and model is not None:
+        from scaletrain.models.adapters import task_of
+
+        return external_default_data(name, task_of(model))
+    return "synthetic-text"
 
 
 def resolve_args(name: str, **overrides: Any) -> dict[str, Any]:
@@ -108,6 +129,8 @@ def get(name: str, *, device: str | torch.device | None = None, **overrides: Any
 
     ``device="meta"`` builds it without allocating memory (for estimates of any size).
     """
+    if is_external(name):  # hf:... / py:...: models scaletrain did not write (models/external.py)
+        return build_external(name, overrides, device)
     args = resolve_args(name, **overrides)
     try:
         if device is not None:

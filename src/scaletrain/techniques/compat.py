@@ -60,16 +60,25 @@ class Facts:
             n_blocks, chain = len(to_chain(model)), True
         except Exception:  # noqa: BLE001 - not cut into blocks: the table refuses what needs it
             n_blocks, chain = 0, False
+        from scaletrain.techniques.tensor_parallel.hf_llama import is_hf_llama
+
         gpt2 = (hasattr(model, "embed") and hasattr(model, "h") and hasattr(model, "head") and cfg is not None) or (
-            hf and hasattr(model, "transformer") and hasattr(model, "lm_head"))
+            hf and hasattr(model, "transformer") and hasattr(model, "lm_head")) or is_hf_llama(model)
         drop = float(getattr(cfg, "dropout", 0.0) or 0.0)
         if hf and cfg is not None:
             drop = max(float(getattr(cfg, k, 0.0) or 0.0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
-        return cls(world=world, device=device, task=getattr(model, "task", "lm"), gpt2=bool(gpt2), hf=hf, moe=moe,
-                   dropout=drop, n_head=int(getattr(cfg, "n_head", 0) or 0),
+        from scaletrain.models.adapters import adapt
+
+        try:
+            a = adapt(model)
+            task, spec = a.task, a.knows_input or callable(getattr(model, "input_spec", None))
+        except Exception:  # noqa: BLE001 - not adaptable: the table refuses what needs an example input
+            task, spec = getattr(model, "task", "lm"), callable(getattr(model, "input_spec", None))
+        return cls(world=world, device=device, task=task, gpt2=bool(gpt2), hf=hf, moe=moe,
+                   dropout=drop, n_head=int(getattr(cfg, "n_head", 0) or getattr(cfg, "num_attention_heads", 0) or 0),
                    vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
                    n_experts=int(getattr(cfg, "n_experts", 0) or 0), n_blocks=n_blocks, chain=chain,
-                   input_spec=callable(getattr(model, "input_spec", None)), seq_len=seq_len, eval_every=eval_every,
+                   input_spec=spec, seq_len=seq_len, eval_every=eval_every,
                    microbatches=microbatches)
 
 
@@ -152,7 +161,8 @@ RULES: list[Rule] = [
     Rule("mp-model", lambda p, f: _mp(p) and (f.task != "lm" or not f.gpt2),
          lambda p, f: f"parallel.tp={p.tp} / cp={p.cp} / ep={p.ep}",
          "tensor, context and expert parallelism need a GPT-2-style language model (embedding, blocks, head)",
-         "model.name=gpt2-* / gpt2-moe / hf:gpt2, or data parallelism and pipelines for other models",
+         "model.name=gpt2-* / gpt2-moe / hf:gpt2 (hf:llama / hf:mistral: tp), or data parallelism and pipelines "
+         "for other models",
          "GPT-2-style LM only"),
     Rule("sp-hf", lambda p, f: p.sp and f.hf, "parallel.sequence_parallel=true on a Hugging Face GPT-2",
          "HF's position handling is inside GPT2Model.forward", "parallel.tp alone", "not for HF GPT-2"),

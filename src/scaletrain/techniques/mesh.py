@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from scaletrain.errors import UserError
+from scaletrain.models.adapters.base import logits_of
 from scaletrain.techniques.data_parallel.zero import SyncGroup
 
 MESH_DIMS = ("dp_rep", "dp_in", "cp", "tp")
@@ -106,7 +107,7 @@ class ModelParallel:
         """The task loss (vocabulary-parallel cross-entropy under TP; ``loss_fn`` otherwise) plus the
         model's MoE auxiliary loss when it has one. Call inside :meth:`loss_context`."""
         if self.tp > 1 or loss_fn is None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss = F.cross_entropy(logits_of(logits).float().flatten(0, 1), y.flatten())
         else:
             loss = loss_fn(logits, y)
         aux = getattr(model, "aux_loss", None)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.models.adapters import adapt
 from scaletrain.plan import Plan
 
 
@@ -105,12 +106,10 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     b, M = _batch(plan, global_batch, micro_batch)
     if b < 1 or M < 1:
         raise UserError(f"global batch {global_batch} does not split over dp={plan.dp} and the micro-batches")
-    lm = getattr(model, "task", "lm") == "lm"
+    adapter = adapt(model)  # task and example input of any model (reference, Hugging Face, own)
+    lm = adapter.task == "lm"
     if example is None:
-        spec = getattr(model, "input_spec", None)
-        if spec is None:
-            raise UserError(f"{type(model).__name__} has no input_spec(batch, seq): give example=")
-        example = spec(b, seq if lm else None)
+        example = adapter.input_spec(b, seq if lm else None)
     if target is None:
         target = torch.zeros(example.shape if lm else (b,), dtype=torch.long, device="meta")
     v = default_virtual(plan.schedule, plan.virtual) if plan.pp > 1 else 1
@@ -124,6 +123,9 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
                        precision=plan.precision, remat=remat)
     S = len(bounds) - 1
     cfg = getattr(model, "config", None)
+    if (plan.tp > 1 or plan.cp > 1) and not hasattr(cfg, "n_embd"):  # e.g. HF Llama: trains under TP, not modelled
+        raise UserError(f"the tensor/context-parallel cost faces describe the GPT-2 layout; {type(model).__name__} "
+                        f"runs with parallel.tp={plan.tp} but its costs are not modelled: estimate with tp=cp=1")
     if plan.tp > 1 or plan.cp > 1:
         _shrink_model_parallel(mem, plan, cfg, bounds, b, seq)
     _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu")

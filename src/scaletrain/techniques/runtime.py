@@ -20,6 +20,7 @@ from torch import nn
 
 from scaletrain.errors import ConfigError
 from scaletrain.measure.comm import LEDGER
+from scaletrain.models.adapters.base import logits_of
 
 
 @dataclass
@@ -133,7 +134,7 @@ class Strategy:
         with ctx.autocast():
             out = self.forward_module(x)
         loss = float(ctx.loss_fn(out, y)) * len(y)
-        correct = int((out.argmax(-1) == y).sum()) if ctx.task != "lm" else 0
+        correct = int((logits_of(out).argmax(-1) == y).sum()) if ctx.task != "lm" else 0
         return loss, correct, len(y)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.errors import ConfigError
 from scaletrain.measure.comm import LEDGER
+from scaletrain.models.adapters.base import logits_of
 from scaletrain.techniques.data_parallel.zero import Entry, GradSync, swap_in_proxies
 from scaletrain.techniques.mesh import ModelParallel
 from scaletrain.techniques.runtime import RunContext, Strategy
@@ -152,7 +153,7 @@ class MeshRuntime(Strategy):
         mp = self.mp
         x, y = mp.shard_batch(x, y)
         with ctx.autocast(), mp.loss_context():
-            out = self.forward_module(x)  # (FSDP's root; without grad a remat tree is the plain forward)
+            out = logits_of(self.forward_module(x))  # (FSDP's root; without grad a remat tree is the plain forward)
             if mp.tp > 1:
                 loss = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten())
             else:

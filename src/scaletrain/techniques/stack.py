@@ -65,7 +65,10 @@ def build_runtime(plan: Plan, model: nn.Module, ctx: RunContext, facts: compat.F
         from scaletrain.techniques.cost import local_param_counts
         from scaletrain.techniques.mesh import apply_model_parallel, build_mesh
 
-        counts = local_param_counts(model, tp=plan.tp, ep=plan.ep)  # of the unsharded model
+        try:
+            counts = local_param_counts(model, tp=plan.tp, ep=plan.ep)  # of the unsharded model
+        except (AttributeError, KeyError, TypeError):  # a layout the GPT-2 cost faces do not describe
+            counts = None
         try:
             mp = build_mesh(world=ctx.world, tp=plan.tp, cp=plan.cp, ep=plan.ep,
                             hsdp=plan.hsdp if plan.zero else 0, sequence_parallel=plan.sp,

@@ -1,4 +1,5 @@
-"""Checkpoints that survive crashes and load without unpickling code.
+"""Checkpoints that survive crashes and load without unpickling code: the consolidated format, and
+the listing / rotation / resume choice shared with the sharded one (:mod:`.sharded_checkpoint`).
 
 A checkpoint is one ``torch.save`` file holding only tensors, numbers, strings, lists and dicts
 (model, optimizer and scheduler state, RNG states, data position), loaded back with
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +20,18 @@ import torch
 
 from scaletrain.errors import UserError
 
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+_NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+_TMP = re.compile(r"^step_\d+(\.pt\.tmp|\.tmp-.*|\.old-.*)$")
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"step_{step:08d}.pt"
+
+
+def at_step(directory: Path, step: int) -> Path:
+    """The checkpoint of ``step`` in ``directory``: the sharded directory if there is one, else the file."""
+    d = directory / f"step_{step:08d}"
+    return d if d.is_dir() else checkpoint_path(directory, step)
 
 
 def save(directory: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
@@ -34,17 +43,34 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int = 2) -> Pa
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    for old in list_checkpoints(directory)[:-keep]:
-        old.unlink(missing_ok=True)
+    rotate(directory, keep)
     return final
 
 
+def rotate(directory: Path, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints (either format); remove leftovers of interrupted saves."""
+    for old in list_checkpoints(directory)[:-keep]:
+        remove(old)
+    for p in directory.iterdir():
+        if _TMP.match(p.name):
+            remove(p)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints in ``directory``, oldest first (temporary files are ignored)."""
+    """Checkpoints in ``directory`` (``step_N.pt`` files, ``step_N/`` sharded directories), oldest
+    first; temporary files and directories of unfinished saves are ignored."""
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
+    found = [(int(m.group(1)), p.is_dir(), p) for p in directory.iterdir()
+             if (m := _NAME.match(p.name)) and (p.is_dir() == (m.group(2) is None))]
+    return [p for *_, p in sorted(found)]
 
 
 def latest(directory: Path) -> Path | None:
@@ -53,7 +79,15 @@ def latest(directory: Path) -> Path | None:
 
 
 def load(path: Path) -> dict[str, Any]:
-    """Load a checkpoint; a missing, truncated or foreign file gives a one-line UserError."""
+    """Load a checkpoint (a sharded one as whole single-process tensors); a missing, truncated or
+    foreign file gives a one-line UserError."""
+    if path.is_dir():
+        from scaletrain.train import sharded_checkpoint as sharded
+
+        why = sharded.problem(path, crc_files=[])
+        if why:
+            raise UserError(f"checkpoint {str(path)!r} is damaged: {why}")
+        return sharded.Reader(path).state(lazy=False)
     if not path.is_file():
         raise UserError(f"checkpoint {str(path)!r} does not exist")
     try:

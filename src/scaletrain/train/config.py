@@ -14,6 +14,7 @@ what is allowed; the CLI turns it into one line and exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any, get_type_hints
 
 import tomli_w
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError, one_line
 
 
 def opt(default: Any, help: str, unit: str = "", choices: tuple | None = None, min: float | None = None,
@@ -39,8 +40,10 @@ def section(cls: type, help: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = opt("gpt2-tiny", "reference model to train (see `scaletrain models`)")
-    overrides: dict = opt({}, "model shape overrides, e.g. model.overrides.n_layer=2")
+    name: str = opt("gpt2-tiny", "model to train: a reference name, hf:gpt2 / hf:llama / hf:mistral / hf:bert, "
+                                 "hf:/path/to/dir or py:package.module:factory (see `scaletrain models`)")
+    overrides: dict = opt({}, "model shape overrides, e.g. model.overrides.n_layer=2 (hf: config fields; py: the "
+                              "factory's keyword arguments)")
 
 
 @dataclass
@@ -86,7 +89,12 @@ class TrainConfig:
     log_every: int = opt(10, "write a metrics row every N steps", "steps", min=1)
     checkpoint_every: int = opt(0, "save a checkpoint every N steps; 0 = only at the end", "steps", min=0)
     keep_checkpoints: int = opt(2, "checkpoints kept on disk (oldest deleted first)", "files", min=1)
-    seed: int = opt(0, "seed of model init, data order and dropout")
+    checkpoint_format: str = opt("auto", "checkpoint layout: sharded (every rank writes only its own shards, in "
+                                 "parallel; loads under any other layout), consolidated (one file gathered on rank 0), "
+                                 "auto (sharded with several processes)", choices=("auto", "consolidated", "sharded"))
+    checkpoint_async: bool = opt(False, "sharded checkpoints: copy this rank's shards, then write them in a background "
+                                 "thread while training goes on (the last one is written before the run ends)")
+    seed: int = opt(0, "seed of model init, data order and dropout", min=0, max=2**32 - 1)
     device: str = opt("auto", "device: auto (cuda if available else cpu), cpu, cuda", choices=("auto", "cpu", "cuda"))
     progress: str = opt("auto", "progress bar: auto (only on a terminal), on, off", choices=("auto", "on", "off"))
     measure_memory: bool = opt(False, "run the last step under the memory tracker: every rank's peak bytes of "
@@ -99,7 +107,7 @@ class RematConfig:
     method: str = opt("none", "rematerialization schedule",
                       choices=("none", "periodic", "revolve", "optimal", "ilp", "dtr"))
     budget: str = opt("", "memory budget for activations of a step (with parallel.pp > 1: of one micro-batch in "
-                          "one stage): bytes or a string like '1.5GiB'; empty = none")
+                          "one stage): bytes or a string like '1.5GiB'; empty = none", "bytes")
     blocks: str = opt("none", "blocks recomputed whole in the backward (activation checkpointing of chosen Chain "
                               "blocks, as torchtitan's full AC): none, all, or a list like '1,3,5'")
     selective: str = opt("none", "selective recompute: attention = recompute the attention core (QK^T, softmax, "
@@ -156,7 +164,7 @@ class ParallelConfig:
                                             "warm-up; PowerSGD needs at least 2)", "optimizer steps", min=0)
     bucket_mb: float = opt(25.0, "gradient bucket size for all-reduce / reduce-scatter (zero 0-2)", "MiB", min=0.0)
     timeout_s: float = opt(600.0, "collective timeout; a rank waiting longer fails with a message naming the "
-                                  "collective", "seconds", min=1.0)
+                                  "collective", "seconds", min=1.0, max=1e7)
     pp: int = opt(1, "pipeline-parallel stages (ranks); world = dp x pp x tp x cp", "ranks", min=1)
     schedule: str = opt("1f1b", "pipeline schedule (parallel.pp > 1)",
                         choices=("gpipe", "1f1b", "interleaved", "zb1p", "chimera", "pipedream", "pipedream-2bw"))
@@ -211,9 +219,18 @@ def _coerce(path: str, value: Any, typ: Any, meta: dict) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}={value!r} is not allowed; expected a number")
         value = float(value)
+        if not math.isfinite(value):  # nan passes every range check, inf overflows timeouts and sizes
+            raise ConfigError(f"{path}={value!r} is not allowed; expected a finite number")
     elif typ is str:
         if not isinstance(value, str):
             value = str(value)
+        if meta.get("unit") == "bytes":  # read every size now, used or not (a typo must not wait for its feature)
+            from scaletrain.techniques.remat.schedule import parse_bytes
+
+            try:
+                parse_bytes(value)
+            except UserError as e:
+                raise ConfigError(f"{path}={value!r} is not allowed; {one_line(e)}") from None
     elif typ is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}={value!r} is not allowed; expected a table")
@@ -296,9 +313,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start}); TOML files must be UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read ({e.strerror})") from None
     data = _merge(data, overrides_to_dict(overrides or []))
     return from_dict(data)
 

@@ -15,8 +15,8 @@ every process runs this same loop on its share of each global batch. A strategy 
 :mod:`scaletrain.techniques.data_parallel` / :mod:`~scaletrain.techniques.data_parallel.zero` wraps the steps
 above (no-sync for early micro-batches, gradient reduction, sharded clipping, the parameter
 all-gather after the step); logged losses are averaged over ranks, so they equal a single
-process's on the same global batch. Only rank 0 writes files and prints; checkpoints are always
-consolidated to the single-process layout, so they load at any world size and ZeRO stage.
+process's on the same global batch. Only rank 0 writes files and prints; checkpoints are sharded
+(every rank its own pieces) or consolidated (:mod:`.checkpoint_io`), and load at any layout.
 """
 
 from __future__ import annotations
@@ -33,11 +33,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from scaletrain import models as model_registry
-from scaletrain.data import build_loader, get_dataset
+from scaletrain.data import build_loader
 from scaletrain.errors import ConfigError
 from scaletrain.measure.comm import LEDGER
 from scaletrain.plan import Plan
@@ -46,10 +44,12 @@ from scaletrain.techniques.compat import Facts
 from scaletrain.techniques.data_parallel import launch
 from scaletrain.techniques.runtime import RunContext
 from scaletrain.techniques.stack import build_runtime
-from scaletrain.train import checkpoint as ckpt
+from scaletrain.models.adapters import adapt
+from scaletrain.train import checkpoint_io, faults, handback, preflight, resume as resuming, rundir
 from scaletrain.train.config import Config, to_toml
-from scaletrain.train.logging import MetricsWriter, ProgressBar
+from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
+from scaletrain.train.model_data import build_datasets
 
 
 @dataclass
@@ -66,19 +66,6 @@ class TrainResult:
     model_state_bytes: dict[str, float] = field(default_factory=dict)
     """Per-rank bytes of parameters / gradients / optimizer states, measured after the backward
     of the second step (when the optimizer states exist); empty for runs of one step."""
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """The device of this process; with CUDA, GPU ``local_rank`` (torchrun's LOCAL_RANK)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device='cuda' but no CUDA device is available; allowed here: auto, cpu")
-    if name == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
-        return torch.device("cuda", local_rank)
-    return torch.device(name)
 
 
 def batch_arithmetic(global_batch: int, micro_batch: int, world: int) -> tuple[int, int]:
@@ -109,12 +96,13 @@ class Trainer:
     """Builds everything a run needs from a :class:`Config` and runs the loop (:meth:`fit`)."""
 
     def __init__(self, cfg: Config, out_dir: Path | str | None = None, *, model: nn.Module | None = None,
-                 resume: bool = False, log: Callable[[str], None] | None = None):
+                 resume: bool = False, log: Callable[[str], None] | None = None, reset_optimizer: bool = False):
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.resume = resume
+        self.resume, self.reset_optimizer = resume, reset_optimizer
+        rundir.check_target(self.out_dir, resume)  # before anything is built: an unusable --out is one line
         env = launch.launch_env()
-        self.device = resolve_device(cfg.train.device, env.local_rank)
+        self.device = preflight.resolve_device(cfg.train.device, env.local_rank)
         self._created_group = launch.init_process_group(self.device, cfg.parallel.timeout_s)
         try:
             self._setup(cfg, model, log)
@@ -138,15 +126,20 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # the same on every rank: identical initial weights
         random.seed(cfg.train.seed)
         self.model_name = cfg.model.name if model is None else type(model).__name__
-        self.model = (model if model is not None else model_registry.get(cfg.model.name, **cfg.model.overrides))
+        self.model = model if model is not None else preflight.build_model(cfg)
         self.model.to(self.device)
-        self.task = getattr(self.model, "task", "lm")
+        self.adapter = adapt(self.model)  # what the loop needs of a model it did not write (task, loss, sizes)
+        self.task = self.adapter.task
+        self._snapshot = handback.take(self.model) if model is not None else None
+        """The user's model as given: restored with the trained values after fit() / close()."""
         self._build_data()
+        preflight.check_model_data(cfg, self.model, self.task, self.model_name, self.data_name, self.train_set)
         self.ctx = self._context()
         facts = Facts.of(self.model, world=self.world, device=self.device.type, seq_len=cfg.data.seq_len,
                          eval_every=cfg.train.eval_every, microbatches=self.accum)
         self.parallel = build_runtime(self.plan, self.model, self.ctx, facts)
         self.forward_module: nn.Module = self.parallel.forward_module
+        preflight.check_loaders(self)
         if self.world > 1:  # per-replica streams for dropout etc. (the data order has its own generator): equal
             # within a TP group (replicated regions draw the same masks; sharded ones fork per TP rank)
             from scaletrain.techniques.tensor_parallel.rng import replica_seed
@@ -194,25 +187,7 @@ class Trainer:
         self.ctx.forward_backward = fn
 
     def _build_data(self) -> None:
-        cfg = self.cfg
-        name = cfg.data.name or (model_registry.entry(cfg.model.name).default_data
-                                 if cfg.model.name in model_registry.MODELS else "synthetic-text")
-        kw: dict[str, Any] = dict(seed=cfg.train.seed)
-        if self.task == "lm":
-            vocab = self.model.config.vocab_size if hasattr(self.model, "config") else 256
-            kw.update(seq_len=cfg.data.seq_len, vocab_size=vocab)
-            if name == "shakespeare" and vocab < 256:
-                raise ConfigError(f"data.name='shakespeare' needs a byte vocabulary (256); model vocab_size={vocab}")
-        else:
-            kw.update(image_size=cfg.data.image_size or getattr(self.model, "image_size", 32),
-                      channels=getattr(self.model, "channels", 3))
-            if name.startswith("synthetic"):
-                kw["num_classes"] = getattr(self.model, "num_classes", 10)
-        if cfg.data.num_samples:
-            kw["num_samples"] = cfg.data.num_samples
-        self.data_name = name
-        self.train_set = get_dataset(name, "train", **kw)
-        self.val_set = get_dataset(name, "val", **kw)
+        self.data_name, self.train_set, self.val_set = build_datasets(self.cfg, self.adapter, self._snapshot is not None)
         self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 1)
 
     def _make_train_loader(self, start_sample: int):
@@ -240,11 +215,9 @@ class Trainer:
         return batch_arithmetic(t.global_batch, t.micro_batch, self.dp_world)
 
     def _build_optimizer(self, module: nn.Module | None = None) -> torch.optim.Optimizer:
-        from scaletrain.techniques.optim import build_optimizer
-
-        from scaletrain.techniques.optim import OPTIMIZERS
-
         import inspect
+
+        from scaletrain.techniques.optim import OPTIMIZERS, build_optimizer
 
         o = self.cfg.optim
         spec = OPTIMIZERS[o.name]
@@ -269,10 +242,10 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16 if p == "bf16" else torch.float16)
 
-    def loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.task == "lm":  # out: [batch, seq, vocab], y: [batch, seq]
-            return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
-        return F.cross_entropy(out.float(), y)  # out: [batch, classes]
+    def loss_fn(self, out: Any, y: torch.Tensor) -> torch.Tensor:
+        """The model's own loss if it returned one, else its family's (cross-entropy on the logits:
+        [batch, seq, vocab] vs [batch, seq], or [batch, classes] vs [batch]); nats per target."""
+        return self.adapter.loss(out, y)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -297,16 +270,24 @@ class Trainer:
             "config": to_toml(self.cfg),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], reset_optimizer: bool = False) -> None:
+        """Continue from ``state``; with ``reset_optimizer`` the optimizer states start fresh (the
+        weights, step, data position and RNG come from ``state``; the lr schedule goes on from its step)."""
         try:
             self.parallel.load_model_state_dict(state["model"])
-            self.parallel.load_optimizer_state_dict(self.optimizer, state["optimizer"])
+            if not reset_optimizer:
+                self.parallel.load_optimizer_state_dict(self.optimizer, state["optimizer"])
         except ConfigError:
             raise
         except (RuntimeError, ValueError, KeyError) as e:
             first = str(e).strip().splitlines()[0][:200]
             raise ConfigError(f"checkpoint does not match this model/optimizer configuration ({first})") from None
-        self.scheduler.load_state_dict(state["scheduler"])
+        if reset_optimizer:  # lr of the checkpoint's step, from this run's optim.lr
+            self.scheduler.last_epoch = int(state["step"])
+            for g, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+                g["lr"] = base * self._lr_lambda(self.scheduler.last_epoch)
+        else:
+            self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
@@ -324,12 +305,8 @@ class Trainer:
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     def save_checkpoint(self) -> Path | None:
-        if self.out_dir is None:
-            return None
-        state = self.state_dict()  # collective with several ranks: all take part, rank 0 writes
-        if self.rank != 0:
-            return None
-        return ckpt.save(self.out_dir / "checkpoints", self.step, state, keep=self.cfg.train.keep_checkpoints)
+        """Collective: sharded (each rank its shards) or consolidated (rank 0), :mod:`.checkpoint_io`."""
+        return checkpoint_io.save(self) if self.out_dir is not None else None
 
     def close(self) -> None:
         """Release DDP/FSDP objects, then leave the process group if this trainer joined it.
@@ -339,6 +316,10 @@ class Trainer:
         """
         if getattr(self, "parallel", None) is None:
             return
+        with contextlib.suppress(Exception):  # a background checkpoint still being written (fit failed)
+            checkpoint_io.wait(self)
+        if self.world == 1 or getattr(self, "_finished", False):  # collective: not after an error on a rank
+            self.hand_back(structure=True)
         self.parallel.close()
         self.forward_module = self.model
         self.forward_backward = None  # type: ignore[assignment]
@@ -347,6 +328,11 @@ class Trainer:
         if self.world > 1:
             LEDGER.uninstall()
         launch.shutdown(self._created_group, finished=getattr(self, "_finished", False))
+
+    def hand_back(self, structure: bool) -> None:
+        """Write the trained weights into the user's model object (see :mod:`.handback`); collective."""
+        if self._snapshot is not None:
+            handback.hand_back(self._snapshot, self.parallel.model_state_dict(), structure=structure)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -357,8 +343,8 @@ class Trainer:
         loader = build_loader(self.val_set, self.micro_batch, shuffle=False, seed=0, rank=par.data_rank,
                               world_size=par.data_world, drop_last=True)
         total, correct, count = 0.0, 0, 0
-        for i, (x, y) in enumerate(loader):
-            if i >= self.cfg.train.eval_batches:
+        for i, (x, y) in enumerate(loader):  # eval_batches global batches: the same samples under every layout
+            if i >= self.cfg.train.eval_batches * self.accum:
                 break
             loss_sum, right, n = par.eval_batch(self.ctx, x.to(self.device), y.to(self.device))
             total, correct, count = total + loss_sum, correct + right, count + n
@@ -425,16 +411,14 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         cfg = self.cfg
-        if self.resume:  # before anything is written, so a bad resume changes nothing on disk
-            path = ckpt.latest(self.out_dir / "checkpoints") if self.out_dir else None
-            if path is None:
-                raise ConfigError(f"--resume: no checkpoint in {str((self.out_dir or Path('.')) / 'checkpoints')!r}")
-            self.load_state_dict(ckpt.load(path))
+        t_load, skipped = (time.time(),) * 2, []
+        if self.resume:  # nothing is written before the first good step, so a bad resume changes nothing on disk
+            path, skipped, *t_load = resuming.restore(self, self.reset_optimizer)
             self.log(f"resumed from {path} at step {self.step}")
-        if self.out_dir is not None and self.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.toml").write_text(to_toml(cfg))
-        metrics = MetricsWriter(self.out_dir / "metrics.jsonl" if self.out_dir is not None and self.rank == 0 else None)
+        # the run directory is created after the first good step (config.toml, metrics trimmed to self.step)
+        metrics = rundir.RunDir(self.out_dir if self.rank == 0 else None, self.step, to_toml(cfg), self.log, skipped)
+        if metrics.restart is not None:
+            metrics.restart.note_reload(t_load[0], t_load[1], self.step)
         show = cfg.train.progress == "on" or (cfg.train.progress == "auto" and sys.stderr.isatty())
         unit = "tok" if self.task == "lm" else "samples"
         bar = ProgressBar(cfg.train.steps, self.step, unit, enabled=show and self.rank == 0)
@@ -447,6 +431,7 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 t0 = time.perf_counter()
+                faults.maybe_fire(self.step + 1, self.rank, self.out_dir)  # tests only: SCALETRAIN_FAULT_*
                 try:
                     step_loss = self._train_step(it)
                 except Exception as exc:
@@ -456,6 +441,7 @@ class Trainer:
                     raise failure from None
                 grad_norm = self._grad_norm
                 self.step += 1
+                metrics.after_step(self.step)
                 losses.append(step_loss)
                 dt = time.perf_counter() - t0
                 self.auto.step_times.append(dt) if self.auto is not None else None
@@ -497,10 +483,13 @@ class Trainer:
         finally:
             metrics.close()
         self._finished = True  # close() may wait for the peers before leaving the group
+        if self.world == 1:  # (several processes: at close(), which every rank calls)
+            self.hand_back(structure=False)
         return TrainResult(self.step, losses[-1] if losses else float("nan"), val.get("val_loss"), val, losses,
                            self.out_dir, self.comm_bytes, dict(self.model_state_bytes))
 
     def _val_line(self, val: dict[str, float]) -> str:
         if "val_ppl" in val:
-            return f"step {self.step}: val_loss {val['val_loss']:.4f} nats/token, perplexity {val['val_ppl']:.2f}"
+            unit = "nats/byte" if self.data_name == "shakespeare" else "nats/token"  # shipped text: byte tokens
+            return f"step {self.step}: val_loss {val['val_loss']:.4f} {unit}, perplexity {val['val_ppl']:.2f}"
         return f"step {self.step}: val_loss {val['val_loss']:.4f}, accuracy {val.get('val_acc', 0):.3f}"

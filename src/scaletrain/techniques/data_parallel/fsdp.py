@@ -38,6 +38,11 @@ def shardable_blocks(model: nn.Module) -> list[nn.Module]:
         blocks = list(to_chain(model).blocks)
     except Exception:  # noqa: BLE001 - no chain: the root alone is one group
         return []
+    # glue a chain adds around a model's layer (HF layers returning tuples, Llama's rotary embedding) is not
+    # called by the model's own forward: shard the layer inside it, whose hooks fire on either path
+    # (other glue, e.g. a head made of the final norm and the LM head, is left to the root's group)
+    in_model = {id(m) for m in model.modules()}
+    blocks = [b2 for b2 in (getattr(b, "layer", b) if id(b) not in in_model else b for b in blocks) if id(b2) in in_model]
     users: dict[int, int] = {}
     for b in blocks:
         for p in b.parameters():

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError, UserError
+from scaletrain.models.adapters.base import logits_of
 from scaletrain.techniques.runtime import Strategy
 from scaletrain.techniques.offload.pools import DeviceOutOfMemory
 from scaletrain.techniques.offload.runtime import OffloadRuntime, build_offload_runtime
@@ -140,7 +141,7 @@ class OffloadStrategy(Strategy):
             self._before_eval = (dict(st.bytes), dict(st.count), dict(st.seconds))
         out = self.rt.forward(x)  # under the trainer's autocast, streamed weights block by block
         loss = float(ctx.loss_fn(out, y)) * len(y)
-        correct = int((out.argmax(-1) == y).sum()) if ctx.task != "lm" else 0
+        correct = int((logits_of(out).argmax(-1) == y).sum()) if ctx.task != "lm" else 0
         return loss, correct, len(y)
 
     def _forget_evaluation(self) -> None:

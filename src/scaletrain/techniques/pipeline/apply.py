@@ -30,11 +30,9 @@ def default_virtual(schedule: str, virtual: int | None) -> int:
 
 def example_input(model: nn.Module, micro_batch: int, seq_len: int | None = None) -> torch.Tensor:
     """One micro-batch's input as a meta tensor, from the reference models' ``input_spec``."""
-    spec = getattr(model, "input_spec", None)
-    if spec is None:
-        raise UserError(f"{type(model).__name__} has no input_spec(batch, seq); pass example_input= (one "
-                        "micro-batch's input, meta allowed) to PipelineRuntime")
-    return spec(micro_batch, seq_len)
+    from scaletrain.models.adapters import input_spec  # the model's own, or its adapter's
+
+    return input_spec(model, micro_batch, seq_len)
 
 
 def stage_bounds(model: nn.Module, example: torch.Tensor, *, pp: int, schedule: str, microbatches: int,

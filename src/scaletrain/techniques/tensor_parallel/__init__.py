@@ -5,6 +5,7 @@ One family, one folder:
 - :mod:`.megatron` — the apply face for scaletrain's GPT-2 family (fused QKV permuted head-aligned,
   vocabulary-parallel embedding and loss), TP state dicts in the single-process layout;
 - :mod:`.hf` — the same split for Hugging Face's GPT-2 layout (``Conv1D`` → ``Linear``);
+- :mod:`.hf_llama` — the same split for Hugging Face's Llama / Mistral layout;
 - :mod:`.sequence` — Megatron sequence parallelism's activation saving;
 - :mod:`.cost` — parameter elements, activation bytes, per-rank memory and traffic.
 
@@ -38,6 +39,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         if sequence_parallel:
             raise UserError("sequence parallelism is not supported for Hugging Face GPT-2; use parallel.tp alone")
         return apply_tensor_parallel_hf(model, tp_mesh)
+    from .hf_llama import apply_tensor_parallel_llama, is_hf_llama
+
+    if is_hf_llama(model):  # Hugging Face Llama / Mistral: the same split on q/k/v/o and the SwiGLU MLP
+        if sequence_parallel:
+            raise UserError("sequence parallelism is not supported for Hugging Face models; use parallel.tp alone")
+        return apply_tensor_parallel_llama(model, tp_mesh)
     return apply_megatron(model, tp_mesh, sequence_parallel, regather)
 
 

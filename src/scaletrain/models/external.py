@@ -1,0 +1,154 @@
+"""Models scaletrain did not write, by name: ``hf:<family>``, ``hf:/path/to/dir`` and
+``py:package.module:factory`` (see :func:`build`).
+
+- ``hf:gpt2``, ``hf:llama``, ``hf:mistral``, ``hf:bert``: a ``transformers`` model of that family,
+  randomly initialised from a config of small CPU-sized defaults (:data:`HF_FAMILIES`) with
+  ``model.overrides.*`` applied (names as in the transformers config: ``n_layer``, ``n_embd`` for
+  GPT-2; ``num_hidden_layers``, ``hidden_size`` for the others). Nothing is downloaded. The
+  vocabulary defaults to the shipped text's 256 bytes (257 for BERT: one mask token more), and
+  dropout to 0 so that runs of any world size give the same losses.
+- ``hf:/path/to/dir``: a local directory with ``config.json`` and safetensors weights, loaded by
+  the class its ``architectures`` names (``model.overrides.*`` go to ``from_pretrained``).
+- ``py:package.module:factory``: ``factory(**model.overrides)`` must return an ``nn.Module``; the
+  current directory is importable.
+
+Model files know nothing of parallelism: these are the plain objects a user would build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.errors import UserError
+
+PREFIXES = ("hf:", "py:")
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    model_class: str
+    config_class: str
+    defaults: dict[str, Any]
+    description: str
+    default_data: str = "shakespeare"
+
+
+_NO_DROPOUT_GPT2 = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+_DECODER = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=256, attention_dropout=0.0, loss_type="ForCausalLM",
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+HF_FAMILIES: dict[str, HFFamily] = {
+    "gpt2": HFFamily("GPT2LMHeadModel", "GPT2Config",
+                     dict(vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4, loss_type="ForCausalLM",
+                          bos_token_id=None, eos_token_id=None, **_NO_DROPOUT_GPT2),
+                     "transformers GPT2LMHeadModel (tied embeddings), random init, 4 x 128, byte vocabulary"),
+    "llama": HFFamily("LlamaForCausalLM", "LlamaConfig", dict(_DECODER),
+                      "transformers LlamaForCausalLM (RMSNorm, rotary, SwiGLU), random init, 4 x 128"),
+    "mistral": HFFamily("MistralForCausalLM", "MistralConfig", dict(_DECODER, sliding_window=None),
+                        "transformers MistralForCausalLM, random init, 4 x 128"),
+    "bert": HFFamily("BertForMaskedLM", "BertConfig",
+                     dict(vocab_size=257, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                          num_attention_heads=4, max_position_embeddings=256, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, pad_token_id=0),
+                     "transformers BertForMaskedLM (masked LM: 15 % of bytes masked), random init, 4 x 128"),
+}
+
+
+def is_external(name: str) -> bool:
+    return name.startswith(PREFIXES)
+
+
+def default_data(name: str, task: str) -> str:
+    """The shipped dataset an external model trains on by default: text for language models, digits otherwise."""
+    return "shakespeare" if task == "lm" else "digits"
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("hf: models need the transformers package: pip install 'scaletrain[test]' "
+                        "(or transformers)") from None
+    transformers.logging.set_verbosity_error()  # config sanity notes would print once per process
+    transformers.logging.disable_progress_bar()  # "Loading weights" bars of hf:/dir
+    return transformers
+
+
+def _hf_family(family: str, overrides: dict[str, Any]) -> nn.Module:
+    T = _transformers()
+    fam = HF_FAMILIES[family]
+    cfg_cls = getattr(T, fam.config_class)
+    known = set(cfg_cls().to_dict()) | set(fam.defaults)
+    bad = sorted(set(overrides) - known)
+    if bad:
+        sample = ", ".join(sorted(fam.defaults)[:12])
+        raise UserError(f"model 'hf:{family}' has no config option {bad[0]!r}; e.g. {sample} "
+                        f"(any {fam.config_class} field)")
+    try:
+        cfg = cfg_cls(**{**fam.defaults, **overrides})
+        return getattr(T, fam.model_class)(cfg)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"model 'hf:{family}': {str(e).splitlines()[0]}") from None
+
+
+def _hf_dir(path: str, overrides: dict[str, Any]) -> nn.Module:
+    T = _transformers()
+    d = Path(path).expanduser()
+    if not (d / "config.json").is_file():
+        raise UserError(f"model 'hf:{path}': no config.json in {str(d)!r}; allowed: hf:gpt2, hf:llama, hf:mistral, "
+                        "hf:bert or a local directory with config.json and safetensors weights")
+    cfg = T.AutoConfig.from_pretrained(str(d), local_files_only=True)
+    arch = (getattr(cfg, "architectures", None) or [None])[0]
+    cls = getattr(T, arch, None) if arch else None
+    if cls is None:
+        raise UserError(f"model 'hf:{path}': config.json names no known architecture ({arch!r})")
+    try:
+        return cls.from_pretrained(str(d), local_files_only=True, **overrides)
+    except (OSError, TypeError, ValueError) as e:
+        raise UserError(f"model 'hf:{path}': {str(e).splitlines()[0]}") from None
+
+
+def _py_factory(spec: str, overrides: dict[str, Any]) -> nn.Module:
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise UserError(f"model 'py:{spec}': write py:package.module:factory")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # the user's own module, next to where they run scaletrain
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UserError(f"model 'py:{spec}': cannot import {mod_name!r} ({e})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserError(f"model 'py:{spec}': {mod_name!r} has no callable {attr!r}")
+    try:
+        model = factory(**overrides)
+    except TypeError as e:
+        raise UserError(f"model 'py:{spec}': {e}") from None
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model 'py:{spec}': the factory returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def build(name: str, overrides: dict[str, Any], device: str | torch.device | None = None) -> nn.Module:
+    """The model ``name`` (``hf:...`` or ``py:...``) with ``overrides``; ``device="meta"`` allocates nothing."""
+    kind, rest = name[:3], name[3:]
+    if kind == "hf:" and rest not in HF_FAMILIES and not ("/" in rest or rest.startswith((".", "~"))):
+        raise UserError(f"unknown model {name!r}; allowed hf: names: {', '.join('hf:' + f for f in HF_FAMILIES)}, "
+                        "hf:/path/to/dir")
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        if kind == "py:":
+            return _py_factory(rest, overrides)
+        if rest in HF_FAMILIES:
+            return _hf_family(rest, overrides)
+        return _hf_dir(rest, overrides)

@@ -1,0 +1,198 @@
+"""Automatic recovery: ``scaletrain train --nproc-per-node N --max-restarts K``.
+
+Why not torchrun's own ``--max-restarts``: its restarted workers re-enter the same rendezvous and
+die in gloo's ``connectFullMesh``, and the restarted command would not resume anyway. Here every
+attempt is a fresh ``torchrun --standalone`` (a new rendezvous on a new free port) and, once the
+run has a checkpoint, carries ``--resume``: the ranks load the newest complete checkpoint (an
+unloadable newest one is skipped with a warning) and the data position follows from its step, so
+no sample is lost or repeated and the final parameters equal an uninterrupted run's.
+
+A failure is restarted unless a rank reported a bad input (:attr:`UserError.restartable` False),
+which would fail the same way again. A rank that hangs is caught by the collective timeout
+(``parallel.timeout_s``) of the ranks waiting for it.
+
+Time lost per failure (seconds, wall clock) is measured in four parts and logged by rank 0 as a
+``{"event": "restart", ...}`` metrics row once the job is back where it failed:
+``detect_s`` (the failure until the launcher saw the job end), ``restart_s`` (until the new
+processes were ready to load), ``reload_s`` (loading the checkpoint), ``recompute_s`` (re-running
+the steps after the checkpoint); ``lost_s`` is their sum. The failure's moment is the fault
+injector's record (:mod:`.faults`) or, for a real failure, the last completed step's heartbeat
+(so ``detect_s`` then also holds the unfinished step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from scaletrain.errors import ERROR_DIR_ENV, read_reports, summarize
+from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.rundir import ATTEMPT_ENV, JOB_DIR_ENV, RESTART_ENV
+
+DIED_FILE = "launcher.json"
+"""torchrun's first failed rank ({"rank", "exitcode", "signal"}), written into the error directory."""
+
+
+@dataclass
+class RestartClock:
+    """Rank 0's account of one restart: when the failure happened, when the job was back."""
+
+    attempt: int
+    t_fault: float
+    t_exit: float
+    failed_step: int
+    start_step: int
+    t_load0: float | None = None
+    t_load1: float | None = None
+    done: bool = False
+
+    @classmethod
+    def from_env(cls, start_step: int) -> "RestartClock | None":
+        text = os.environ.get(RESTART_ENV)
+        if not text:
+            return None
+        try:
+            d = json.loads(text)
+            return cls(int(d["attempt"]), float(d["t_fault"]), float(d["t_exit"]), int(d["failed_step"]), start_step)
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def note_reload(self, t0: float, t1: float, step: int) -> None:
+        """The checkpoint load took ``t1 - t0`` seconds and put the run at ``step``."""
+        self.t_load0, self.t_load1, self.start_step = t0, t1, step
+
+    def caught_up(self, step: int, now: float) -> dict[str, Any] | None:
+        """The restart row, once (when ``step`` reaches the step the failed attempt had completed)."""
+        if self.done or step < self.failed_step:
+            return None
+        self.done = True
+        t0 = self.t_load0 if self.t_load0 is not None else now
+        t1 = self.t_load1 if self.t_load1 is not None else t0
+        parts = {"detect_s": self.t_exit - self.t_fault, "restart_s": t0 - self.t_exit, "reload_s": t1 - t0,
+                 "recompute_s": now - t1}
+        return {"event": "restart", "step": step, "attempt": self.attempt, "failed_at_step": self.failed_step,
+                "resumed_from_step": self.start_step, "recomputed_steps": self.failed_step - self.start_step,
+                **{k: round(v, 4) for k, v in parts.items()}, "lost_s": round(now - self.t_fault, 4)}
+
+    @staticmethod
+    def describe(row: dict[str, Any]) -> str:
+        return (f"restart {row['attempt']}: {row['lost_s']:.1f} s lost (detection {row['detect_s']:.1f} s, restart "
+                f"{row['restart_s']:.1f} s, reload {row['reload_s']:.2f} s, {row['recomputed_steps']} recomputed "
+                f"steps {row['recompute_s']:.1f} s); back at step {row['failed_at_step']}")
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        d = json.loads(path.read_text())
+        return d if isinstance(d, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _fault_time(job: Path, since: float) -> float | None:
+    """When the fault injector fired during this attempt (its marker's record), if it did."""
+    times = [d["time"] for p in job.glob("fault-*.json") if (d := _read_json(p)) and d.get("time", 0) >= since]
+    return max(times) if times else None
+
+
+GRACE_S = 3.0
+"""Seconds a job may take to end by itself after a rank reported its error; then every process of
+the attempt is killed. Why: torchrun waits 30 s (whatever ``--shutdown-timeout`` says, torch 2.13)
+for a stopped — hung — rank to honour SIGTERM before it sends SIGKILL."""
+
+
+def note_pid(rank: int) -> None:
+    """A rank started by the launcher leaves its process id in the job directory (for :func:`_kill_ranks`)."""
+    job = os.environ.get(JOB_DIR_ENV)
+    if job:
+        with contextlib.suppress(OSError):
+            (Path(job) / f"pid-rank{rank}").write_text(str(os.getpid()))
+
+
+def _kill_ranks(job: Path) -> None:
+    """SIGKILL every rank of the current attempt (a stopped process dies of SIGKILL only)."""
+    for p in job.glob("pid-rank*"):
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(p.read_text()), signal.SIGKILL)
+        p.unlink(missing_ok=True)
+
+
+def _run_attempt(cmd: list[str], env: dict[str, str], errors: Path) -> int:
+    """Run one attempt in its own process group; its exit code (-9 when it had to be killed)."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    first_report: float | None = None
+    try:
+        while proc.poll() is None:
+            time.sleep(0.1)
+            if first_report is None and any(errors.glob("rank*.json")):
+                first_report = time.monotonic()
+            if first_report is not None and time.monotonic() - first_report > GRACE_S:
+                _kill_ranks(errors.parent)  # torchrun puts each rank in a session of its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return -9
+    except KeyboardInterrupt:  # the attempt has its own session: pass Ctrl-C on
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        raise
+    return proc.returncode
+
+
+def run_job(torchrun: Callable[[list[str]], list[str]], argv: list[str], out: Path, *, resume: bool,
+            reset_optimizer: bool, max_restarts: int, log: Callable[[str], None]) -> int:
+    """Run ``scaletrain ARGV`` under torchrun (``torchrun(argv)`` is the command), restarting it up
+    to ``max_restarts`` times after a failure a restart may cure; one line on failure. Exit code:
+    0, 2 for a bad input, 1 when the restarts are spent."""
+    job = Path(tempfile.mkdtemp(prefix="scaletrain-job-"))
+    first_newest = ckpt.latest(out / "checkpoints")
+    info: dict[str, Any] | None = None
+    try:
+        for attempt in range(max_restarts + 1):
+            errors = job / f"attempt{attempt}"
+            errors.mkdir()
+            newest = ckpt.latest(out / "checkpoints")
+            args = list(argv) + (["--resume"] if resume or (attempt and newest is not None) else [])
+            if reset_optimizer and newest == first_newest:  # not once the run has its own new checkpoints
+                args.append("--reset-optimizer")
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                       **{ERROR_DIR_ENV: str(errors), JOB_DIR_ENV: str(job), ATTEMPT_ENV: str(attempt)})
+            env.pop(RESTART_ENV, None)
+            if info is not None:
+                env[RESTART_ENV] = json.dumps(info)
+            for stale in job.glob("pid-rank*"):  # the last attempt's processes are gone
+                stale.unlink()
+            t_launch = time.time()
+            rc = _run_attempt(torchrun(args), env, errors)
+            t_exit = time.time()
+            if rc == 0:
+                return 0
+            line, restartable = summarize(read_reports(errors), _read_json(errors / DIED_FILE))
+            if not restartable or attempt == max_restarts:
+                spent = f" (after {attempt} restart{'s' * (attempt != 1)})" if attempt else ""
+                print(f"scaletrain: error: {line}{spent}", file=sys.stderr, flush=True)
+                return 1 if restartable else 2
+            progress = _read_json(job / "progress.json") or {}
+            failed_step = int(progress.get("step", 0)) if progress.get("time", 0) >= t_launch else 0
+            t_fault = _fault_time(job, t_launch) or float(progress.get("time", 0)) or t_launch
+            info = {"attempt": attempt + 1, "t_fault": t_fault, "t_exit": t_exit, "failed_step": failed_step}
+            newest = ckpt.latest(out / "checkpoints")
+            log(f"scaletrain: {line}; restart {attempt + 1} of {max_restarts} "
+                f"from {newest.name if newest else 'the start'} (the failed attempt had reached step {failed_step})")
+        return 1  # not reached
+    finally:
+        shutil.rmtree(job, ignore_errors=True)

@@ -1,0 +1,56 @@
+"""Automatic recovery (`--max-restarts`): a rank killed twice, the job still ends where an
+uninterrupted one does. The 4-process pp=2 x ZeRO-1 version is `benchmarks/faults/recovery.py`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.train import checkpoint as ckpt
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+COMMON = ["model.overrides.n_layer=2", "model.overrides.n_embd=64", "model.overrides.n_head=2", "data.seq_len=32",
+          "data.name=synthetic-text", "train.global_batch=4", "train.steps=8", "train.checkpoint_every=2",
+          "train.eval_every=0", "train.eval_batches=1", "train.log_every=1", "optim.warmup_steps=2"]
+
+
+def _train(out: Path, faults: str | None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("SCALETRAIN_FAULT_AT_STEP", "SCALETRAIN_FAULT_RANK", "SCALETRAIN_FAULT_KIND"):
+        env.pop(k, None)
+    if faults:
+        env.update(SCALETRAIN_FAULT_AT_STEP=faults, SCALETRAIN_FAULT_RANK="1", SCALETRAIN_FAULT_KIND="kill")
+    cmd = [sys.executable, "-m", "scaletrain.cli", "train", "--nproc-per-node", "2", "--max-restarts", "3",
+           "--out", str(out), *COMMON]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_rank_killed_twice_ends_with_uninterrupted_parameters(tmp_path):
+    base = _train(tmp_path / "base", None)
+    assert base.returncode == 0, base.stderr[-2000:]
+    hit = _train(tmp_path / "hit", "3,6")  # step 3: before any checkpoint but step 2's; step 6: one step after 4's
+    assert hit.returncode == 0, hit.stderr[-2000:]
+    assert hit.stderr.count("rank 1 died (SIGKILL)") == 2 and "Traceback" not in hit.stderr
+    a = ckpt.load(ckpt.latest(tmp_path / "base" / "checkpoints"))
+    b = ckpt.load(ckpt.latest(tmp_path / "hit" / "checkpoints"))
+    assert a["step"] == b["step"] == 8
+    diff = max(float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"])
+    assert diff <= 1e-6, diff
+    rows = [json.loads(line) for line in (tmp_path / "hit" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == list(range(1, 9))  # no step logged twice after the resumes
+    restarts = [r for r in rows if r.get("event") == "restart"]
+    assert [r["attempt"] for r in restarts] == [1, 2]
+    assert [r["failed_at_step"] for r in restarts] == [2, 5] and [r["recomputed_steps"] for r in restarts] == [0, 1]
+    for r in restarts:  # the four parts add up to the time lost
+        parts = r["detect_s"] + r["restart_s"] + r["reload_s"] + r["recompute_s"]
+        assert r["lost_s"] > 0 and parts == pytest.approx(r["lost_s"], abs=1e-3)
+    base_losses = [r["loss"] for r in map(json.loads, (tmp_path / "base" / "metrics.jsonl").read_text().splitlines())
+                   if "loss" in r]
+    assert torch.allclose(torch.tensor([r["loss"] for r in rows if "loss" in r]), torch.tensor(base_losses),
+                          rtol=0, atol=1e-6)
