@@ -47,8 +47,10 @@ def _fmt_rate(x: float) -> str:
 class ProgressBar:
     """One self-overwriting line on stderr: step, bar, loss, throughput and ETA. Silent when disabled."""
 
-    def __init__(self, total: int, start: int, unit: str, enabled: bool, stream: IO[str] = sys.stderr):
-        self.total, self.start, self.unit, self.enabled, self.stream = total, start, unit, enabled, stream
+    def __init__(self, total: int, start: int, unit: str, enabled: bool, stream: IO[str] | None = None):
+        # sys.stderr read now, not at import: it may have been replaced since (pytest's capture, a redirect)
+        self.total, self.start, self.unit, self.enabled = total, start, unit, enabled
+        self.stream = stream if stream is not None else sys.stderr
         self.t0 = time.monotonic()
 
     def update(self, step: int, loss: float, rate: float) -> None:
