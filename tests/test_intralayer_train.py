@@ -164,7 +164,7 @@ def test_moe_ep2_tp2(tmp_path):
 @pytest.mark.slow
 def test_cp4_with_accumulation(tiny, tmp_path):
     """`parallel.cp=4`: every rank holds 8 of the 32 tokens; 2 micro-batches per step."""
-    rows, state, stdout = cli(tmp_path / "run", "parallel.cp=4", "train.micro_batch=4", "train.eval_batches=2")
+    rows, state, stdout = cli(tmp_path / "run", "parallel.cp=4", "train.micro_batch=4")  # eval: 1 global batch
     assert "cp=4 x dp=1, zero=0" in stdout
     check_parity(rows, state, tiny)
     check_costs(rows)

@@ -13,9 +13,10 @@ BASE = ["model.overrides.n_layer=4", "model.overrides.n_embd=64", "model.overrid
         "train.global_batch=16", "train.steps=3", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
         "train.progress=off", "train.measure_memory=true"]
 MARGIN = 0.10
-"""Peak prediction's measured error on these runs (2026-11-24): +6 % (DDP with periodic remat), -4 % (ZeRO-2:
-the peak at the loss, activations 1.5 MB above the block profile's), -10 % (ZeRO-3: FSDP's gathered and
-prefetched blocks), -7 % / -0.01 % (pp x tp x dp x ZeRO-1 with remat, pipeline ranks 0 / 1; rank 0's peak is
+"""Peak prediction's measured error on these runs (2026-11-25): +5.9 % (DDP with periodic remat), -4.2 % (ZeRO-2:
+the peak at the loss, activations 1.5 MB above the block profile's), -5.0 % (ZeRO-3; -9.6 % before FSDP2's
+backward was priced as the current block whole, the previous one prefetched, the current block's unsharded
+gradient and gloo's copy of it), -7 % / -0.01 % (pp x tp x dp x ZeRO-1 with remat, pipeline ranks 0 / 1; rank 0's peak is
 inside a recomputed block, whose TP all-reduce buffers the stage profile does not hold). On gpt2-mini with
 the done-when plan both pipeline ranks are within 0.001 % (benchmarks/compose/done_when.py)."""
 

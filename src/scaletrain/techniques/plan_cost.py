@@ -203,11 +203,12 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
                                        (N + 1) / N * w + (w if gloo else 0.0) if plan.zero in (1, 2) else 0.0)
         if plan.zero >= 2:
             mem["grad_bytes"][s] /= N
-        if plan.zero == 3:  # one block gathered at a time (its parameters whole during its forward/backward)
+        if plan.zero == 3:  # FSDP2 in backward: this block's parameters whole, the previous block's prefetched,
+            # this block's unsharded gradient before its reduce-scatter (and gloo's full copy of that input)
             blocks = chain.blocks[bounds[s]:bounds[s + 1]]
             biggest = max((sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks),
                           default=0)
-            mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + biggest
+            mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + (4 if gloo else 3) * biggest
 
 
 def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, seq: int, M: int,

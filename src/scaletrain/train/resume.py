@@ -1,8 +1,9 @@
 """``--resume``: load the newest loadable checkpoint, or refuse in one line and change nothing.
 
 Why a module of its own: what may change between a run and its resume is a policy, stated here.
-- the model (name or shape) or ``train.params_dtype``: refused (the weights or the fp32 masters
-  would not match);
+- the model (name or shape): refused (the weights would not match);
+- ``train.params_dtype`` may change: checkpoints hold the fp32 masters in the plain layout
+  (:mod:`scaletrain.techniques.precision`), so a bf16-parameter run resumes in fp32 and back;
 - ``optim.name``: refused unless ``--reset-optimizer``, which keeps the checkpoint's weights, step,
   data position and RNG and starts fresh optimizer states (the learning-rate schedule continues
   at the checkpoint's step);
@@ -45,9 +46,6 @@ def check_compatible(cfg: Config, saved: Config | None, path: Path, *, reset_opt
         raise ConfigError(f"{where} holds model {saved.model.name!r} with overrides {saved.model.overrides}; this "
                           f"run asks for {cfg.model.name!r} with {cfg.model.overrides}; a resume keeps the model "
                           f"(start a new run with another --out to change it)")
-    if saved.train.params_dtype != cfg.train.params_dtype:
-        raise ConfigError(f"{where} was written with train.params_dtype={saved.train.params_dtype!r}; this run asks "
-                          f"for {cfg.train.params_dtype!r}; a resume keeps the parameter dtype")
     if saved.optim.name != cfg.optim.name and not reset_optimizer:
         raise ConfigError(f"{where} holds {saved.optim.name!r} optimizer states; this run asks for optim.name="
                           f"{cfg.optim.name!r}: add --reset-optimizer to keep the weights and start fresh "
