@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from scaletrain.errors import UserError
+from scaletrain.train import faults
 
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 _TMP = re.compile(r"^step_\d+(\.pt\.tmp|\.tmp-.*|\.old-.*)$")
@@ -40,6 +41,7 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int = 2) -> Pa
     final = checkpoint_path(directory, step)
     tmp = final.with_suffix(".pt.tmp")
     torch.save(state, tmp)
+    faults.maybe_fire(step, 0, directory.parent, "save")  # tests only: dies before the rename
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
