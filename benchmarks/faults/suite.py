@@ -129,6 +129,8 @@ def scenario(tmp: Path, layout: str, fault: str, rng: random.Random) -> dict[str
     row.update(step=step, exit=code, wall_s=round(wall, 2), failures=failures,
                traceback="Traceback" in err, steps_logged_once=[r["step"] for r in rows if "loss" in r] ==
                list(range(1, STEPS + 1)), restart_lost_s=round(sum(r["lost_s"] for r in restarts), 2),
+               restarts=[{k: r[k] for k in ("detect_s", "restart_s", "reload_s", "recomputed_steps", "recompute_s")}
+                         for r in restarts],
                stderr_tail=None if code == 0 else err[-1500:])
     return row
 
