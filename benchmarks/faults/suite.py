@@ -59,14 +59,14 @@ ENV_KEYS = ("SCALETRAIN_FAULT_AT_STEP", "SCALETRAIN_FAULT_RANK", "SCALETRAIN_FAU
 
 def run(out: Path, overrides: list[str], fault: dict[str, str], restarts: int, resume: bool = False
         ) -> tuple[int, float, str]:
-    """One ``scaletrain train`` job on 2 processes: (exit code, wall seconds, stderr)."""
+    """One ``scaletrain train`` job on 2 processes: (exit code, wall seconds, stderr + stdout)."""
     env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
     env.update(PYTHONPATH=str(SRC), **fault)
     cmd = [sys.executable, "-m", "scaletrain.cli", "train", "--nproc-per-node", "2", "--max-restarts", str(restarts),
            "--out", str(out), *(["--resume"] if resume else []), *overrides]
     t = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    return proc.returncode, time.perf_counter() - t, proc.stderr
+    return proc.returncode, time.perf_counter() - t, proc.stderr + proc.stdout
 
 
 def params(run_dir: Path) -> dict[str, torch.Tensor]:
