@@ -72,6 +72,17 @@ def test_disk_full_fails_in_one_line_previous_intact(tmp_path, monkeypatch):
     assert sorted(d.iterdir()) == [first] and sharded.problem(first) is None
 
 
+def test_consolidated_disk_full_fails_in_one_line(tmp_path, monkeypatch):
+    d = tmp_path / "checkpoints"
+    first = ckpt.save(d, 2, {"model": {"w": torch.ones(3)}})
+    monkeypatch.setenv("SCALETRAIN_FAULT_AT_STEP", "4")
+    monkeypatch.setenv("SCALETRAIN_FAULT_WHERE", "save")
+    monkeypatch.setenv("SCALETRAIN_FAULT_KIND", "enospc")
+    with pytest.raises(UserError, match="checkpoint of step 4 not written: .*No space left"):
+        ckpt.save(d, 4, {"model": {"w": torch.zeros(3)}})
+    assert sorted(d.iterdir()) == [first] and ckpt.load(first)["model"]["w"].sum() == 3
+
+
 def test_truncated_shard_is_named_damaged(tmp_path):
     d = tmp_path / "checkpoints"
     d.mkdir()
