@@ -74,12 +74,12 @@ def test_disk_full_fails_in_one_line_previous_intact(tmp_path, monkeypatch):
 
 def test_consolidated_disk_full_fails_in_one_line(tmp_path, monkeypatch):
     d = tmp_path / "checkpoints"
-    first = ckpt.save(d, 2, {"model": {"w": torch.ones(3)}})
+    first = ckpt.save(d, 2, {"step": 2, "model": {"w": torch.ones(3)}})
     monkeypatch.setenv("SCALETRAIN_FAULT_AT_STEP", "4")
     monkeypatch.setenv("SCALETRAIN_FAULT_WHERE", "save")
     monkeypatch.setenv("SCALETRAIN_FAULT_KIND", "enospc")
     with pytest.raises(UserError, match="checkpoint of step 4 not written: .*No space left"):
-        ckpt.save(d, 4, {"model": {"w": torch.zeros(3)}})
+        ckpt.save(d, 4, {"step": 4, "model": {"w": torch.zeros(3)}})
     assert sorted(d.iterdir()) == [first] and ckpt.load(first)["model"]["w"].sum() == 3
 
 
