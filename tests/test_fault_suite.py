@@ -30,6 +30,12 @@ def _save(directory: Path, step: int) -> Path:
     return sharded.save(directory, step, pieces, {"step": step}, rank=0, world=1, keep=3, rotate=ckpt.rotate).wait()
 
 
+def _arm(monkeypatch, kind: str) -> None:
+    """A fault of ``kind`` mid-save of step 4 on rank 0."""
+    for k, v in zip(ENV_KEYS, ("4", "0", kind, "save")):
+        monkeypatch.setenv(k, v)
+
+
 def test_armed_places(monkeypatch):
     for k in ENV_KEYS:
         monkeypatch.delenv(k, raising=False)
@@ -46,9 +52,7 @@ def test_death_mid_save_leaves_only_an_ignored_temp_dir(tmp_path, monkeypatch):
     d = tmp_path / "checkpoints"
     d.mkdir()
     first = _save(d, 2)
-    monkeypatch.setenv("SCALETRAIN_FAULT_AT_STEP", "4")
-    monkeypatch.setenv("SCALETRAIN_FAULT_WHERE", "save")
-    monkeypatch.setenv("SCALETRAIN_FAULT_KIND", "raise")  # a kill, without killing pytest
+    _arm(monkeypatch, "raise")  # a kill, without killing pytest
     with pytest.raises(RuntimeError, match="injected fault at step 4"):
         _save(d, 4)
     tmp = [p for p in d.iterdir() if ".tmp-" in p.name]
@@ -63,9 +67,7 @@ def test_disk_full_fails_in_one_line_previous_intact(tmp_path, monkeypatch):
     d = tmp_path / "checkpoints"
     d.mkdir()
     first = _save(d, 2)
-    monkeypatch.setenv("SCALETRAIN_FAULT_AT_STEP", "4")
-    monkeypatch.setenv("SCALETRAIN_FAULT_WHERE", "save")
-    monkeypatch.setenv("SCALETRAIN_FAULT_KIND", "enospc")
+    _arm(monkeypatch, "enospc")
     with pytest.raises(UserError, match="checkpoint of step 4 not written: .*No space left") as e:
         _save(d, 4)
     assert "\n" not in str(e.value)
@@ -75,9 +77,7 @@ def test_disk_full_fails_in_one_line_previous_intact(tmp_path, monkeypatch):
 def test_consolidated_disk_full_fails_in_one_line(tmp_path, monkeypatch):
     d = tmp_path / "checkpoints"
     first = ckpt.save(d, 2, {"step": 2, "model": {"w": torch.ones(3)}})
-    monkeypatch.setenv("SCALETRAIN_FAULT_AT_STEP", "4")
-    monkeypatch.setenv("SCALETRAIN_FAULT_WHERE", "save")
-    monkeypatch.setenv("SCALETRAIN_FAULT_KIND", "enospc")
+    _arm(monkeypatch, "enospc")
     with pytest.raises(UserError, match="checkpoint of step 4 not written: .*No space left"):
         ckpt.save(d, 4, {"step": 4, "model": {"w": torch.zeros(3)}})
     assert sorted(d.iterdir()) == [first] and torch.load(first, weights_only=True)["model"]["w"].sum() == 3
