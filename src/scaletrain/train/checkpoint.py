@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from scaletrain.errors import UserError
+from scaletrain.train import faults
 
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 _TMP = re.compile(r"^step_\d+(\.pt\.tmp|\.tmp-.*|\.old-.*)$")
@@ -39,10 +40,19 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int = 2) -> Pa
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
     tmp = final.with_suffix(".pt.tmp")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:  # a full disk (or no permission) fails in one line; the previous checkpoints stay
+        torch.save(state, tmp)
+        faults.maybe_fire(step, 0, directory.parent, "save")  # tests only: dies before the rename
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        if isinstance(e, RuntimeError) and "writ" not in str(e):
+            raise
+        tmp.unlink(missing_ok=True)
+        why = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise UserError(f"checkpoint of step {step} not written: could not write {tmp} ({why}); "
+                        "the previous checkpoints are intact") from None
     rotate(directory, keep)
     return final
 

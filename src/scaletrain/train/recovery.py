@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,9 @@ def _run_attempt(cmd: list[str], env: dict[str, str], errors: Path) -> int:
     """Run one attempt in its own process group; its exit code (-9 when it had to be killed)."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     first_report: float | None = None
+    on_term = None
+    if threading.current_thread() is threading.main_thread():  # a SIGTERM to the launcher ends the attempt too
+        on_term = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         while proc.poll() is None:
             time.sleep(0.1)
@@ -145,12 +149,20 @@ def _run_attempt(cmd: list[str], env: dict[str, str], errors: Path) -> int:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 return -9
-    except KeyboardInterrupt:  # the attempt has its own session: pass Ctrl-C on
+    except (KeyboardInterrupt, SystemExit):  # the attempt has its own session: pass Ctrl-C / SIGTERM on
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         proc.wait()
         raise
+    finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
     return proc.returncode
+
+
+def _exit_on_term(signum: int, frame: Any) -> None:
+    """SIGTERM handler while an attempt runs: unwind (its ranks are terminated on the way), exit 143."""
+    raise SystemExit(128 + signum)
 
 
 def run_job(torchrun: Callable[[list[str]], list[str]], argv: list[str], out: Path, *, resume: bool,

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.errors import UserError
+from scaletrain.train import faults
 from scaletrain.train.shards import Piece, assign, coverage_errors
 
 FORMAT = "scaletrain-sharded/1"
@@ -64,12 +65,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_pieces(path: Path, pieces: Iterable[Piece]) -> tuple[list[dict[str, Any]], int, int]:
+def write_pieces(path: Path, pieces: Iterable[Piece], after_first: Callable[[], None] | None = None
+                 ) -> tuple[list[dict[str, Any]], int, int]:
     """Write ``pieces`` back to back into ``path`` (fsynced): (their index entries, bytes, CRC32).
-    ``pieces`` may be a generator: one piece is in memory at a time."""
+    ``pieces`` may be a generator: one piece is in memory at a time. ``after_first``: called once
+    the first piece is on disk (the fault injector's mid-save point, :mod:`.faults`)."""
     entries, pos, crc = [], 0, 0
     with open(path, "wb") as f:
-        for p in pieces:
+        for i, p in enumerate(pieces):
+            if i == 1 and after_first is not None:
+                f.flush()
+                after_first()
             t = p.data.contiguous()
             raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
             f.write(raw)
@@ -123,7 +129,8 @@ def save(directory: Path, step: int, pieces: list[Piece], meta: dict[str, Any], 
     def finish() -> Path:
         # a rank that cannot write (disk full, permissions) still reports, so every rank fails alike
         try:
-            entries, nbytes, crc = write_pieces(tmp / rank_file(rank), mine)
+            entries, nbytes, crc = write_pieces(tmp / rank_file(rank), mine, lambda: faults.maybe_fire(
+                step, rank, directory.parent, "async-save" if background else "save"))
             report: dict[str, Any] = {"file": rank_file(rank), "bytes": nbytes, "crc32": crc, "pieces": entries}
         except OSError as e:
             report = {"error": f"rank {rank} could not write {tmp / rank_file(rank)} ({e.strerror or e})"}

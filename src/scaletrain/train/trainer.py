@@ -373,6 +373,7 @@ class Trainer:
             return self._tracked_step(it)
         LEDGER.reset()
         step_loss = par.run_micro_batches(self.ctx, it)
+        faults.maybe_fire(self.step + 1, self.rank, self.out_dir, "collective")  # tests only: between collectives
         if self.step == 1 and self.world > 1:  # optimizer states exist from the first step on
             from scaletrain.measure.model_states import measure_model_state_bytes
 
