@@ -138,8 +138,14 @@ def _print_table(args, profile, graph, budget, lowest, rows) -> None:
         head += f" {'meas peak MiB':>13} {'step ms':>9} {'grads':>6}"
     print(head)
     for r in rows:
-        if r.get("error"):
-            print(f"{r['method']:<10} infeasible: {r['error']}")
+        if r.get("error"):  # the table speaks MiB; the solver's message (bytes and GiB) stays in --json
+            try:
+                need = none_peak if r["method"] == "none" else min_budget(graph, r["method"])
+            except Exception:  # noqa: BLE001 - no minimum for this method: show the solver's own words
+                print(f"{r['method']:<10} infeasible: {r['error']}")
+                continue
+            print(f"{r['method']:<10} infeasible: needs {mib(need)} MiB"
+                  f"{' without rematerialization' if r['method'] == 'none' else ''}, over the budget of {mib(budget)} MiB")
             continue
         pt = "-" if r["predicted_time_s"] is None else f"{r['predicted_time_s'] / base:.3f}x"
         line = f"{r['method']:<10} {mib(r['predicted_peak_bytes']):>13} {pt:>10} {r.get('forwards', '-'):>5}"
