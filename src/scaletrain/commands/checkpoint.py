@@ -27,8 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--no-verify", action="store_true", help="skip the CRC32 check of a sharded checkpoint's files")
     e = sub.add_parser("export", help="write the model as one safetensors file (streamed)")
     e.add_argument("run", help="run directory, checkpoints directory, or one checkpoint")
-    e.add_argument("--to", default="safetensors", help="format: safetensors")
-    e.add_argument("--out", default=None, help="output file (default: <checkpoint>.safetensors beside it)")
+    e.add_argument("--to", default="safetensors", choices=("safetensors", "hf"),
+                   help="safetensors: one file with scaletrain's names; hf: a directory transformers' from_pretrained "
+                        "loads (hf: models and the gpt2-* family)")
+    e.add_argument("--out", default=None, help="output file, or directory with --to hf (default: beside the checkpoint)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     m = sub.add_parser("import", help="a safetensors file as the step-0 checkpoint of a new run directory")
     m.add_argument("file", help="a .safetensors file with the model's single-process tensor names")
@@ -68,8 +70,15 @@ def run(args: argparse.Namespace) -> int:
               f"{len(sizes)} file(s), {_size(min(sizes))} .. {_size(max(sizes))} each")
         print("integrity: " + ("ok" if d["problem"] is None else f"DAMAGED ({d['problem']})"))
         return 0 if d["problem"] is None else 2
-    if args.to != "safetensors":
-        raise UserError(f"--to {args.to!r} is not supported; allowed: safetensors")
+    if args.to not in ("safetensors", "hf"):
+        raise UserError(f"--to {args.to!r} is not supported; allowed: safetensors, hf")
+    if args.to == "hf":
+        from scaletrain.train.export_hf import export_hf
+
+        d = export_hf(path, Path(args.out) if args.out else path.with_name(path.name.removesuffix(".pt") + "-hf"))
+        print(json.dumps(d) if args.json else f"wrote {d['path']}: config.json and model.safetensors ({d['tensors']} "
+              f"tensors, {_size(d['bytes'])}); load it with transformers' from_pretrained")
+        return 0
     out = Path(args.out) if args.out else path.with_name(path.name.removesuffix(".pt") + ".safetensors")
     if out.exists() and out.is_dir():
         raise UserError(f"--out {str(out)!r} is a directory; give a file name")

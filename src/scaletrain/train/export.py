@@ -12,7 +12,7 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -94,14 +94,37 @@ def _model_tensors(path: Path) -> tuple[list[tuple[str, torch.dtype, list[int]]]
     return heads, lambda n: model[n], aliases
 
 
-def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
+Rename = Callable[[str], "tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None"]
+"""Maps a single-process name to (name in the file, transform of the tensor), or None to leave it out."""
+
+
+def saved_config(path: Path) -> str:
+    """The TOML config the checkpoint was written under ("" when not recorded)."""
+    if path.is_dir():
+        return str(sharded.read_manifest(path).get("config", "") or "")
+    return str(ckpt.load(path).get("config", "") or "")
+
+
+def export_safetensors(path: Path, out: Path, rename: Rename | None = None,
+                       metadata: dict[str, str] | None = None) -> dict[str, Any]:
     """Write the model of checkpoint ``path`` to ``out`` (safetensors, single-process names; a tied
-    parameter once, its other names in the metadata). Returns what was written."""
+    parameter once, its other names in the metadata). ``rename`` gives another layout's names
+    (:mod:`.export_hf`). Returns what was written."""
     heads, read, aliases = _model_tensors(path)
+    if rename is not None:  # shapes after the transform, from a meta tensor: nothing is read yet
+        mapped = [(n, rename(n)) for n, _, _ in heads]
+        fns = {new: (n, fn) for n, m in mapped if m is not None for new, fn in [m]}
+        old = {n: (dt, shape) for n, dt, shape in heads}
+        heads = [(new, old[n][0], list(fn(torch.empty(old[n][1], dtype=old[n][0], device="meta")).shape))
+                 for new, (n, fn) in fns.items()]
+        base = read
+        read = lambda new: fns[new][1](base(fns[new][0]))  # noqa: E731
+        aliases = {}
     for n, dt, _ in heads:
         if dt not in ST_DTYPES:
             raise UserError(f"tensor {n!r} has dtype {dt}, which safetensors cannot hold")
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "scaletrain_aliases": json.dumps(aliases)}}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "scaletrain_aliases": json.dumps(aliases),
+                                               **(metadata or {})}}
     pos = 0
     for n, dt, shape in heads:
         nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
