@@ -14,7 +14,7 @@ How a Chain is found (:func:`to_chain`), first match wins:
    ``transformer.h`` (whose tuple output is reduced to the hidden state), final norm + head;
 5. torchvision ResNet layout (``conv1 bn1 relu maxpool layer1..4 avgpool fc``): stem, every block
    of ``layer1..layer4``, pooling + classifier;
-6. Hugging Face Llama/Mistral and BERT layouts (:func:`scaletrain.models.adapters.find_chain`).
+6. Hugging Face Llama/Mistral and BERT layouts (:func:`llama_chain`, :func:`bert_chain`).
 
 Anything else is declared in one line: ``Chain([model.embed, *model.layers, model.head])``.
 """
@@ -153,6 +153,58 @@ def _torchvision_resnet(model: nn.Module) -> Chain | None:
     return Chain(blocks, source=model)
 
 
+# ---------------------------------------------------------------- Hugging Face Llama/Mistral and BERT
+# (read by the adapters of scaletrain.models.adapters; kept here, beside _hf_gpt2, so that finding
+# blocks never needs the adapters)
+
+def _causal_mask(s: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive causal mask [1, 1, s, s]: 0 on and below the diagonal, the dtype's minimum above
+    (what HF builds at model level for "eager" attention; SDPA is causal without a mask)."""
+    upper = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(s, s, dtype=dtype, device=device).masked_fill(upper, torch.finfo(dtype).min)[None, None]
+
+
+class RotaryLayer(nn.Module):
+    """A Llama/Mistral decoder layer as a single-tensor block: hidden [b, s, h] -> hidden [b, s, h],
+    positions 0..s-1, the rotary embedding of the model's own ``rotary_emb``."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, eager: bool):
+        super().__init__()
+        self.layer, self.eager = layer, eager
+        self.rotary = rotary  # shared by every layer; no parameters (its inv_freq buffer is not saved)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        pe = self.rotary(x, position_ids=pos)
+        mask = _causal_mask(x.shape[1], x.dtype, x.device) if self.eager else None
+        out = self.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def llama_chain(model: nn.Module) -> Chain | None:
+    """Blocks of a Llama/Mistral-style ``*ForCausalLM``: embed_tokens, each layer, norm + lm_head."""
+    body = getattr(model, "model", None)
+    if body is None or not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+            or not hasattr(model, "lm_head"):
+        return None
+    eager = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager"
+    blocks: list[tuple[str, nn.Module]] = [("embed", body.embed_tokens)]
+    blocks += [(f"model.layers.{i}", RotaryLayer(layer, body.rotary_emb, eager)) for i, layer in enumerate(body.layers)]
+    blocks.append(("head", _Seq(body.norm, model.lm_head)))
+    return Chain(blocks, source=model)
+
+
+def bert_chain(model: nn.Module) -> Chain | None:
+    """Blocks of ``BertForMaskedLM``: embeddings, each encoder layer (bidirectional, no mask), ``cls`` head."""
+    bert, head = getattr(model, "bert", None), getattr(model, "cls", None)
+    if bert is None or head is None or not hasattr(getattr(bert, "encoder", None), "layer"):
+        return None
+    blocks: list[tuple[str, nn.Module]] = [("embed", bert.embeddings)]
+    blocks += [(f"bert.encoder.layer.{i}", _FirstOutput(layer)) for i, layer in enumerate(bert.encoder.layer)]
+    blocks.append(("head", head))
+    return Chain(blocks, source=model)
+
+
 def to_chain(model: nn.Module | Sequence[nn.Module]) -> Chain:
     """Find the chain of blocks of ``model`` (see the module docstring for the rules)."""
     if isinstance(model, Chain):
@@ -163,9 +215,7 @@ def to_chain(model: nn.Module | Sequence[nn.Module]) -> Chain:
         return Chain(model.chain_blocks(), source=model)
     if isinstance(model, nn.Sequential):
         return Chain(list(model.named_children()), source=model)
-    from scaletrain.models.adapters import find_chain
-
-    for finder in (_hf_gpt2, _torchvision_resnet, find_chain):
+    for finder in (_hf_gpt2, _torchvision_resnet, llama_chain, bert_chain):
         c = finder(model)
         if c is not None:
             return c

@@ -36,7 +36,7 @@ import signal
 import time
 from pathlib import Path
 
-from scaletrain.train.rundir import JOB_DIR_ENV
+from scaletrain.train.job_env import JOB_DIR_ENV
 
 PLACES = ("step", "collective", "save", "async-save")
 

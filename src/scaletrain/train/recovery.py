@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from scaletrain.errors import ERROR_DIR_ENV, read_reports, summarize
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.rundir import ATTEMPT_ENV, JOB_DIR_ENV, RESTART_ENV
+from scaletrain.train.job_env import ATTEMPT_ENV, JOB_DIR_ENV, RESTART_ENV
 
 DIED_FILE = "launcher.json"
 """torchrun's first failed rank ({"rank", "exitcode", "signal"}), written into the error directory."""

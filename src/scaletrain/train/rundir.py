@@ -24,16 +24,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from scaletrain.errors import ConfigError
+from scaletrain.train.job_env import ATTEMPT_ENV, JOB_DIR_ENV
 from scaletrain.train.logging import MetricsWriter
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "checkpoints")
 """What makes a directory a run directory."""
-JOB_DIR_ENV = "SCALETRAIN_JOB_DIR"
-"""The launcher's scratch directory (heartbeat, fault markers), kept across its restarts."""
-ATTEMPT_ENV = "SCALETRAIN_ATTEMPT"
-"""Which attempt of the launcher's job this is (0 = the first)."""
-RESTART_ENV = "SCALETRAIN_RESTART_INFO"
-"""JSON from the launcher about the failure this attempt recovers from (see :mod:`.recovery`)."""
 
 
 def holds_run(path: Path) -> bool:

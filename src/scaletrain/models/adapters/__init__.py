@@ -18,11 +18,10 @@ from torch import nn
 from scaletrain.errors import UserError
 from scaletrain.models.adapters.base import Adapter, cross_entropy, logits_of, own_loss
 from scaletrain.models.adapters.generic import module_adapter, reference_adapter
-from scaletrain.models.adapters.hf_causal import causal_adapter, is_causal_lm, llama_chain
-from scaletrain.models.adapters.hf_masked import (bert_chain, is_masked_lm, is_seq_classifier, masked_adapter,
-                                                  seqcls_adapter)
+from scaletrain.models.adapters.hf_causal import causal_adapter, is_causal_lm
+from scaletrain.models.adapters.hf_masked import is_masked_lm, is_seq_classifier, masked_adapter, seqcls_adapter
 
-__all__ = ["Adapter", "adapt", "cross_entropy", "find_chain", "input_spec", "logits_of", "own_loss", "task_of"]
+__all__ = ["Adapter", "adapt", "cross_entropy", "input_spec", "logits_of", "own_loss", "task_of"]
 
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, Adapter]" = weakref.WeakKeyDictionary()
 
@@ -53,15 +52,6 @@ def adapt(model: nn.Module, **fields: Any) -> Adapter:
         a = dataclasses.replace(a, **fields)
     _CACHE[model] = a
     return a
-
-
-def find_chain(model: nn.Module) -> Any:
-    """Chain of an HF layout that :mod:`scaletrain.chain` does not know by itself (Llama, BERT), or None."""
-    for finder in (llama_chain, bert_chain):
-        c = finder(model)
-        if c is not None:
-            return c
-    return None
 
 
 def task_of(model: nn.Module) -> str:

@@ -14,11 +14,11 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch import nn
 
+from scaletrain.chain import llama_chain
 from scaletrain.models.adapters.base import Adapter, cross_entropy
 
 
@@ -29,45 +29,6 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 def _from_transformers(model: nn.Module) -> bool:
     return type(model).__module__.startswith("transformers")
-
-
-def _causal_mask(s: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive causal mask [1, 1, s, s]: 0 on and below the diagonal, the dtype's minimum above
-    (what HF builds at model level for "eager" attention; SDPA is causal without a mask)."""
-    upper = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
-    return torch.zeros(s, s, dtype=dtype, device=device).masked_fill(upper, torch.finfo(dtype).min)[None, None]
-
-
-class RotaryLayer(nn.Module):
-    """A Llama/Mistral decoder layer as a single-tensor block: hidden [b, s, h] -> hidden [b, s, h],
-    positions 0..s-1, the rotary embedding of the model's own ``rotary_emb``."""
-
-    def __init__(self, layer: nn.Module, rotary: nn.Module, eager: bool):
-        super().__init__()
-        self.layer, self.eager = layer, eager
-        self.rotary = rotary  # shared by every layer; no parameters (its inv_freq buffer is not saved)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        pe = self.rotary(x, position_ids=pos)
-        mask = _causal_mask(x.shape[1], x.dtype, x.device) if self.eager else None
-        out = self.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
-        return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def llama_chain(model: nn.Module) -> Any:
-    """Blocks of a Llama/Mistral-style ``*ForCausalLM``: embed_tokens, each layer, norm + lm_head."""
-    from scaletrain.chain import Chain, _Seq
-
-    body = getattr(model, "model", None)
-    if body is None or not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
-            or not hasattr(model, "lm_head"):
-        return None
-    eager = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager"
-    blocks: list[tuple[str, nn.Module]] = [("embed", body.embed_tokens)]
-    blocks += [(f"model.layers.{i}", RotaryLayer(layer, body.rotary_emb, eager)) for i, layer in enumerate(body.layers)]
-    blocks.append(("head", _Seq(body.norm, model.lm_head)))
-    return Chain(blocks, source=model)
 
 
 def causal_adapter(model: nn.Module) -> Adapter:

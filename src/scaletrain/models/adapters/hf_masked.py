@@ -12,12 +12,12 @@ to the global batch's mean, so data-parallel runs equal one process.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.chain import bert_chain
 from scaletrain.models.adapters.base import Adapter
 
 MASK_PERCENT = 15
@@ -31,19 +31,6 @@ def is_masked_lm(model: nn.Module) -> bool:
 def is_seq_classifier(model: nn.Module) -> bool:
     return (type(model).__module__.startswith("transformers")
             and type(model).__name__.endswith("ForSequenceClassification"))
-
-
-def bert_chain(model: nn.Module) -> Any:
-    """Blocks of ``BertForMaskedLM``: embeddings, each encoder layer (bidirectional, no mask), ``cls`` head."""
-    from scaletrain.chain import Chain, _FirstOutput
-
-    bert, head = getattr(model, "bert", None), getattr(model, "cls", None)
-    if bert is None or head is None or not hasattr(getattr(bert, "encoder", None), "layer"):
-        return None
-    blocks: list[tuple[str, nn.Module]] = [("embed", bert.embeddings)]
-    blocks += [(f"bert.encoder.layer.{i}", _FirstOutput(layer)) for i, layer in enumerate(bert.encoder.layer)]
-    blocks.append(("head", head))
-    return Chain(blocks, source=model)
 
 
 def mask_tokens(x: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
