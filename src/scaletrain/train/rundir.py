@@ -13,6 +13,8 @@ that cannot proceed must not change it. So:
 
 The launcher's restarts (``--max-restarts``) reuse their own directory: ``SCALETRAIN_ATTEMPT``
 > 0 says so, and the time the failure cost is logged as a ``restart`` row (:mod:`.recovery`).
+Under the user's own ``torchrun --max-restarts`` a restarted round reuses the directory that its
+job accepted in an earlier round (:mod:`.elastic`).
 """
 
 from __future__ import annotations
@@ -50,12 +52,15 @@ def check_target(out: Path | None, resume: bool) -> None:
         return
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is an existing file; name a directory (new, or a run to --resume)")
+    from scaletrain.train import elastic
+
     if resume:
         if not out.is_dir():
             raise ConfigError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r} (the run directory does not "
                               f"exist)")
+        elastic.claim(out)
         return
-    if holds_run(out) and restart_attempt() == 0:
+    if holds_run(out) and restart_attempt() == 0 and not elastic.owns(out):
         raise ConfigError(f"run directory {str(out)!r} already holds a run; continue it with --resume, or choose "
                           f"another --out")
     parent = out
@@ -63,6 +68,7 @@ def check_target(out: Path | None, resume: bool) -> None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {str(out)!r} cannot be created: {str(parent)!r} is not a writable directory")
+    elastic.claim(out)  # under torchrun: a restarted round may reuse it (scaletrain.train.elastic)
 
 
 def trim_metrics(path: Path, last_step: int) -> int:

@@ -45,7 +45,7 @@ from scaletrain.techniques.data_parallel import launch
 from scaletrain.techniques.runtime import RunContext
 from scaletrain.techniques.stack import build_runtime
 from scaletrain.models.adapters import adapt
-from scaletrain.train import checkpoint_io, faults, handback, preflight, resume as resuming, rundir
+from scaletrain.train import checkpoint_io, elastic, faults, handback, preflight, resume as resuming, rundir
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
@@ -99,7 +99,8 @@ class Trainer:
                  resume: bool = False, log: Callable[[str], None] | None = None, reset_optimizer: bool = False):
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.resume, self.reset_optimizer = resume, reset_optimizer
+        # a restarted round of the user's torchrun --max-restarts resumes its own run (scaletrain.train.elastic)
+        self.resume, self.reset_optimizer = resume or elastic.resume_round(self.out_dir), reset_optimizer
         rundir.check_target(self.out_dir, resume)  # before anything is built: an unusable --out is one line
         env = launch.launch_env()
         self.device = preflight.resolve_device(cfg.train.device, env.local_rank)

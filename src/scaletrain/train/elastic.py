@@ -1,0 +1,101 @@
+"""Recovery under the user's own ``torchrun --max-restarts`` (one node or several).
+
+torchrun's agent restarts every worker of the job (on every node) when one fails, with the same
+command line; ``TORCHELASTIC_RESTART_COUNT`` says which round this is. Two things make such a
+restart a resume that loses and repeats no sample:
+
+1. **The run directory is this job's.** A restarted round finds the run directory that round 0
+   created (``config.toml``, metrics, checkpoints), which :func:`.rundir.check_target` would refuse
+   as "already holds a run". The proof that it is this job's own is a key in the agent's TCP store
+   (``MASTER_ADDR``/``MASTER_PORT`` when ``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's
+   default for the static and c10d rendezvous backends): the store lives in the agent of node 0
+   for the whole job, across rounds, and is shared by all nodes. Every rank that accepted the run
+   directory :func:`claim`\\ s it; a later round :func:`owns` it and resumes from its newest
+   complete checkpoint (:func:`resume_round`), or starts over when the failure came before the
+   first checkpoint. A run directory of an earlier job is still refused: the key is not in this
+   job's store. Without an agent store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) nothing is
+   claimed and a restarted round refuses the directory as before, in one line.
+2. **Each round gets its own process-group keys.** The same agent store also backs the default
+   process group of every round, so round N > 0 would find round 0's keys of the same names
+   (under torch's fixed ``default_pg/`` prefix: the addresses and barrier counters of processes
+   that are gone). :func:`group_store` prefixes the keys with the round, so a round reads only its
+   own ranks' entries.
+
+Every node must see the same run directory (a shared filesystem), as any multi-node resume needs.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""Set by torchrun's agent on every worker: how many times the worker group was restarted."""
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+"""``"True"`` when the agent hosts the store at ``MASTER_ADDR:MASTER_PORT`` for the whole job."""
+
+_STORE: dist.TCPStore | None = None
+_STORE_FOR: tuple[str, int] | None = None
+
+
+def restart_round() -> int:
+    """torchrun's restart count (0 on the first round, and outside torchrun)."""
+    try:
+        return int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
+    except ValueError:
+        return 0
+
+
+def agent_store(timeout_s: float = 60.0) -> dist.TCPStore | None:
+    """A client of the torchrun agent's job-long store, or None when not under one (cached)."""
+    global _STORE, _STORE_FOR
+    if os.environ.get(AGENT_STORE_ENV) != "True" or not os.environ.get("MASTER_ADDR"):
+        return None
+    try:
+        where = (os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "")))
+    except ValueError:
+        return None
+    if _STORE is None or _STORE_FOR != where:
+        _STORE = dist.TCPStore(where[0], where[1], None, False, timeout=timedelta(seconds=timeout_s))
+        _STORE_FOR = where
+    return _STORE
+
+
+def group_store(timeout_s: float) -> dist.Store | None:
+    """The store for this round's default process group: the agent's, under ``scaletrain/round<N>/``
+    (None when not under an agent store: then ``env://`` as usual)."""
+    store = agent_store(timeout_s)
+    if store is None:
+        return None
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"scaletrain/round{restart_round()}/", store)
+
+
+def _key(out: Path) -> str:
+    return f"scaletrain/run_dir/{out}"
+
+
+def claim(out: Path) -> None:
+    """Record in the agent's store that this job accepted ``out`` as its run directory."""
+    store = agent_store()
+    if store is not None:
+        store.set(_key(out), "1")
+
+
+def owns(out: Path) -> bool:
+    """True when an earlier round of this torchrun job accepted ``out`` (so its files are this job's)."""
+    store = agent_store()
+    return restart_round() > 0 and store is not None and store.check([_key(out)])
+
+
+def resume_round(out: Path | None) -> bool:
+    """True when this is a restarted round of a job whose run directory ``out`` has a checkpoint:
+    the round resumes from the newest complete one instead of starting over."""
+    if out is None or restart_round() == 0 or not owns(out):
+        return False
+    from scaletrain.train import checkpoint as ckpt
+
+    return ckpt.latest(out / "checkpoints") is not None
