@@ -4,6 +4,7 @@ this machine (node ranks 0 and 1, one process each, c10d rendezvous on localhost
 round resumes from the newest checkpoint of the same run directory, and the job ends with the
 parameters of an uninterrupted run (see ``scaletrain.train.elastic``)."""
 
+import json
 import subprocess
 import sys
 import time
@@ -37,22 +38,35 @@ def _two_nodes(out: Path, faults: str | None, backend: str = "c10d") -> tuple[li
     return done, time.monotonic() - t0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["c10d", pytest.param("static", marks=pytest.mark.skip(
-    reason="same code path; checked by hand (2 x 2 processes too), ~18 s more"))])
-def test_torchrun_restart_across_nodes_resumes_with_uninterrupted_parameters(tmp_path, backend):
-    base, t_base = _two_nodes(tmp_path / "base", None, backend)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, float]:
+    """The same job without a fault (its run directory and wall time), shared by both backends."""
+    out = tmp_path_factory.mktemp("torchrun") / "base"
+    base, t_base = _two_nodes(out, None)
     assert all(r.returncode == 0 for r in base), base[0].stdout[-3000:] + base[1].stdout[-3000:]
+    return out, t_base
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["c10d", "static"])
+def test_torchrun_restart_across_nodes_resumes_with_uninterrupted_parameters(tmp_path, backend, uninterrupted):
+    base, t_base = uninterrupted
     hit, t_hit = _two_nodes(tmp_path / "hit", "6", backend)  # step 6: one step after step 4's checkpoint
     text = hit[0].stdout + hit[1].stdout
     assert all(r.returncode == 0 for r in hit), text[-6000:]
     assert (tmp_path / "hit" / "fault-6.json").is_file()  # the fault fired
     assert f"resumed from {tmp_path / 'hit' / 'checkpoints' / 'step_00000004'} at step 4" in text
     assert "connectFullMesh" not in text
-    diff = final_parameters_diff(tmp_path / "base", tmp_path / "hit")
+    diff = final_parameters_diff(base, tmp_path / "hit")
     assert diff <= 1e-6, diff
     losses = logged_losses(tmp_path / "hit")
     assert [s for s, _ in losses] == list(range(1, 9))  # step 5, run twice, is logged once
-    assert torch.allclose(torch.tensor(losses), torch.tensor(logged_losses(tmp_path / "base")), rtol=0, atol=1e-6)
-    print(f"\ntime lost to one failure under torchrun ({backend}): {t_hit - t_base:.1f} s "
+    assert torch.allclose(torch.tensor(losses), torch.tensor(logged_losses(base)), rtol=0, atol=1e-6)
+    rows = [json.loads(line) for line in (tmp_path / "hit" / "metrics.jsonl").read_text().splitlines()]
+    restarts = [r for r in rows if r.get("event") == "restart"]
+    assert [(r["attempt"], r["failed_at_step"], r["resumed_from_step"], r["recomputed_steps"]) for r in restarts] == [
+        (1, 5, 4, 1)]
+    parts = sum(restarts[0][k] for k in ("detect_s", "restart_s", "reload_s", "recompute_s"))
+    assert restarts[0]["lost_s"] > 0 and parts == pytest.approx(restarts[0]["lost_s"], abs=1e-3)
+    print(f"\n{restarts[0]}\ntime lost to one failure under torchrun ({backend}): {t_hit - t_base:.1f} s "
           f"(job {t_hit:.1f} s, uninterrupted {t_base:.1f} s)")

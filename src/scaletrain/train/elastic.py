@@ -99,3 +99,54 @@ def resume_round(out: Path | None) -> bool:
     from scaletrain.train import checkpoint as ckpt
 
     return ckpt.latest(out / "checkpoints") is not None
+
+
+def _process_start() -> float:
+    """When this process started (seconds since the epoch; Linux's /proc, else now)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        import time
+
+        return time.time()
+
+
+def _last_step(metrics: Path) -> int:
+    """The last training step logged in ``metrics`` (0 when none)."""
+    import json
+
+    last = 0
+    try:
+        lines = metrics.read_text(errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "loss" in row and isinstance(row.get("step"), int):
+            last = row["step"]
+    return last
+
+
+def restart_clock(out: Path, start_step: int):  # -> recovery.RestartClock | None (imported lazily)
+    """Rank 0's account of a torchrun restart, so that it logs the ``restart`` row as under
+    scaletrain's own launcher. The failure's moment is the newest fault-injector marker or, for a
+    real failure, the last metrics write (the last completed step); torchrun tells the worker no
+    exit time, so this process's start stands in for it: ``detect_s`` then holds the agents'
+    detection and re-rendezvous, ``restart_s`` this process's start-up until the checkpoint load."""
+    if restart_round() == 0 or not owns(out):
+        return None
+    from scaletrain.train.recovery import RestartClock, fault_time
+
+    metrics = out / "metrics.jsonl"
+    times = [t for t in [fault_time(out, 0.0)] if t is not None]
+    if metrics.is_file():
+        times.append(metrics.stat().st_mtime)
+    started = _process_start()
+    t_fault = min(max(times, default=started), started)
+    return RestartClock(restart_round(), t_fault, started, _last_step(metrics), start_step)

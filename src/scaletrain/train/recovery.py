@@ -103,8 +103,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _fault_time(job: Path, since: float) -> float | None:
-    """When the fault injector fired during this attempt (its marker's record), if it did."""
+def fault_time(job: Path, since: float) -> float | None:
+    """When the fault injector last fired at or after ``since`` (its markers' record in ``job``), if it did."""
     times = [d["time"] for p in job.glob("fault-*.json") if (d := _read_json(p)) and d.get("time", 0) >= since]
     return max(times) if times else None
 
@@ -200,7 +200,7 @@ def run_job(torchrun: Callable[[list[str]], list[str]], argv: list[str], out: Pa
                 return 1 if restartable else 2
             progress = _read_json(job / "progress.json") or {}
             failed_step = int(progress.get("step", 0)) if progress.get("time", 0) >= t_launch else 0
-            t_fault = _fault_time(job, t_launch) or float(progress.get("time", 0)) or t_launch
+            t_fault = fault_time(job, t_launch) or float(progress.get("time", 0)) or t_launch
             info = {"attempt": attempt + 1, "t_fault": t_fault, "t_exit": t_exit, "failed_step": failed_step}
             newest = ckpt.latest(out / "checkpoints")
             log(f"scaletrain: {line}; restart {attempt + 1} of {max_restarts} "

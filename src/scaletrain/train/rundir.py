@@ -121,7 +121,11 @@ class RunDir:
         self._pending: list[dict[str, Any]] = []
         from scaletrain.train import recovery
 
-        self.restart = recovery.RestartClock.from_env(start_step) if path is not None else None
+        self.restart = None
+        if path is not None:  # scaletrain's launcher says what failed; under torchrun the run directory does
+            from scaletrain.train import elastic
+
+            self.restart = recovery.RestartClock.from_env(start_step) or elastic.restart_clock(path, start_step)
         self.job_dir = Path(os.environ[JOB_DIR_ENV]) if os.environ.get(JOB_DIR_ENV) else None
 
     @property
