@@ -4,22 +4,30 @@ torchrun's agent restarts every worker of the job (on every node) when one fails
 command line; ``TORCHELASTIC_RESTART_COUNT`` says which round this is. Two things make such a
 restart a resume that loses and repeats no sample:
 
-1. **The run directory is this job's.** A restarted round finds the run directory that round 0
-   created (``config.toml``, metrics, checkpoints), which :func:`.rundir.check_target` would refuse
-   as "already holds a run". The proof that it is this job's own is a key in the agent's TCP store
-   (``MASTER_ADDR``/``MASTER_PORT`` when ``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's
-   default for the static and c10d rendezvous backends): the store lives in the agent of node 0
-   for the whole job, across rounds, and is shared by all nodes. Every rank that accepted the run
-   directory :func:`claim`\\ s it; a later round :func:`owns` it and resumes from its newest
-   complete checkpoint (:func:`resume_round`), or starts over when the failure came before the
-   first checkpoint. A run directory of an earlier job is still refused: the key is not in this
-   job's store. Without an agent store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) nothing is
-   claimed and a restarted round refuses the directory as before, in one line.
-2. **Each round gets its own process-group keys.** The same agent store also backs the default
-   process group of every round, so round N > 0 would find round 0's keys of the same names
-   (under torch's fixed ``default_pg/`` prefix: the addresses and barrier counters of processes
-   that are gone). :func:`group_store` prefixes the keys with the round, so a round reads only its
-   own ranks' entries.
+1. **The run directory is this job's.** A restarted round finds the run directory that an
+   earlier round created (``config.toml``, metrics, checkpoints), which
+   :func:`.rundir.check_target` would refuse as "already holds a run". The proof that it is this
+   job's own is a key in the agent's TCP store (``MASTER_ADDR``/``MASTER_PORT`` when
+   ``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's default for the static and c10d rendezvous
+   backends): that store lives in node 0's agent for the whole job, across rounds, and every node
+   reaches it. Every rank that accepts the run directory :func:`claim`\ s it; a later round
+   :func:`owns` it and resumes from its newest complete checkpoint (:func:`resume_round`), or
+   starts over when the failure came before the first checkpoint. A run directory of an earlier
+   job is still refused: the key is not in this job's store. Without an agent store
+   (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) nothing is claimed and a restarted round refuses the
+   directory in one line, as before.
+2. **Each round gets a fresh process-group store.** Under plain ``env://`` every round's default
+   process group keeps its keys in that same job-long agent store, under fixed names
+   (``default_pg/...``: torch/distributed/distributed_c10d.py ``init_process_group``, ~line 1897;
+   torch/distributed/rendezvous.py ~line 189 assumes "a new TCPStore for every retry", but the
+   agent creates its store once: elastic/rendezvous/dynamic_rendezvous.py ~line 1209,
+   static_tcp_rendezvous.py ~line 66). A restarted round then reads the dead round's gloo
+   addresses: ``connectFullMesh`` is refused or hangs until the timeout (seen with 2 nodes x 2
+   processes). A per-round key prefix is no cure: no round number is the same on every node —
+   ``TORCHELASTIC_RESTART_COUNT`` counts only the restarts after this node's own worker failed,
+   and an agent that restarts because another node rejoined (elastic/agent/server/api.py ~line
+   961, "Detected N new nodes") keeps its count (seen with c10d: counts 0 and 1 in one round). So
+   rank 0 hosts a new store each round and publishes its address (:func:`group_store`).
 
 Every node must see the same run directory (a shared filesystem), as any multi-node resume needs.
 """
@@ -64,14 +72,43 @@ def agent_store(timeout_s: float = 60.0) -> dist.TCPStore | None:
     return _STORE
 
 
-def group_store(timeout_s: float) -> dist.Store | None:
-    """The store for this round's default process group: the agent's, under ``scaletrain/round<N>/``
-    (None when not under an agent store: then ``env://`` as usual)."""
-    store = agent_store(timeout_s)
-    if store is None:
+GROUP_STORE_KEY = "scaletrain/group_store"
+"""Agent-store key where rank 0 publishes ``host:port`` of the round's own store (:func:`group_store`)."""
+
+
+def group_store(rank: int, world: int, timeout_s: float) -> dist.Store | None:
+    """A fresh store for this round's default process group (None when not under an agent store:
+    then ``env://`` as usual).
+
+    Rank 0 hosts it (on ``MASTER_ADDR``'s machine, which is rank 0's: torchrun puts global rank 0
+    on the node that hosts the agent store) and publishes its address in the agent store. A rank
+    that reads a dead round's address cannot connect (every worker of the previous round is
+    stopped before any agent finishes the new rendezvous, agent/server/api.py ``_restart_workers``)
+    and reads again until the new address is there. Why not the agent store itself with a
+    per-round prefix: no round number is the same on every node (see the module docstring).
+    """
+    agent = agent_store(timeout_s)
+    if agent is None:
         return None
-    store.set_timeout(timedelta(seconds=timeout_s))
-    return dist.PrefixStore(f"scaletrain/round{restart_round()}/", store)
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        own = dist.TCPStore(os.environ["MASTER_ADDR"], 0, world, True, timeout=timeout, wait_for_workers=False)
+        agent.set(GROUP_STORE_KEY, f"{os.environ['MASTER_ADDR']}:{own.port}")
+        return own
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        host, _, port = agent.get(GROUP_STORE_KEY).decode().rpartition(":")
+        try:
+            store = dist.TCPStore(host, int(port), None, False, timeout=timedelta(seconds=1))
+        except (RuntimeError, ValueError):  # a dead round's address (DistStoreError is a RuntimeError)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+            continue
+        store.set_timeout(timeout)
+        return store
 
 
 def _key(out: Path) -> str:
@@ -86,15 +123,17 @@ def claim(out: Path) -> None:
 
 
 def owns(out: Path) -> bool:
-    """True when an earlier round of this torchrun job accepted ``out`` (so its files are this job's)."""
+    """True when a rank of this torchrun job (this round or an earlier one) accepted ``out``, so
+    the files in it are this job's."""
     store = agent_store()
-    return restart_round() > 0 and store is not None and store.check([_key(out)])
+    return store is not None and store.check([_key(out)])
 
 
 def resume_round(out: Path | None) -> bool:
     """True when this is a restarted round of a job whose run directory ``out`` has a checkpoint:
-    the round resumes from the newest complete one instead of starting over."""
-    if out is None or restart_round() == 0 or not owns(out):
+    the round resumes from the newest complete one instead of starting over. (In the first round
+    no checkpoint of this job can exist before every rank has joined.)"""
+    if out is None or not owns(out):
         return False
     from scaletrain.train import checkpoint as ckpt
 
@@ -139,7 +178,9 @@ def restart_clock(out: Path, start_step: int):  # -> recovery.RestartClock | Non
     real failure, the last metrics write (the last completed step); torchrun tells the worker no
     exit time, so this process's start stands in for it: ``detect_s`` then holds the agents'
     detection and re-rendezvous, ``restart_s`` this process's start-up until the checkpoint load."""
-    if restart_round() == 0 or not owns(out):
+    from scaletrain.train.rundir import holds_run
+
+    if not owns(out) or not holds_run(out):  # the first round creates the directory after its first step
         return None
     from scaletrain.train.recovery import RestartClock, fault_time
 
@@ -149,4 +190,5 @@ def restart_clock(out: Path, start_step: int):  # -> recovery.RestartClock | Non
         times.append(metrics.stat().st_mtime)
     started = _process_start()
     t_fault = min(max(times, default=started), started)
-    return RestartClock(restart_round(), t_fault, started, _last_step(metrics), start_step)
+    attempt = agent_store().add(f"scaletrain/restarts/{out}", 1)  # restart_round() may lag on some nodes
+    return RestartClock(attempt, t_fault, started, _last_step(metrics), start_step)

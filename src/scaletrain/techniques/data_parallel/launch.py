@@ -70,9 +70,10 @@ def backend_for(device: torch.device) -> str:
 def init_process_group(device: torch.device, timeout_s: float) -> bool:
     """Join the job's default process group if the launcher started several processes.
 
-    Under torchrun the group's keys go to the agent's store with a per-restart-round prefix
-    (:func:`scaletrain.train.elastic.group_store`): plain ``env://`` would let a restarted round
-    read the dead round's gloo addresses and hang or fail in ``connectFullMesh``.
+    Under torchrun the group gets a fresh store of its own each round
+    (:func:`scaletrain.train.elastic.group_store`): plain ``env://`` uses the agent's job-long
+    store, where a restarted round reads the dead round's gloo addresses and hangs or fails in
+    ``connectFullMesh``.
 
     Returns True if this call created the group (so the caller must tear it down), False if
     there is nothing to do (one process) or a group already exists (a test harness made it).
@@ -87,7 +88,7 @@ def init_process_group(device: torch.device, timeout_s: float) -> bool:
         kw["device_id"] = device
     from scaletrain.train import elastic
 
-    store = elastic.group_store(timeout_s)  # under torchrun's agent store: this restart round's own keys
+    store = elastic.group_store(env.rank, env.world, timeout_s)  # under torchrun's agent: this round's own store
     if store is not None:
         kw.update(store=store, rank=env.rank, world_size=env.world)
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), **kw)
