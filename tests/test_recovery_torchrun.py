@@ -70,3 +70,29 @@ def test_torchrun_restart_across_nodes_resumes_with_uninterrupted_parameters(tmp
     assert restarts[0]["lost_s"] > 0 and parts == pytest.approx(restarts[0]["lost_s"], abs=1e-3)
     print(f"\n{restarts[0]}\ntime lost to one failure under torchrun ({backend}): {t_hit - t_base:.1f} s "
           f"(job {t_hit:.1f} s, uninterrupted {t_base:.1f} s)")
+
+
+def test_agent_store_claim_lets_only_this_job_reuse_its_run_directory(tmp_path, monkeypatch):
+    """A run directory that holds a run is reused by a restarted round only when this job (its
+    agent store) accepted it before; an earlier job's run is still refused in one line."""
+    from torch.distributed import TCPStore
+
+    from scaletrain.errors import ConfigError
+    from scaletrain.train import elastic, rundir
+
+    server = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.setenv(elastic.AGENT_STORE_ENV, "True")
+    monkeypatch.setattr(elastic, "_STORE", None)
+    old, ours = tmp_path / "old", tmp_path / "ours"
+    rundir.check_target(ours, resume=False)  # accepted (new): claimed
+    for d in (old, ours):
+        (d / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        rundir.check_target(old, resume=False)
+    rundir.check_target(ours, resume=False)
+    assert elastic.owns(ours) and not elastic.owns(old)
+    assert not elastic.resume_round(ours)  # no checkpoint yet: the round starts over
+    (ours / "checkpoints" / "step_00000002.pt").write_bytes(b"")
+    assert elastic.resume_round(ours) and not elastic.resume_round(old)

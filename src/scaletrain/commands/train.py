@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
                    help="data-parallel processes on this machine: re-runs this command under "
                    "`python -m torch.distributed.run --standalone --nproc-per-node N` (gloo on CPU, NCCL on GPU); "
-                   "for several machines run torchrun yourself")
+                   "for several machines run torchrun yourself (its --max-restarts resume too: give --out on a shared "
+                   "filesystem)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="with --nproc-per-node: restart the job up to K times when a rank dies or hangs past "
                    "parallel.timeout_s, each time with a fresh rendezvous, resuming from the newest complete "

@@ -1,8 +1,7 @@
 """Recovery under the user's own ``torchrun --max-restarts`` (one node or several).
 
-torchrun's agent restarts every worker of the job (on every node) when one fails, with the same
-command line; ``TORCHELASTIC_RESTART_COUNT`` says which round this is. Two things make such a
-restart a resume that loses and repeats no sample:
+torchrun's agents restart every worker of the job (on every node) when one fails, with the same
+command line. Two things make such a restart a resume that loses and repeats no sample:
 
 1. **The run directory is this job's.** A restarted round finds the run directory that an
    earlier round created (``config.toml``, metrics, checkpoints), which
@@ -10,7 +9,7 @@ restart a resume that loses and repeats no sample:
    job's own is a key in the agent's TCP store (``MASTER_ADDR``/``MASTER_PORT`` when
    ``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's default for the static and c10d rendezvous
    backends): that store lives in node 0's agent for the whole job, across rounds, and every node
-   reaches it. Every rank that accepts the run directory :func:`claim`\ s it; a later round
+   reaches it. Every rank that accepts the run directory claims it (:func:`claim`); a later round
    :func:`owns` it and resumes from its newest complete checkpoint (:func:`resume_round`), or
    starts over when the failure came before the first checkpoint. A run directory of an earlier
    job is still refused: the key is not in this job's store. Without an agent store
@@ -29,32 +28,30 @@ restart a resume that loses and repeats no sample:
    961, "Detected N new nodes") keeps its count (seen with c10d: counts 0 and 1 in one round). So
    rank 0 hosts a new store each round and publishes its address (:func:`group_store`).
 
-Every node must see the same run directory (a shared filesystem), as any multi-node resume needs.
+Every node must see the same run directory (a shared filesystem), as any multi-node resume needs,
+and the command must name it (``--out DIR``: without it each round would pick a new one and start
+over).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
-"""Set by torchrun's agent on every worker: how many times the worker group was restarted."""
+if TYPE_CHECKING:
+    from scaletrain.train.recovery import RestartClock
+
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 """``"True"`` when the agent hosts the store at ``MASTER_ADDR:MASTER_PORT`` for the whole job."""
 
 _STORE: dist.TCPStore | None = None
 _STORE_FOR: tuple[str, int] | None = None
-
-
-def restart_round() -> int:
-    """torchrun's restart count (0 on the first round, and outside torchrun)."""
-    try:
-        return int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
-    except ValueError:
-        return 0
 
 
 def agent_store(timeout_s: float = 60.0) -> dist.TCPStore | None:
@@ -95,8 +92,6 @@ def group_store(rank: int, world: int, timeout_s: float) -> dist.Store | None:
         own = dist.TCPStore(os.environ["MASTER_ADDR"], 0, world, True, timeout=timeout, wait_for_workers=False)
         agent.set(GROUP_STORE_KEY, f"{os.environ['MASTER_ADDR']}:{own.port}")
         return own
-    import time
-
     deadline = time.monotonic() + timeout_s
     while True:
         host, _, port = agent.get(GROUP_STORE_KEY).decode().rpartition(":")
@@ -148,15 +143,11 @@ def _process_start() -> float:
                     if line.startswith("btime "))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
-        import time
-
         return time.time()
 
 
 def _last_step(metrics: Path) -> int:
     """The last training step logged in ``metrics`` (0 when none)."""
-    import json
-
     last = 0
     try:
         lines = metrics.read_text(errors="replace").splitlines()
@@ -172,7 +163,7 @@ def _last_step(metrics: Path) -> int:
     return last
 
 
-def restart_clock(out: Path, start_step: int):  # -> recovery.RestartClock | None (imported lazily)
+def restart_clock(out: Path, start_step: int) -> RestartClock | None:
     """Rank 0's account of a torchrun restart, so that it logs the ``restart`` row as under
     scaletrain's own launcher. The failure's moment is the newest fault-injector marker or, for a
     real failure, the last metrics write (the last completed step); torchrun tells the worker no
@@ -190,5 +181,5 @@ def restart_clock(out: Path, start_step: int):  # -> recovery.RestartClock | Non
         times.append(metrics.stat().st_mtime)
     started = _process_start()
     t_fault = min(max(times, default=started), started)
-    attempt = agent_store().add(f"scaletrain/restarts/{out}", 1)  # restart_round() may lag on some nodes
+    attempt = agent_store().add(f"scaletrain/restarts/{out}", 1)  # TORCHELASTIC_RESTART_COUNT may lag on some nodes
     return RestartClock(attempt, t_fault, started, _last_step(metrics), start_step)
