@@ -94,10 +94,10 @@ def group_store(rank: int, world: int, timeout_s: float) -> dist.Store | None:
         return own
     deadline = time.monotonic() + timeout_s
     while True:
-        host, _, port = agent.get(GROUP_STORE_KEY).decode().rpartition(":")
-        try:
+        try:  # get() waits for a first round's rank 0; a dead round's address fails to connect
+            host, _, port = agent.get(GROUP_STORE_KEY).decode().rpartition(":")
             store = dist.TCPStore(host, int(port), None, False, timeout=timedelta(seconds=1))
-        except (RuntimeError, ValueError):  # a dead round's address (DistStoreError is a RuntimeError)
+        except (RuntimeError, ValueError):  # DistStoreError / DistNetworkError are RuntimeErrors
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
