@@ -14,7 +14,10 @@ with torch's defaults the restarted ranks started over and hung in gloo's ``conn
 restart row is logged there too (``detect_s`` then runs from the failure to the new processes'
 start: torchrun's detection and re-rendezvous). Measured on a 2-core machine, two "nodes" on
 localhost, gpt2-tiny: 3.6-8 s lost per failure with 2 x 1 processes (static and c10d), ~8 s with
-2 x 2, mostly the new processes' start-up (tests/test_recovery_torchrun.py).
+2 x 2, mostly the new processes' start-up (tests/test_recovery_torchrun.py). A hung (stopped) rank
+costs more there: ``parallel.timeout_s`` plus the 30 s torchrun's agent waits for a process to
+honour SIGTERM before it sends SIGKILL (measured: 37 s of detection with ``parallel.timeout_s=5``);
+scaletrain's own launcher kills the hung rank 3 s after its peer's report (:data:`GRACE_S`).
 
 A failure is restarted unless a rank reported a bad input (:attr:`UserError.restartable` False),
 which would fail the same way again. A rank that hangs is caught by the collective timeout
