@@ -136,13 +136,13 @@ def resume_round(out: Path | None) -> bool:
 
 
 def _process_start() -> float:
-    """When this process started (seconds since the epoch; Linux's /proc, else now)."""
+    """When this process started (seconds since the epoch; Linux's /proc, else now). The boot
+    moment comes from CLOCK_BOOTTIME, not /proc/stat's whole-second ``btime`` (up to 1 s off)."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
         return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
 
 
