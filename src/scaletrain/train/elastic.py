@@ -28,6 +28,14 @@ command line. Two things make such a restart a resume that loses and repeats no 
    961, "Detected N new nodes") keeps its count (seen with c10d: counts 0 and 1 in one round). So
    rank 0 hosts a new store each round and publishes its address (:func:`group_store`).
 
+Backends. With c10d (recommended) a new round's workers start only after every agent has
+stopped its old ones and joined the new rendezvous, so the address a worker reads is either the
+new rank 0's store or a dead one's. The static backend does not synchronise the agents: a node
+restarts as soon as its own workers fail. A killed rank is recovered (its peers see the lost
+connection within milliseconds and fail too, long before a restarted worker has imported torch),
+but a hung one on another node is not: torchrun's static agents never restart a node whose worker
+is stopped rather than failed, with or without scaletrain.
+
 Every node must see the same run directory (a shared filesystem), as any multi-node resume needs,
 and the command must name it (``--out DIR``: without it each round would pick a new one and start
 over).
