@@ -34,7 +34,8 @@ new rank 0's store or a dead one's. The static backend does not synchronise the 
 restarts as soon as its own workers fail. A killed rank is recovered (its peers see the lost
 connection within milliseconds and fail too, long before a restarted worker has imported torch),
 but a hung one on another node is not: torchrun's static agents never restart a node whose worker
-is stopped rather than failed, with or without scaletrain.
+is stopped rather than failed, with or without scaletrain (read in torch's code, not tested:
+static_tcp_rendezvous.py ``num_nodes_waiting`` is always 0, so only a failed worker restarts a node).
 
 Every node must see the same run directory (a shared filesystem), as any multi-node resume needs,
 and the command must name it (``--out DIR``: without it each round would pick a new one and start
