@@ -142,3 +142,19 @@ def test_runs_file_sets_options_base_and_runs(tmp_path: Path) -> None:
     assert table == {"devices": 3, "policy": "round_robin"}
     assert [n for n, _, _ in runs] == ["a", "run1"]
     assert runs[1][1].optim.lr == 3e-3 and runs[1][1].train.steps == 7 and runs[0][1].train.seed == 5
+
+
+@pytest.mark.slow
+def test_predict_only_plans_the_sweep_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    """policy=auto: every policy simulated on the profiled shard times, the fastest chosen; nothing trained."""
+    out = tmp_path / "sw"
+    argv = ["sweep", "--predict-only", "--json", "--out", str(out), "--nproc-per-node", "2", "--device-budget", "4MiB",
+            "--grid", "optim.lr=1e-3,3e-3,1e-2", "model.name=gpt2-tiny", "train.steps=2", "train.global_batch=2",
+            "data.seq_len=32", "train.eval_batches=1"]
+    assert main(argv) == 0
+    s = json.loads(capsys.readouterr().out)
+    by = s["predicted_makespan_by_policy"]
+    assert set(by) == {"lrtf", "round_robin", "sequential", "task"}
+    assert s["policy"] == min(by, key=by.get) and s["predicted_makespan_s"] == by[s["policy"]]
+    assert by["sequential"] > by["lrtf"]  # one model at a time leaves a device idle
+    assert not out.exists()

@@ -75,7 +75,8 @@ class Hub:
         self._ready: list[Pending] = []
         self._running: dict[int, tuple[Pending, int | None, float]] = {}
         self.res = Resources(devices, cores, device_holds_core)
-        self.policy = Policy(policy, n_models, devices)
+        self.policy = Policy(policy if policy != "auto" else "lrtf", n_models, devices)
+        """Replaced by the run's chosen policy before any task is placed."""
         self.remaining: dict[int, float] = {}
         """Predicted seconds of work left per model (Sharded-LRTF's key)."""
         self.predict: dict[int, dict[tuple[str, int], float]] = {}

@@ -13,9 +13,10 @@ from scaletrain.train.config import Config, opt
 class SweepOptions:
     devices: int = opt(2, "logical devices (worker processes here; one per GPU elsewhere) the runs' shards share",
                        "devices", min=1)
-    policy: str = opt("lrtf", "which ready shard runs next: lrtf (Hydra's Sharded-LRTF: longest remaining time "
+    policy: str = opt("auto", "which ready shard runs next: lrtf (Hydra's Sharded-LRTF: longest remaining time "
                               "first), round_robin, sequential (one run at a time: model parallelism), task (each "
-                              "run on one device: task parallelism)", choices=POLICIES)
+                              "run on one device: task parallelism); auto = the one the simulator predicts fastest",
+                      choices=("auto", *POLICIES))
     shards: int = opt(0, "shards per model; 0 = the fewest whose predicted peak fits memory.device_budget", "shards",
                       min=0)
     device_budget: str = opt("", "bytes each device may hold (e.g. '24MiB'); empty = the runs' memory.device_budget",

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copy
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,8 +34,10 @@ def program_of(tr: Any, shards: int) -> RunProgram:
     evals = [s - start for s in range(start + 1, cfg.steps + 1)
              if s == cfg.steps or (cfg.eval_every and s % cfg.eval_every == 0)]
     val_batches = len(build_loader(tr.val_set, tr.micro_batch, shuffle=False, seed=0, drop_last=True))
+    saves = [s - start for s in range(start + 1, cfg.steps + 1)
+             if s == cfg.steps or (cfg.checkpoint_every and s % cfg.checkpoint_every == 0)] if tr.out_dir else []
     return RunProgram(shards=shards, steps=cfg.steps - start, accum=tr.accum, eval_steps=evals,
-                      eval_micro=min(cfg.eval_batches * tr.accum, val_batches))
+                      eval_micro=min(cfg.eval_batches * tr.accum, val_batches), checkpoint_steps=saves)
 
 
 def shape_key(tr: Any, bounds: list[tuple[int, int]]) -> tuple:
@@ -52,7 +56,8 @@ def task_seconds(hub: Hub, model: int, tr: Any, repeats: int) -> dict[tuple[str,
     return {k: statistics.median(v) for k, v in merged.items()}
 
 
-def host_step_seconds(tr: Any, repeats: int) -> float:
+def host_step_seconds(tr: Any, repeats: int) -> tuple[float, float]:
+    """(clip + optimizer step, writing a checkpoint of model + optimizer states), seconds."""
     model = copy.deepcopy(tr.model)
     gen = torch.Generator().manual_seed(0)
     for p in model.parameters():
@@ -66,7 +71,11 @@ def host_step_seconds(tr: Any, repeats: int) -> float:
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip, foreach=True)
         opt.step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, Path(d) / "c.pt")
+        save = time.perf_counter() - t0
+    return statistics.median(times[1:]), save
 
 
 def latency_seconds(hub: Hub, n: int = 20) -> float:
@@ -86,7 +95,8 @@ def durations(hub: Hub, trainers: list[Any], bounds: list[list[tuple[int, int]]]
     for i, tr in enumerate(trainers):
         key = shape_key(tr, bounds[i])
         if key not in cache:
-            cache[key] = Durations(task_seconds(hub, i, tr, repeats), host_step_seconds(tr, repeats), lat)
+            host, save = host_step_seconds(tr, repeats)
+            cache[key] = Durations(task_seconds(hub, i, tr, repeats), host, lat, save)
         out.append(cache[key])
     hub.broadcast({"op": "reset"})  # the sweep's peaks, bytes and timeline count from here
     hub.timeline.clear()

@@ -23,7 +23,7 @@ from scaletrain.errors import ConfigError, UserError
 from scaletrain.sweep import predict
 from scaletrain.sweep import shards as sharding
 from scaletrain.sweep.hub import Hub
-from scaletrain.sweep.policy import HOST_KIND
+from scaletrain.sweep.policy import HOST_KIND, POLICIES, Policy
 from scaletrain.sweep.simulate import plot_timelines, simulate, utilisation
 from scaletrain.sweep.options import SweepOptions
 from scaletrain.sweep.runtime import SpilledRuntime
@@ -55,6 +55,9 @@ def check_run(run: Run) -> None:
                           f"drop them")
     if cfg.train.precision == "fp16":
         raise ConfigError(f"run {run.name}: train.precision=fp16 is not supported by a sweep; allowed: fp32, bf16")
+    if cfg.train.device == "cuda":
+        raise ConfigError(f"run {run.name}: a sweep runs on CPU logical devices in this version (its GPU worker is not "
+                          f"written yet); use train.device=cpu or auto")
     if cfg.train.params_dtype != "fp32":
         raise ConfigError(f"run {run.name}: train.params_dtype={cfg.train.params_dtype} is not supported by a "
                           f"sweep; allowed: fp32")
@@ -128,15 +131,24 @@ def run_sweep(runs: list[Run], opts: SweepOptions, out: Path, *, log: Callable[[
         bounds = [facts[i]["bounds"] for i in range(len(runs))]
         durs = predict.durations(hub, trainers, bounds, opts.repeats)
         progs = [predict.program_of(tr, len(bounds[i])) for i, tr in enumerate(trainers)]
-        pred = simulate(progs, durs, opts.devices, cores, opts.policy)
+        candidates = {p: simulate(progs, durs, opts.devices, cores, p)
+                      for p in (POLICIES if opts.policy == "auto" else (opts.policy,))}
+        policy = min(candidates, key=lambda p: (candidates[p].makespan_s, POLICIES.index(p)))
+        pred = candidates[policy]
+        hub.policy = Policy(policy, len(runs), opts.devices)
+        if opts.policy == "auto":
+            log("sweep: predicted makespan per policy: " + ", ".join(
+                f"{p} {c.makespan_s:.1f} s" for p, c in sorted(candidates.items(), key=lambda x: x[1].makespan_s))
+                + f"; running {policy}")
         for m, (p, d) in enumerate(zip(progs, durs)):
             hub.remaining[m] = p.total(d)
             hub.predict[m] = {**d.tasks, (HOST_KIND, 0): d.host}
-        log(f"sweep: {len(runs)} runs on {opts.devices} devices ({opts.policy}), shards "
+        log(f"sweep: {len(runs)} runs on {opts.devices} devices ({policy}), shards "
             f"{', '.join(str(len(b)) for b in bounds)}; predicted makespan {pred.makespan_s:.1f} s, "
             f"device utilisation {', '.join(f'{u:.0%}' for u in pred.utilisation)}")
         costs = [facts[i]["costs"] for i in range(len(runs))]
         summary = _prediction(runs, opts, cores, threads, budget, bounds, costs, durs, progs, pred)
+        summary.update(policy=policy, predicted_makespan_by_policy={p: c.makespan_s for p, c in candidates.items()})
         if predict_only:
             return SweepResult([], 0.0, [], summary)
         results, makespan, t0 = _train_all(runs, trainers, out)
@@ -145,7 +157,7 @@ def run_sweep(runs: list[Run], opts: SweepOptions, out: Path, *, log: Callable[[
         summary.update(_measured(spans, stats, opts, makespan, t0, len(runs)))
         summary["makespan_error"] = (pred.makespan_s - makespan) / makespan if makespan else 0.0
         out.mkdir(parents=True, exist_ok=True)
-        plot_timelines([(f"predicted ({opts.policy}): {pred.makespan_s:.1f} s", pred.timeline, opts.devices),
+        plot_timelines([(f"predicted ({policy}): {pred.makespan_s:.1f} s", pred.timeline, opts.devices),
                         (f"measured: {makespan:.1f} s", spans, opts.devices)], [r.name for r in runs],
                        str(out / "timeline.png"))
         return SweepResult(results, makespan, spans, summary)
@@ -195,13 +207,13 @@ def _prediction(runs, opts, cores, threads, budget, bounds, costs, durs, progs, 
     peaks = [max(sharding.shard_cost(costs[i], a, b, b == len(costs[i])).peak_bytes for a, b in bounds[i])
              for i in range(len(runs))]
     return {
-        "devices": opts.devices, "cores": cores, "threads_per_device": threads, "policy": opts.policy,
+        "devices": opts.devices, "cores": cores, "threads_per_device": threads,
         "predicted_makespan_s": pred.makespan_s, "predicted_utilisation": pred.utilisation,
         "predicted_finish_s": pred.finish_s, "budget_bytes": budget, "predicted_shard_peak_bytes": max(peaks),
         "predicted_bytes_moved": want, "shards": {runs[i].name: bounds[i] for i in range(len(runs))},
         "task_seconds": {runs[i].name: {f"{k}{s_}": v for (k, s_), v in durs[i].tasks.items()}
                          for i in range(len(runs))},
-        "host_step_s": [d.host for d in durs], "latency_s": durs[0].latency if durs else 0.0,
+        "host_step_s": [d.host for d in durs], "checkpoint_s": [d.checkpoint for d in durs], "latency_s": durs[0].latency if durs else 0.0,
     }
 
 

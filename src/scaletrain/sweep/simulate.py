@@ -20,17 +20,26 @@ from typing import Iterator
 from scaletrain.sweep.hub import Span
 from scaletrain.sweep.policy import HOST_KIND, Pending, Policy, Resources, assign
 
+CHECKPOINT = "C"
+
 
 @dataclass
 class Durations:
-    """Predicted seconds per task of one model: ``tasks[(kind, shard)]``, ``host`` (H), ``latency``."""
+    """Predicted seconds per task of one model: ``tasks[(kind, shard)]``, ``host`` (H), ``latency``,
+    ``checkpoint`` (C: writing a checkpoint, in the run's own thread: the run waits, no device or
+    core is held)."""
 
     tasks: dict[tuple[str, int], float]
     host: float
     latency: float = 0.0
+    checkpoint: float = 0.0
 
     def of(self, kind: str, shard: int) -> float:
-        return self.host if kind == HOST_KIND else self.tasks[(kind, shard)]
+        if kind == HOST_KIND:
+            return self.host
+        if kind == CHECKPOINT:
+            return self.checkpoint
+        return self.tasks[(kind, shard)]
 
 
 @dataclass
@@ -44,6 +53,8 @@ class RunProgram:
     """Steps (1-based, among those left) after which an evaluation runs."""
     eval_micro: int = 1
     """Micro-batches per evaluation."""
+    checkpoint_steps: list[int] = field(default_factory=list)
+    """Steps (1-based, among those left) after which a checkpoint is written."""
 
     def tasks(self) -> Iterator[tuple[str, int]]:
         k = self.shards
@@ -57,6 +68,8 @@ class RunProgram:
             if step in evals:
                 for _ in range(self.eval_micro):
                     yield from (("E", s) for s in range(k))
+            if step in self.checkpoint_steps:
+                yield (CHECKPOINT, 0)
 
     def total(self, d: Durations) -> float:
         return sum(d.of(kind, s) for kind, s in self.tasks())
@@ -95,6 +108,9 @@ def simulate(programs: list[RunProgram], durations: list[Durations], devices: in
             finish[m] = t
             return
         kind, s = kind_shard
+        if kind == CHECKPOINT:  # the run's thread writes it; nothing is held
+            next_task(m, t + durations[m].checkpoint)
+            return
         pin = where[m].get(s) if kind == "B" else None
         seq += 1
         heapq.heappush(arrivals, (t, seq, m))
