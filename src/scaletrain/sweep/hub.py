@@ -130,6 +130,12 @@ class Hub:
                 self._done(model, HOST_KIND, 0)
                 self._dispatch()
 
+    def finish(self, model: int) -> None:
+        """``model`` has no task left (its run ended, or failed): the policy stops waiting for it."""
+        with self._cv:
+            self.policy.finish(model)
+            self._dispatch()
+
     def _check(self, res: dict[str, Any]) -> dict[str, Any]:
         if "error" in res:
             raise SweepTaskError(f"device {res.get('worker')}: {res['error']}")

@@ -83,6 +83,11 @@ class Policy:
         self.n_models = n_models
         self.devices = devices
         self._turn = -1
+        self.done: set[int] = set()
+        """Models with no task left (told by :meth:`finish`)."""
+
+    def finish(self, model: int) -> None:
+        self.done.add(model)
 
     def pin(self, task: Pending) -> int | None:
         if self.name == "task" and task.kind != HOST_KIND:
@@ -94,9 +99,8 @@ class Policy:
             return sorted(ready, key=lambda t: (-remaining.get(t.model, 0.0), t.model))
         if self.name == "round_robin":
             return sorted(ready, key=lambda t: ((t.model - self._turn - 1) % self.n_models, t.seq))
-        if self.name == "sequential":
-            active = [m for m in range(self.n_models) if remaining.get(m, 0.0) > 0]
-            first = min(active, default=None)
+        if self.name == "sequential":  # the lowest-numbered model not finished, alone
+            first = min((m for m in range(self.n_models) if m not in self.done), default=None)
             return [t for t in ready if t.model == first or t.kind == HOST_KIND]
         return sorted(ready, key=lambda t: (t.seq, t.model))  # task: first come first served per device
 

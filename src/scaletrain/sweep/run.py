@@ -151,7 +151,7 @@ def run_sweep(runs: list[Run], opts: SweepOptions, out: Path, *, log: Callable[[
         summary.update(policy=policy, predicted_makespan_by_policy={p: c.makespan_s for p, c in candidates.items()})
         if predict_only:
             return SweepResult([], 0.0, [], summary)
-        results, makespan, t0 = _train_all(runs, trainers, out)
+        results, makespan, t0 = _train_all(runs, trainers, out, hub)
         stats = hub.broadcast({"op": "stats"})
         spans = list(hub.timeline)
         summary.update(_measured(spans, stats, opts, makespan, t0, len(runs)))
@@ -168,7 +168,7 @@ def run_sweep(runs: list[Run], opts: SweepOptions, out: Path, *, log: Callable[[
         torch.set_num_threads(old_threads)
 
 
-def _train_all(runs: list[Run], trainers: list[Any], out: Path) -> tuple[list[dict[str, Any]], float, float]:
+def _train_all(runs: list[Run], trainers: list[Any], out: Path, hub: Hub) -> tuple[list[dict[str, Any]], float, float]:
     """Every trainer's ``fit`` in its own thread; (results, makespan seconds, start on the monotonic clock)."""
     results: list[dict[str, Any]] = [{} for _ in runs]
     errors: list[BaseException | None] = [None] * len(runs)
@@ -181,6 +181,8 @@ def _train_all(runs: list[Run], trainers: list[Any], out: Path) -> tuple[list[di
                           "out_dir": str(out / runs[i].name)}
         except BaseException as e:  # noqa: BLE001 - reported per run below
             errors[i] = e
+        finally:
+            hub.finish(i)
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=train, args=(i,), name=f"run-{runs[i].name}") for i in range(len(runs))]

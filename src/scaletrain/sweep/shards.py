@@ -90,6 +90,11 @@ def partition(c: ChainCosts, budget: int | None, shards: int = 0) -> list[tuple[
         r = best(k)
         if r is not None:
             return r[1]
+    if shards:
+        fewest = next((k for k in range(shards + 1, n + 1) if best(k) is not None), None)
+        raise ConfigError(f"sweep shards={shards}: no cut into {shards} shards fits the device budget of {budget} B; "
+                          + (f"allowed: {fewest} or more (or 0: the fewest that fit)" if fewest else
+                             "no cut fits at all: raise the budget"))
     smallest = min(shard_cost(c, i, i + 1, i == n - 1).peak_bytes for i in range(n))
     largest = max(shard_cost(c, i, i + 1, i == n - 1).peak_bytes for i in range(n))
     raise ConfigError(f"memory.device_budget={budget} B is too small for a shard of this model: one block alone "

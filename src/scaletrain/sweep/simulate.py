@@ -106,23 +106,29 @@ def simulate(programs: list[RunProgram], durations: list[Durations], devices: in
         kind_shard = next(its[m], None)
         if kind_shard is None:
             finish[m] = t
+            pol.finish(m)
             return
         kind, s = kind_shard
-        if kind == CHECKPOINT:  # the run's thread writes it; nothing is held
-            next_task(m, t + durations[m].checkpoint)
+        seq += 1
+        if kind == CHECKPOINT:  # the run's thread writes it, holding nothing; the run goes on after it
+            heapq.heappush(arrivals, (t + durations[m].checkpoint, seq, m))
+            pend[m] = None
             return
         pin = where[m].get(s) if kind == "B" else None
-        seq += 1
         heapq.heappush(arrivals, (t, seq, m))
         pend[m] = Pending(m, kind, s, pin, seq)
 
-    pend: dict[int, Pending] = {}
+    pend: dict[int, Pending | None] = {}
     for m in range(len(programs)):
         next_task(m, 0.0)
     while arrivals or running or ready:
         while arrivals and arrivals[0][0] <= now + 1e-12:
-            _, _, m = heapq.heappop(arrivals)
-            ready.append(pend.pop(m))
+            at, _, m = heapq.heappop(arrivals)
+            task = pend.pop(m)
+            if task is None:
+                next_task(m, at)
+            else:
+                ready.append(task)
         for t, dev in assign(ready, res, pol, remaining):
             ready.remove(t)
             dur = durations[t.model].of(t.kind, t.shard)
@@ -131,8 +137,10 @@ def simulate(programs: list[RunProgram], durations: list[Durations], devices: in
             heapq.heappush(running, (now + dur, t.seq, t, dev))
             spans.append(Span(t.model, t.kind, t.shard, dev, now, now + dur))
         nxt = [x for x in (running[0][0] if running else None, arrivals[0][0] if arrivals else None) if x is not None]
-        if not nxt:
+        if not nxt and not ready:
             break
+        if not nxt:  # tasks wait that nothing will ever place: a policy bug, never a short makespan
+            raise RuntimeError(f"simulated sweep deadlocked with {len(ready)} tasks waiting ({pol.name})")
         now = min(nxt)
         while running and running[0][0] <= now + 1e-12:
             end, _, t, dev = heapq.heappop(running)
