@@ -40,27 +40,20 @@ class Run:
 
 
 def check_run(run: Run) -> None:
-    """What a sweep can train, one line each (the rest of the config is the trainer's to check)."""
-    cfg = run.cfg
-    p = cfg.parallel
-    if any(v > 1 for v in (p.dp or 1, p.tp, p.pp, p.cp, p.ep)) or p.zero or p.compression != "none":
-        raise ConfigError(f"run {run.name}: parallel.* is not used by a sweep (its shards are the parallelism); "
-                          f"drop parallel.* keys")
-    if cfg.plan == "auto":
+    """Refuse, before anything starts, what a sweep cannot train: the compatibility table's ``sweep-*``
+    rules on the run's plan (the model's own facts are checked again once it is built)."""
+    from dataclasses import replace
+
+    from scaletrain.plan import Plan
+    from scaletrain.techniques import compat
+
+    if run.cfg.plan == "auto":
         raise ConfigError(f"run {run.name}: plan=auto does not apply to a sweep; the sweep plans its shards")
-    rm, of = cfg.memory.remat, cfg.memory.offload
-    if (rm.method, rm.blocks, rm.selective) != ("none",) * 3 or (of.activations, of.recompute) != ("none",) * 2 \
-            or (of.params, of.optimizer, of.plan) != ("device", "device", "manual"):
-        raise ConfigError(f"run {run.name}: memory.remat / memory.offload are the sweep's own (spilled shards); "
-                          f"drop them")
-    if cfg.train.precision == "fp16":
-        raise ConfigError(f"run {run.name}: train.precision=fp16 is not supported by a sweep; allowed: fp32, bf16")
-    if cfg.train.device == "cuda":
-        raise ConfigError(f"run {run.name}: a sweep runs on CPU logical devices in this version (its GPU worker is not "
-                          f"written yet); use train.device=cpu or auto")
-    if cfg.train.params_dtype != "fp32":
-        raise ConfigError(f"run {run.name}: train.params_dtype={cfg.train.params_dtype} is not supported by a "
-                          f"sweep; allowed: fp32")
+    device = "cuda" if run.cfg.train.device == "cuda" else "cpu"
+    try:
+        compat.check(Plan.from_config(run.cfg), replace(compat.Facts(), sweep=True, device=device))
+    except ConfigError as e:
+        raise ConfigError(f"run {run.name}: {e}") from None
 
 
 def _factory(hub: Hub, index: int, run: Run, budget: int | None, shards: int,
@@ -69,9 +62,14 @@ def _factory(hub: Hub, index: int, run: Run, budget: int | None, shards: int,
         from scaletrain.models.adapters import adapt
         from scaletrain.techniques.offload.probe import probe_chain
 
-        if callable(getattr(model, "aux_loss", None)):
-            raise ConfigError(f"run {run.name}: {run.cfg.model.name} adds an auxiliary loss across its blocks "
-                              f"(mixture of experts), which shards cannot carry; use a dense model")
+        from dataclasses import replace
+
+        from scaletrain.techniques import compat
+
+        try:
+            compat.check(plan, replace(facts, sweep=True))
+        except ConfigError as e:
+            raise ConfigError(f"run {run.name}: {e}") from None
         chain = adapt(model).chain()
         x, y = ctx.example_batch()
         costs = probe_chain(chain, x, y, ctx.loss_fn, ctx.autocast)
