@@ -42,8 +42,8 @@ def test_sweep_trains_each_run_bitwise_as_its_solo_run(tmp_path: Path) -> None:
     first and last shard) in 4 shards on 2 devices whose 4 MiB budget cannot hold the model's states
     (~13 MiB): losses, validation and final parameters equal the one-process runs bit for bit;
     every device phase stayed within the budget; bytes moved equal the cost face's."""
-    runs = [Run(f"lr={lr}", load_config(None, BASE + [f"optim.lr={lr}"])) for lr in LRS]
-    opts = SweepOptions(devices=2, shards=4, device_budget="4MiB", repeats=1)
+    runs = [Run(f"lr={lr}", load_config(None, BASE + [f"optim.lr={lr}", "memory.device_budget=4MiB"])) for lr in LRS]
+    opts = SweepOptions(devices=2, shards=4, repeats=1)
     res = run_sweep(runs, opts, tmp_path / "sw", log=lambda s: None)
     torch.set_num_threads(1)  # the devices compute with one thread each
     s = res.summary
@@ -124,6 +124,7 @@ def test_grid_is_the_product_of_its_axes_named_by_what_varies() -> None:
     ([], "nothing to sweep"),
     (["--grid", "optim.lr=1e-3,3e-3", "train.precision=fp16"], "fp16"),
     (["--grid", "optim.lr=1e-3,3e-3", "parallel.tp=2"], "parallel"),
+    (["--grid", "optim.lr=1e-3,3e-3", "memory.device_budget=4MiB", "memory.offload.params=host"], "memory.offload"),
     (["--grid", "optim.lr=1e-3,oops"], "run lr=oops"),
     (["--grid", "optim.lr=1e-3,3e-3", "--policy", "fastest"], "sweep.policy"),
     (["--runs", "missing.toml"], "does not exist"),

@@ -12,7 +12,7 @@ a test keeps the README's copy equal to it, so the documented matrix is the enfo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from scaletrain.errors import ConfigError
@@ -303,7 +303,7 @@ RULES: list[Rule] = [
                                                       or p.compression != "none"),
          "parallel.* in a sweep", "a sweep's parallelism is its shards on the shared devices",
          "no parallel.* keys (set --nproc-per-node on the sweep)", "shards are the parallelism"),
-    Rule("sweep-memory", lambda p, f: f.sweep and (p.remat.active or _offload(p)),
+    Rule("sweep-memory", lambda p, f: f.sweep and (p.remat.active or replace(p.offload, device_budget="").active),
          "memory.remat.* / memory.offload.* in a sweep", "the sweep spills each shard's activations and keeps "
          "parameters and optimizer states on the host itself", "memory.device_budget alone", "sweep spills itself"),
     Rule("sweep-precision", lambda p, f: f.sweep and (p.precision == "fp16" or p.params_dtype != "fp32"),
