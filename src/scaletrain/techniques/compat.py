@@ -12,7 +12,7 @@ a test keeps the README's copy equal to it, so the documented matrix is the enfo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from scaletrain.errors import ConfigError
@@ -46,6 +46,8 @@ class Facts:
     eval_every: int = 200
     microbatches: int = 0
     """Micro-batches per step as resolved (pipeline); 0 = not known yet."""
+    sweep: bool = False
+    """Trained by ``scaletrain sweep`` (spilled shards on shared devices, :mod:`scaletrain.sweep`)."""
 
     @classmethod
     def of(cls, model: Any, *, world: int, device: str, seq_len: int, eval_every: int = 0,
@@ -296,6 +298,26 @@ RULES: list[Rule] = [
     Rule("compress-mp", lambda p, f: p.activation_compression and _mp(p), "memory.activation_compression=true with "
          "tp/cp/ep", "8-bit activation compression of DTensor activations is not composed yet (DTensor's saved tensors have no "
          "plain storage to pack)", "false", "not yet"),
+    # ---------------------------------------------------------------- a run of a sweep (spilled shards)
+    Rule("sweep-parallel", lambda p, f: f.sweep and (p.model_ranks > 1 or p.pp > 1 or (p.dp or 1) > 1 or p.zero
+                                                      or p.compression != "none"),
+         "parallel.* in a sweep", "a sweep's parallelism is its shards on the shared devices",
+         "no parallel.* keys (set --nproc-per-node on the sweep)", "shards are the parallelism"),
+    Rule("sweep-memory", lambda p, f: f.sweep and (p.remat.active or replace(p.offload, device_budget="").active),
+         "memory.remat.* / memory.offload.* in a sweep", "the sweep spills each shard's activations and keeps "
+         "parameters and optimizer states on the host itself", "memory.device_budget alone", "sweep spills itself"),
+    Rule("sweep-precision", lambda p, f: f.sweep and (p.precision == "fp16" or p.params_dtype != "fp32"),
+         lambda p, f: f"train.precision={p.precision}, train.params_dtype={p.params_dtype} in a sweep",
+         "the host keeps fp32 parameters and gradients and no loss scaler sees the spilled shards",
+         "train.precision=fp32 or bf16 with train.params_dtype=fp32", "fp32/bf16 only"),
+    Rule("sweep-moe", lambda p, f: f.sweep and f.moe, "a mixture-of-experts model in a sweep",
+         "its load-balancing loss is added across blocks, which shards cannot carry", "a dense model", "aux loss"),
+    Rule("sweep-cuda", lambda p, f: f.sweep and f.device == "cuda", "train.device=cuda in a sweep",
+         "the sweep's devices are CPU worker processes with byte-budgeted pools in this version (no GPU worker yet)",
+         "train.device=cpu or auto on a machine without a GPU", "CPU devices only"),
+    Rule("sweep-chain", lambda p, f: f.sweep and not f.chain, "a sweep of a model without a Chain of blocks",
+         "shards are runs of Chain blocks", "a model scaletrain can cut into blocks (see scaletrain.chain)",
+         "needs a Chain"),
     # ---------------------------------------------------------------- precision
     Rule("params-dtype", lambda p, f: p.params_dtype != "fp32" and (
         p.pp > 1 or _mp(p) or _offload(p) or (f.world > 1 and p.zero not in (1, 2))),

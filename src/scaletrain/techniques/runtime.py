@@ -192,6 +192,14 @@ class Strategy:
         return t.tolist()
 
     # -- state ---------------------------------------------------------------------------
+    def rng_state(self) -> torch.Tensor:
+        """The CPU RNG stream this run's dropout draws from (checkpointed). A runtime whose model
+        computes elsewhere (a sweep's shards) carries the model's own stream instead of the process's."""
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.set_rng_state(state)
+
     def model_state_dict(self) -> dict[str, Any]:
         """Full (single-process layout) model state; collective in sharded strategies."""
         return self.model.state_dict()

@@ -98,7 +98,7 @@ def _pieces_and_meta(tr: Any) -> tuple[list[Piece], dict[str, Any]]:
                     pieces += v.pieces(f"optim/{name}/{k}", local_of(val))
                 else:
                     objects[f"{name}/{k}"] = val
-    rng = {"torch": torch.get_rng_state()}
+    rng = {"torch": tr.parallel.rng_state()}
     if torch.cuda.is_available():
         rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     pieces += [Piece(f"rng/{tr.rank}/{k}", tuple(t.shape), (0,) * t.ndim, t) for k, t in rng.items()]
@@ -148,7 +148,7 @@ def resume_state(tr: Any) -> tuple[Path, dict[str, Any], list[Path]]:
                 state = sharded.Reader(path).state(lazy=type(tr.parallel).__name__ in LAZY_RUNTIMES)
             if state.get("weights_only"):  # imported weights: the run's fresh optimizer, schedule and RNG
                 state.update(optimizer=tr.parallel.optimizer_state_dict(tr.optimizer),  # empty at step 0
-                             scheduler=tr.scheduler.state_dict(), scaler={}, rng={"torch": torch.get_rng_state()})
+                             scheduler=tr.scheduler.state_dict(), scaler={}, rng={"torch": tr.parallel.rng_state()})
             return path, state, skipped
         skipped.append(path)
         tr.log(f"warning: skipping damaged checkpoint {path}: {why}")

@@ -96,11 +96,16 @@ class Trainer:
     """Builds everything a run needs from a :class:`Config` and runs the loop (:meth:`fit`)."""
 
     def __init__(self, cfg: Config, out_dir: Path | str | None = None, *, model: nn.Module | None = None,
-                 resume: bool = False, log: Callable[[str], None] | None = None, reset_optimizer: bool = False):
+                 resume: bool = False, log: Callable[[str], None] | None = None, reset_optimizer: bool = False,
+                 runtime: Callable[..., Any] | None = None):
+        """``runtime``: builds the runtime instead of the plan's stack, called like
+        :func:`~scaletrain.techniques.stack.build_runtime` (``scaletrain sweep`` passes its spilled
+        shards); everything else — data, loop, metrics, checkpoints — is this trainer's."""
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir is not None else None
         # a restarted round of the user's torchrun --max-restarts resumes its own run (scaletrain.train.elastic)
         self.resume, self.reset_optimizer = resume or elastic.resume_round(self.out_dir), reset_optimizer
+        self._build_runtime = runtime or build_runtime
         rundir.check_target(self.out_dir, resume)  # before anything is built: an unusable --out is one line
         env = launch.launch_env()
         self.device = preflight.resolve_device(cfg.train.device, env.local_rank)
@@ -138,7 +143,7 @@ class Trainer:
         self.ctx = self._context()
         facts = Facts.of(self.model, world=self.world, device=self.device.type, seq_len=cfg.data.seq_len,
                          eval_every=cfg.train.eval_every, microbatches=self.accum)
-        self.parallel = build_runtime(self.plan, self.model, self.ctx, facts)
+        self.parallel = self._build_runtime(self.plan, self.model, self.ctx, facts)
         self.forward_module: nn.Module = self.parallel.forward_module
         preflight.check_loaders(self)
         if self.world > 1:  # per-replica streams for dropout etc. (the data order has its own generator): equal
@@ -250,7 +255,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
+        rng: dict[str, Any] = {"torch": self.parallel.rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         extra: dict[str, Any] = {}
@@ -301,7 +306,7 @@ class Trainer:
 
             torch.manual_seed(replica_seed(self.cfg.train.seed, self.rank, self.plan.tp) + 7919 * self.step)
             return
-        torch.set_rng_state(rng["torch"])
+        self.parallel.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
 

@@ -79,6 +79,9 @@ class ChainCosts:
     loss_time_s: float = 0.0
     """Loss forward + backward time, seconds (measured by the runtime; 0 when estimated)."""
     meta: dict = field(default_factory=dict)
+    input_saved: bool = False
+    """Whether block 0 saves the step input for backward (an embedding's token ids, a conv's images):
+    a runtime that spills the step input with the activations moves these bytes too."""
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -186,6 +189,7 @@ def _probe(chain, x, y, loss_fn, ac, device: torch.device) -> ChainCosts:
         return ent[0]
 
     xm = _fake_like(x, device)
+    x_cdata, input_saved = xm.untyped_storage()._cdata, []
     skip = {xm.untyped_storage()._cdata} | {m.untyped_storage()._cdata for m in meta_p.values()}
     blocks: list[BlockCost] = []
     held: list[torch.Tensor] = []
@@ -213,6 +217,8 @@ def _probe(chain, x, y, loss_fn, ac, device: torch.device) -> ChainCosts:
 
             def pack(t: torch.Tensor, saved=saved):
                 st = t.untyped_storage()
+                if st._cdata == x_cdata:
+                    input_saved.append(True)
                 if st._cdata not in skip and st.nbytes() > 0:
                     s = sid(t)
                     if s not in saved:
@@ -262,4 +268,4 @@ def _probe(chain, x, y, loss_fn, ac, device: torch.device) -> ChainCosts:
             loss_bwd = int(tr.peak_bytes - live) + loss.numel() * loss.element_size()  # + the loss itself
     return ChainCosts(blocks, sizes, [p.numel() * p.element_size() for p in params], [p.numel() for p in params],
                       owner, x.numel() * x.element_size(), y.numel() * y.element_size() if y is not None else 0,
-                      loss_saved, loss_fwd, loss_bwd, buffer_bytes)
+                      loss_saved, loss_fwd, loss_bwd, buffer_bytes, input_saved=bool(input_saved))
