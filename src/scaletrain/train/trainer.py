@@ -103,7 +103,6 @@ class Trainer:
         shards); everything else — data, loop, metrics, checkpoints — is this trainer's."""
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        # a restarted round of the user's torchrun --max-restarts resumes its own run (scaletrain.train.elastic)
         self.resume, self.reset_optimizer = resume or elastic.resume_round(self.out_dir), reset_optimizer
         self._build_runtime = runtime or build_runtime
         rundir.check_target(self.out_dir, resume)  # before anything is built: an unusable --out is one line
