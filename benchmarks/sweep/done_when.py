@@ -10,7 +10,7 @@ on 2 devices, each identical to its solo run, faster than one after another, mak
 
 Writes ``benchmarks/results/sweep_done_when.json``.
 
-    PYTHONPATH=src python benchmarks/sweep/done_when.py [--steps 20]    # ~6 minutes here
+    PYTHONPATH=src python benchmarks/sweep/done_when.py [--steps 20 --repeats 2]    # ~8 minutes here
 """
 
 from __future__ import annotations
@@ -53,39 +53,59 @@ def solo(steps: int, lr: str, extra: list[str], threads: int, out: Path | None) 
         tr.close()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="sweep-done-"))
-    cmd = [sys.executable, "-m", "scaletrain.cli", "sweep", "--json", "--nproc-per-node", "2", "--out", str(tmp / "sw"),
-           "--grid", "optim.lr=" + ",".join(LRS), f"memory.device_budget={BUDGET}", *common(args.steps)]
+def sweep_once(steps: int, out: Path) -> tuple[dict, list[str]]:
+    cmd = [sys.executable, "-m", "scaletrain.cli", "sweep", "--json", "--nproc-per-node", "2", "--out", str(out),
+           "--grid", "optim.lr=" + ",".join(LRS), f"memory.device_budget={BUDGET}", *common(steps)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(p.stderr)
-    s = json.loads(p.stdout)
-    print(f"sweep: {s['makespan_s']:.1f} s measured, {s['predicted_makespan_s']:.1f} s predicted "
-          f"({s['makespan_error']:+.1%}), policy {s['policy']}", flush=True)
-    offload_s, equal = 0.0, {}
+    return json.loads(p.stdout), cmd
+
+
+def one_after_another(steps: int) -> tuple[float, dict[str, list[float]]]:
+    """The four runs back to back, each with the offload planner under the budget, both cores."""
+    total, losses = 0.0, {}
+    for lr in LRS:
+        losses[lr], _, _, dt = solo(steps, lr, [f"memory.device_budget={BUDGET}", "memory.offload.plan=auto"], 2, None)
+        total += dt
+    return total, losses
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=2, help="sweep / one-after-another pairs, interleaved")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="sweep-done-"))
+    sweeps, seqs = [], []
+    for r in range(args.repeats):  # interleaved, so both see the same machine
+        s, cmd = sweep_once(args.steps, tmp / f"sw{r}")
+        sweeps.append(s)
+        t, offloaded = one_after_another(args.steps)
+        seqs.append(t)
+        print(f"repeat {r}: sweep {s['makespan_s']:.1f} s measured, {s['predicted_makespan_s']:.1f} s predicted "
+              f"({s['makespan_error']:+.1%}, policy {s['policy']}); one after another with offload {t:.1f} s",
+              flush=True)
+    s = sweeps[0]
+    equal = {}
     for lr, run in zip(LRS, s["runs"]):
-        o_losses, o_val, o_params, dt = solo(args.steps, lr, [f"memory.device_budget={BUDGET}",
-                                                               "memory.offload.plan=auto"], 2, None)
-        offload_s += dt
         losses, val, params, _ = solo(args.steps, lr, [], 1, None)
         state = ckpt.load(ckpt.latest(Path(run["out_dir"]) / "checkpoints"))
         equal[lr] = {"losses": run["losses"] == losses, "val_loss": run["val_loss"] == val,
                      "params": all(torch.equal(state["model"][k], v) for k, v in params.items()),
                      # another thread count (2) sums in another order: close, not bitwise
-                     "offloaded_run_max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(o_losses, losses))}
+                     "offloaded_run_max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(offloaded[lr], losses))}
         print(lr, equal[lr], flush=True)
+    keys = ("makespan_s", "predicted_makespan_s", "makespan_error", "policy", "predicted_makespan_by_policy",
+            "utilisation", "predicted_utilisation", "device_peak_bytes", "budget_bytes", "predicted_shard_peak_bytes",
+            "bytes_moved", "predicted_bytes_moved", "shards", "threads_per_device")
     rec = {"command": " ".join(["scaletrain", *cmd[3:]]), "steps": args.steps, "budget": BUDGET,
            "model_state_bytes_adamw": 16 * 4_935_680,
-           "sweep": {k: s[k] for k in ("makespan_s", "predicted_makespan_s", "makespan_error", "policy",
-                                       "predicted_makespan_by_policy", "utilisation", "predicted_utilisation",
-                                       "device_peak_bytes", "budget_bytes", "predicted_shard_peak_bytes",
-                                       "bytes_moved", "predicted_bytes_moved", "shards", "threads_per_device")},
-           "one_after_another_offload_s": offload_s, "speedup": offload_s / s["makespan_s"], "equal_to_solo": equal}
-    print(f"one after another with offload: {offload_s:.1f} s; sweep speedup {rec['speedup']:.2f}x")
+           "sweeps": [{k: x[k] for k in keys} for x in sweeps], "one_after_another_offload_s": seqs,
+           "speedup_per_repeat": [b / a["makespan_s"] for a, b in zip(sweeps, seqs)],
+           "max_abs_makespan_error": max(abs(x["makespan_error"]) for x in sweeps), "equal_to_solo": equal}
+    print(f"speedup over one after another: {', '.join(f'{x:.2f}x' for x in rec['speedup_per_repeat'])}; "
+          "makespan errors " + ", ".join(f"{x['makespan_error']:+.1%}" for x in sweeps))
     print(write_json("sweep_done_when.json", rec))
 
 

@@ -46,14 +46,17 @@ def shape_key(tr: Any, bounds: list[tuple[int, int]]) -> tuple:
             c.optim.name, tuple(bounds))
 
 
-def task_seconds(hub: Hub, model: int, tr: Any, repeats: int) -> dict[tuple[str, int], float]:
+def task_seconds(hub: Hub, model: int, tr: Any, repeats: int) -> tuple[dict[tuple[str, int], float], float]:
+    """(median seconds per task, spread): the spread is the median over tasks of (slowest - fastest) /
+    median sample — how much the machine's speed moved while it was measured (a shared machine's load)."""
     x, y = tr.ctx.example_batch()
     outs = hub.broadcast({"op": "profile", "model": model, "x": x, "y": y, "repeats": repeats, "task": tr.task})
     merged: dict[tuple[str, int], list[float]] = {}
     for o in outs:
         for key, ts in o["times"].items():
             merged.setdefault(tuple(key), []).extend(ts)
-    return {k: statistics.median(v) for k, v in merged.items()}
+    spread = statistics.median((max(v) - min(v)) / statistics.median(v) for v in merged.values())
+    return {k: statistics.median(v) for k, v in merged.items()}, spread
 
 
 def host_step_seconds(tr: Any, repeats: int) -> tuple[float, float]:
@@ -87,17 +90,21 @@ def latency_seconds(hub: Hub, n: int = 20) -> float:
     return statistics.median(rounds)
 
 
-def durations(hub: Hub, trainers: list[Any], bounds: list[list[tuple[int, int]]], repeats: int) -> list[Durations]:
-    """Per run, its tasks' predicted seconds (runs of one shape share one profile)."""
+def durations(hub: Hub, trainers: list[Any], bounds: list[list[tuple[int, int]]],
+              repeats: int) -> tuple[list[Durations], float]:
+    """(per run, its tasks' predicted seconds; the largest profile spread). Runs of one shape share one profile."""
     lat = latency_seconds(hub)
+    spreads = [0.0]
     cache: dict[tuple, Durations] = {}
     out = []
     for i, tr in enumerate(trainers):
         key = shape_key(tr, bounds[i])
         if key not in cache:
             host, save = host_step_seconds(tr, repeats)
-            cache[key] = Durations(task_seconds(hub, i, tr, repeats), host, lat, save)
+            tasks, spread = task_seconds(hub, i, tr, repeats)
+            spreads.append(spread)
+            cache[key] = Durations(tasks, host, lat, save)
         out.append(cache[key])
     hub.broadcast({"op": "reset"})  # the sweep's peaks, bytes and timeline count from here
     hub.timeline.clear()
-    return out
+    return out, max(spreads)

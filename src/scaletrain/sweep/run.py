@@ -127,7 +127,7 @@ def run_sweep(runs: list[Run], opts: SweepOptions, out: Path, *, log: Callable[[
             tr.parallel.capture_rng()
             trainers.append(tr)
         bounds = [facts[i]["bounds"] for i in range(len(runs))]
-        durs = predict.durations(hub, trainers, bounds, opts.repeats)
+        durs, spread = predict.durations(hub, trainers, bounds, opts.repeats)
         progs = [predict.program_of(tr, len(bounds[i])) for i, tr in enumerate(trainers)]
         candidates = {p: simulate(progs, durs, opts.devices, cores, p)
                       for p in (POLICIES if opts.policy == "auto" else (opts.policy,))}
@@ -146,7 +146,11 @@ def run_sweep(runs: list[Run], opts: SweepOptions, out: Path, *, log: Callable[[
             f"device utilisation {', '.join(f'{u:.0%}' for u in pred.utilisation)}")
         costs = [facts[i]["costs"] for i in range(len(runs))]
         summary = _prediction(runs, opts, cores, threads, budget, bounds, costs, durs, progs, pred)
-        summary.update(policy=policy, predicted_makespan_by_policy={p: c.makespan_s for p, c in candidates.items()})
+        summary.update(policy=policy, predicted_makespan_by_policy={p: c.makespan_s for p, c in candidates.items()},
+                       profile_spread=spread, load_average_at_profile=list(os.getloadavg()))
+        if spread > 0.2:
+            log(f"sweep: warning: shard task times varied by {spread:.0%} while profiled (other load on the "
+                f"machine?); the prediction is as uncertain")
         if predict_only:
             return SweepResult([], 0.0, [], summary)
         results, makespan, t0 = _train_all(runs, trainers, out, hub)
@@ -154,6 +158,7 @@ def run_sweep(runs: list[Run], opts: SweepOptions, out: Path, *, log: Callable[[
         spans = list(hub.timeline)
         summary.update(_measured(spans, stats, opts, makespan, t0, len(runs)))
         summary["makespan_error"] = (pred.makespan_s - makespan) / makespan if makespan else 0.0
+        summary["load_average_at_end"] = list(os.getloadavg())
         out.mkdir(parents=True, exist_ok=True)
         plot_timelines([(f"predicted ({policy}): {pred.makespan_s:.1f} s", pred.timeline, opts.devices),
                         (f"measured: {makespan:.1f} s", spans, opts.devices)], [r.name for r in runs],
