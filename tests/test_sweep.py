@@ -187,3 +187,19 @@ def test_a_resumed_sweep_continues_each_run_as_its_resumed_solo_run(tmp_path: Pa
         b = ckpt.load(ckpt.latest(solo_dir / "checkpoints"))
         assert all(torch.equal(a["model"][k], v) for k, v in b["model"].items())
         assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_does_not_stop_the_others(tmp_path: Path, capsys) -> None:
+    """One run diverges (lr 1e12): the other trains to its end, sweep.json says which failed and why,
+    and the command ends with one line, exit 2."""
+    out = tmp_path / "sw"
+    argv = ["sweep", "--out", str(out), "--nproc-per-node", "2", "--device-budget", "4MiB", "--policy", "round_robin",
+            "--grid", "optim.lr=1e-3,1e12", "model.name=gpt2-tiny", "train.steps=4", "train.global_batch=2",
+            "data.seq_len=32", "train.eval_batches=1", "optim.grad_clip=0", "optim.warmup_steps=0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("scaletrain: error: 1 of 2 runs failed: lr=1e12: training diverged"), err[-1]
+    runs = {r["name"]: r for r in json.loads((out / "sweep.json").read_text())["runs"]}
+    assert runs["lr=1e-3"]["status"] == "ok" and runs["lr=1e-3"]["steps"] == 4
+    assert runs["lr=1e12"]["status"] == "failed"

@@ -86,11 +86,16 @@ def run(args: argparse.Namespace) -> int:
     s = result.summary
     if not args.predict_only:
         write_summary(out / "sweep.json", result)
+    failed = [r for r in result.runs if r.get("status") == "failed"]
     if args.json:
         print(json.dumps({k: v for k, v in {**s, "runs": result.runs}.items() if k != "timeline"}))
+    if failed:  # the others trained to their end; the summary says which failed and why
+        raise ConfigError(f"{len(failed)} of {len(result.runs)} runs failed: "
+                          + "; ".join(f"{r['name']}: {r['error']}" for r in failed))
+    if args.json:
         return 0
     for r in result.runs:
-        if r:
+        if r.get("status") == "ok":
             log(f"{r['name']}: {r['steps']} steps, final loss {r['final_loss']:.4f}, val_loss {r['val_loss']:.4f} "
                 f"({r['out_dir']})")
     pred = f"predicted {s['predicted_makespan_s']:.1f} s"

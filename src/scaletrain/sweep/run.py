@@ -179,7 +179,7 @@ def _train_all(runs: list[Run], trainers: list[Any], out: Path, hub: Hub) -> tup
     def train(i: int) -> None:
         try:
             res = trainers[i].fit()
-            results[i] = {"name": runs[i].name, "overrides": runs[i].overrides, "steps": res.steps,
+            results[i] = {"name": runs[i].name, "overrides": runs[i].overrides, "status": "ok", "steps": res.steps,
                           "final_loss": res.final_loss, "val_loss": res.val_loss, "losses": res.losses,
                           "out_dir": str(out / runs[i].name)}
         except BaseException as e:  # noqa: BLE001 - reported per run below
@@ -194,10 +194,11 @@ def _train_all(runs: list[Run], trainers: list[Any], out: Path, hub: Hub) -> tup
     for t in threads:
         t.join()
     makespan = time.monotonic() - t0
-    for i, e in enumerate(errors):
+    for i, e in enumerate(errors):  # a run that failed on its input (diverged, ...) does not stop the others
         if isinstance(e, UserError):
-            raise type(e)(f"run {runs[i].name}: {e}") from None
-        if e is not None:
+            results[i] = {"name": runs[i].name, "overrides": runs[i].overrides, "status": "failed",
+                          "error": str(e).splitlines()[0], "out_dir": str(out / runs[i].name)}
+        elif e is not None:  # a bug: its traceback
             raise e
     return results, makespan, t0
 
