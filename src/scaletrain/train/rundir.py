@@ -125,7 +125,8 @@ class RunDir:
         if path is not None:  # scaletrain's launcher says what failed; under torchrun the run directory does
             from scaletrain.train import elastic
 
-            self.restart = recovery.RestartClock.from_env(start_step) or elastic.restart_clock(path, start_step)
+            self.restart = recovery.RestartClock.from_env(start_step) or (
+                elastic.restart_clock(path, start_step) if holds_run(path) else None)  # none before the first step
         self.job_dir = Path(os.environ[JOB_DIR_ENV]) if os.environ.get(JOB_DIR_ENV) else None
 
     @property

@@ -108,7 +108,7 @@ class Trainer:
         rundir.check_target(self.out_dir, resume)  # before anything is built: an unusable --out is one line
         env = launch.launch_env()
         self.device = preflight.resolve_device(cfg.train.device, env.local_rank)
-        self._created_group = launch.init_process_group(self.device, cfg.parallel.timeout_s)
+        self._created_group = launch.init_process_group(self.device, cfg.parallel.timeout_s, elastic.group_store)
         try:
             self._setup(cfg, model, log)
         except BaseException:

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -67,13 +67,14 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(device: torch.device, timeout_s: float) -> bool:
+def init_process_group(device: torch.device, timeout_s: float,
+                       group_store: Callable[[int, int, float], Any] | None = None) -> bool:
     """Join the job's default process group if the launcher started several processes.
 
-    Under torchrun the group gets a fresh store of its own each round
-    (:func:`scaletrain.train.elastic.group_store`): plain ``env://`` uses the agent's job-long
-    store, where a restarted round reads the dead round's gloo addresses and hangs or fails in
-    ``connectFullMesh``.
+    ``group_store(rank, world, timeout_s)`` may give the group a store of its own (None: ``env://``).
+    The trainer passes :func:`scaletrain.train.elastic.group_store`, which under torchrun's agent
+    makes a fresh store each round: plain ``env://`` uses the agent's job-long store, where a
+    restarted round reads the dead round's gloo addresses and hangs or fails in ``connectFullMesh``.
 
     Returns True if this call created the group (so the caller must tear it down), False if
     there is nothing to do (one process) or a group already exists (a test harness made it).
@@ -86,9 +87,7 @@ def init_process_group(device: torch.device, timeout_s: float) -> bool:
     kw: dict[str, Any] = {}
     if device.type == "cuda":
         kw["device_id"] = device
-    from scaletrain.train import elastic
-
-    store = elastic.group_store(env.rank, env.world, timeout_s)  # under torchrun's agent: this round's own store
+    store = group_store(env.rank, env.world, timeout_s) if group_store is not None else None
     if store is not None:
         kw.update(store=store, rank=env.rank, world_size=env.world)
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), **kw)
