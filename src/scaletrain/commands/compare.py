@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from scaletrain.errors import ConfigError
 
     base = matrix.QUICK if args.quick else matrix.FULL
-    models = matrix.parse_list(args.models, tuple(matrix.MODELS), "models") if args.models else base["models"]
-    strategies = (matrix.parse_list(args.strategies, tuple(matrix.STRATEGIES), "strategies") if args.strategies
+    models = matrix.parse_list(args.models, tuple(matrix.MODELS), "model") if args.models else base["models"]
+    strategies = (matrix.parse_list(args.strategies, tuple(matrix.STRATEGIES), "strategy") if args.strategies
                   else base["strategies"])
     devices = matrix.parse_devices(args.devices) if args.devices else base["devices"]
     repeats = args.repeats if args.repeats is not None else base["repeats"]

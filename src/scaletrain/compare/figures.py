@@ -38,6 +38,7 @@ def models_of(cells: Cells) -> list[str]:
 
 
 def _png(fig: Any) -> bytes:
+    fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     plt.close(fig)
@@ -79,12 +80,14 @@ def scaling(cells: Cells) -> bytes:
             if base:
                 ax[1, j].plot(xs, [base / y for y in ys], marker="o", color=_colour(s), label=s)
         ax[0, j].set(title=f"{model}: time per 1,000 samples", xlabel="devices (processes)", ylabel="seconds",
-                     xscale="log", yscale="log")
+                     xscale="log")
         ax[1, j].set(title=f"{model}: speedup over the best 1-device run", xlabel="devices (processes)",
                      ylabel="speedup", xscale="log")
         ax[1, j].axhline(1.0, color="grey", lw=0.8)
         for a in ax[:, j]:
-            a.set_xticks(sorted({c["devices"] for c in cells}), [str(d) for d in sorted({c["devices"] for c in cells})])
+            ticks = sorted({c["devices"] for c in cells})
+            a.set_xticks(ticks, [str(d) for d in ticks])
+            a.minorticks_off()
             a.legend(fontsize=7)
     fig.suptitle("measured (solid, 25th-75th percentile of timed steps) vs predicted (hollow, dashed)", fontsize=9)
     return _png(fig)

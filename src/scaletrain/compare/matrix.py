@@ -124,14 +124,15 @@ class Cell:
                 "train.progress=off"]
 
 
-def parse_list(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
-    """Comma-separated names, each one of ``allowed`` (ConfigError naming the bad one otherwise)."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
+def parse_list(text: str, allowed: tuple[str, ...], noun: str) -> tuple[str, ...]:
+    """Comma-separated names of ``noun`` (model, strategy), each one of ``allowed`` (ConfigError naming the
+    bad one otherwise)."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     if not names:
-        raise ConfigError(f"--{what} is empty; allowed: {', '.join(allowed)}")
+        raise ConfigError(f"no {noun} given in {text!r}; allowed: {', '.join(allowed)}")
     for n in names:
         if n not in allowed:
-            raise ConfigError(f"unknown {what[:-1] if what.endswith('s') else what} {n!r}; allowed: {', '.join(allowed)}")
+            raise ConfigError(f"unknown {noun} {n!r}; allowed: {', '.join(allowed)}")
     return names
 
 
