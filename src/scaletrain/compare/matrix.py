@@ -87,7 +87,7 @@ class ModelSettings:
 
 MODELS: dict[str, ModelSettings] = {
     "gpt2-mini": ModelSettings("gpt2-mini", global_batch=8, seq_len=128, steps=16, metric="val_loss"),
-    "vgg-mini": ModelSettings("vgg-mini", global_batch=32, steps=16, metric="val_acc", lr=1e-3),
+    "vgg-mini": ModelSettings("vgg-mini", global_batch=32, steps=16, metric="val_loss", lr=3e-3),
 }
 QUICK_STEPS = 12
 """Steps per run under ``--quick`` (2 warm-up, 1 profiled, 1 memory-tracked: 8 timed)."""
