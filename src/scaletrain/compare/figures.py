@@ -144,18 +144,26 @@ def memory(cells: Cells) -> bytes:
 
 
 def breakdown(cells: Cells) -> bytes:
-    """Seconds per phase of the profiled step (rank 0, torch.profiler), one bar per cell."""
+    """Seconds per phase of the profiled step (rank 0, torch.profiler), one bar per cell; beside it (thin,
+    hatched) the cost model's forward+backward, optimizer and exposed communication where it has them."""
     models = models_of(cells)
     fig, ax = _grid(1, len(models), w=6.5, h=4.2)
     colours = plt.get_cmap("Set2")
     for j, model in enumerate(models):
         ok = [c for c in _ok(cells, model) if c.get("time_breakdown_s")]
+        shown = False
         for i, c in enumerate(ok):
             left = 0.0
             for k, phase in enumerate(PHASES):
                 v = c["time_breakdown_s"].get(phase, 0.0) * 1e3
-                ax[0, j].barh(i, v, left=left, color=colours(k), label=phase if i == 0 else None)
+                ax[0, j].barh(i, v, height=0.5, left=left, color=colours(k), label=phase if i == 0 else None)
                 left += v
+            left = 0.0
+            for phase, v in (c.get("predicted_time_breakdown_s") or {}).items():  # the cost model's, hatched
+                k = PHASES.index("backward" if phase == "forward+backward" else phase)
+                ax[0, j].barh(i + 0.38, v * 1e3, height=0.22, left=left, color=colours(k), hatch="///",
+                              edgecolor="k", lw=0.3, label=None if shown else "predicted (hatched)")
+                left, shown = left + v * 1e3, True
         ax[0, j].set_yticks(range(len(ok)), [f"{c['strategy']} {c['devices']}d" for c in ok], fontsize=7)
         ax[0, j].set(title=f"{model}: one step by phase (rank 0)", xlabel="milliseconds")
         ax[0, j].legend(fontsize=7)

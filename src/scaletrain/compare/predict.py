@@ -43,8 +43,10 @@ def calibrate(devices: int, model: str, directory: Path, timeout_s: float = 300.
 
 
 def predict(cell: Cell, platform: Platform | None) -> dict[str, Any]:
-    """``predicted_step_time_s`` and ``predicted_peak_bytes`` of ``cell`` (None where the cost model has no
-    answer, with the reason in ``predicted_note``)."""
+    """``predicted_step_time_s``, ``predicted_peak_bytes`` and ``predicted_time_breakdown_s`` (the cost model's
+    phases folded into forward+backward, optimizer and exposed communication; the pipeline bubble counts as
+    exposed communication, as the measured breakdown sees it) of ``cell``. None where the cost model has no
+    answer, with the reason in ``predicted_note``."""
     from scaletrain import models
     from scaletrain.plan import Plan
     from scaletrain.planner.cost import plan_cost
@@ -70,8 +72,13 @@ def predict(cell: Cell, platform: Platform | None) -> dict[str, Any]:
             raise UserError("no calibration of this machine for this device count")
         m = plan.microbatches if plan.pp > 1 else 1
         priced = plan.with_(micro_batch=s.global_batch // (plan.dp * m))
-        out["predicted_step_time_s"] = float(plan_cost(shape, priced, platform, global_batch=s.global_batch,
-                                                       seq=s.seq_len).step_time_s)
+        cost = plan_cost(shape, priced, platform, global_batch=s.global_batch, seq=s.seq_len)
+        out["predicted_step_time_s"] = float(cost.step_time_s)
+        ph = cost.phases_s
+        out["predicted_time_breakdown_s"] = {
+            "forward+backward": ph.get("compute", 0.0) + ph.get("recompute", 0.0),
+            "optimizer": ph.get("optimizer", 0.0),
+            "comm_exposed": sum(ph.get(k, 0.0) for k in ("tp_comm", "pipeline_bubble", "p2p", "dp_comm"))}
     except (UserError, ValueError, ZeroDivisionError) as e:
         notes.append(f"step time: {str(e).splitlines()[0][:160]}")
     if notes:
