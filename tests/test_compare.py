@@ -108,13 +108,24 @@ def test_phase_breakdown_moves_nested_communication() -> None:
 def test_read_run_excludes_warmup_and_instrumented_steps(tmp_path: Path) -> None:
     rows = [{"step": s, "loss": 1.0, "step_time_s": t} for s, t in enumerate([9.0, 5.0, 1.0, 2.0, 3.0, 8.0, 7.0], 1)]
     rows += [{"step": 4, "val_loss": 2.5}, {"step": 7, "val_loss": 2.0}]
-    rows.append({"step": 7, "tracked_peak_bytes_max": 300, "tracked_peak_breakdown": {
+    rows.append({"step": 7, "predicted_step_time_s": 0.5, "predicted_peak_bytes": 280.0,  # plan=auto's own
+                 "tracked_peak_bytes_max": 300, "tracked_peak_breakdown": {
         "parameters": 10, "gradients": 20, "optimizer_states": 30, "activations": 200, "temporaries": 30, "other": 10}})
     (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     run = results.read_run(tmp_path / "m.jsonl", steps=7, profile_step=6, metric="val_loss")
     assert run["step_times_s"] == [1.0, 2.0, 3.0] and run["step_time_s"] == 2.0
     assert run["val"] == [[4, 17.0, 2.5], [7, 24.0, 2.0]]  # steps 6 and 7 counted at the median (2 s)
     assert run["peak_bytes"] == 300 and run["peak_breakdown"] == {"model_states": 60, "activations": 200, "other": 40}
+    assert (run["predicted_step_time_s"], run["predicted_peak_bytes"]) == (0.5, 280.0)
+
+
+def test_blocked_cells_say_why_without_running() -> None:
+    why = {c.key: runner.blocked(c) for c in matrix.build(("vgg-mini", "gpt2-mini"), ("tp", "auto", "1f1b"), (1, 2))}
+    assert why["vgg-mini/tp/2d"][0] == "not applicable" and "GPT-2-style" in why["vgg-mini/tp/2d"][1]
+    assert why["vgg-mini/auto/2d"][0] == "not applicable" and why["vgg-mini/auto/2d"][1].startswith("plan=auto: ")
+    assert why["gpt2-mini/1f1b/1d"] == ("not applicable", "on 1 device 1f1b is the one-process run (the ddp cell "
+                                                          "at 1 device)")
+    assert why["gpt2-mini/1f1b/2d"] is None and why["gpt2-mini/auto/1d"] is None and why["vgg-mini/1f1b/2d"] is None
 
 
 @pytest.mark.parametrize("argv, says", [

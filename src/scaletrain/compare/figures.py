@@ -45,6 +45,14 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
+def _legend(ax: Any, **kw: Any) -> None:
+    """A legend when something was drawn, else a note that no cell of this model ran."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kw)
+    else:
+        ax.text(0.5, 0.5, "no cell ran (see the table of cells)", ha="center", transform=ax.transAxes)
+
+
 def _grid(rows: int, cols: int, w: float = 5.2, h: float = 3.6) -> tuple[Any, Any]:
     fig, axes = plt.subplots(rows, cols, figsize=(w * cols, h * rows), squeeze=False)
     return fig, axes
@@ -88,7 +96,7 @@ def scaling(cells: Cells) -> bytes:
             ticks = sorted({c["devices"] for c in cells})
             a.set_xticks(ticks, [str(d) for d in ticks])
             a.minorticks_off()
-            a.legend(fontsize=7)
+            _legend(a, fontsize=7)
     fig.suptitle("measured (solid, 25th-75th percentile of timed steps) vs predicted (hollow, dashed)", fontsize=9)
     return _png(fig)
 
@@ -112,7 +120,7 @@ def validation(cells: Cells) -> bytes:
         ax[1, j].set(title=f"{model}: {metric} vs training seconds", xlabel="seconds (evaluation excluded)",
                      ylabel=metric)
         for a in ax[:, j]:
-            a.legend(fontsize=6, ncol=2)
+            _legend(a, fontsize=6, ncol=2)
     return _png(fig)
 
 
@@ -139,7 +147,7 @@ def memory(cells: Cells) -> bytes:
             labels.append(f"{c['strategy']}\n{c['devices']}d")
         ax[0, j].set_xticks(range(len(labels)), labels, fontsize=7)
         ax[0, j].set(title=f"{model}: per-device peak memory", ylabel="MiB (heaviest rank)")
-        ax[0, j].legend(fontsize=7)
+        _legend(ax[0, j], fontsize=7)
     return _png(fig)
 
 
@@ -166,7 +174,7 @@ def breakdown(cells: Cells) -> bytes:
                 left, shown = left + v * 1e3, True
         ax[0, j].set_yticks(range(len(ok)), [f"{c['strategy']} {c['devices']}d" for c in ok], fontsize=7)
         ax[0, j].set(title=f"{model}: one step by phase (rank 0)", xlabel="milliseconds")
-        ax[0, j].legend(fontsize=7)
+        _legend(ax[0, j], fontsize=7)
     return _png(fig)
 
 

@@ -47,6 +47,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "pipeline, interleaved 1F1B (2 stages per device)"),
     Strategy("pipedream2bw", "scaletrain", (*_PP, "parallel.schedule=pipedream-2bw"),
              "asynchronous pipeline, PipeDream-2BW (weights one step stale)"),
+    Strategy("auto", "scaletrain", ("plan=auto",), "the plan scaletrain's planner picks for this machine and N "
+             "processes (plan=auto: its own prediction)"),
     Strategy("deepspeed-zero3", "deepspeed", (), "DeepSpeed ZeRO-3 (peer)", requires="deepspeed"),
 )}
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "deepspeed-zero3")

@@ -105,6 +105,10 @@ def read_run(metrics_path: Path, steps: int, profile_step: int, metric: str) -> 
     phases = [r["time_breakdown_s"] for r in rows if "time_breakdown_s" in r]
     if phases:
         out["time_breakdown_s"] = phases[-1]
+    predicted = [r for r in rows if "predicted_step_time_s" in r]  # plan=auto predicts in its own rows
+    if predicted:
+        out["predicted_step_time_s"] = predicted[-1]["predicted_step_time_s"]
+        out["predicted_peak_bytes"] = predicted[-1].get("predicted_peak_bytes")
     comm = [r["comm_bytes"] for r in rows if "comm_bytes" in r]
     if comm:
         out["comm_bytes"] = comm[-1]
@@ -130,8 +134,11 @@ def aggregate(c: dict[str, Any]) -> dict[str, Any]:
     c["repeat_step_times_s"] = [r["step_time_s"] for r in runs]
     c["seconds_per_1000_samples"] = c["step_time_s"] * 1000 / c["global_batch"]
     first = runs[0]  # bytes and validation values are the same in every repeat (deterministic on CPU)
-    for k in ("peak_bytes", "peak_breakdown", "peak_rank", "peak_bytes_ranks", "comm_bytes"):
+    for k in ("peak_bytes", "peak_breakdown", "peak_rank", "peak_bytes_ranks", "comm_bytes", "plan"):
         if k in first:
+            c[k] = first[k]
+    for k in ("predicted_step_time_s", "predicted_peak_bytes"):
+        if first.get(k) is not None:
             c[k] = first[k]
     c["val"] = min(runs, key=lambda r: abs(r["step_time_s"] - c["step_time_s"]))["val"]
     phases = [r["time_breakdown_s"] for r in runs if r.get("time_breakdown_s")]

@@ -15,6 +15,7 @@ one-line error), ``oom`` (out of memory, or killed by the kernel's OOM killer).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -40,7 +41,14 @@ def blocked(cell: Cell) -> tuple[str, str] | None:
         return "not installed", f"`import {strategy.requires}` fails here (pip install {strategy.requires} to add it)"
     if strategy.requires:
         return "not applicable", f"the {strategy.framework} peer has no runner in this build"
-    if cell.devices == 1 and cell.strategy != "ddp":
+    if cell.strategy == "auto":
+        from scaletrain.planner.shape import Shape
+
+        try:
+            Shape.of(cell.model)
+        except UserError as e:
+            return "not applicable", f"plan=auto: {one_line(e)}"
+    elif cell.devices == 1 and cell.strategy != "ddp":
         return "not applicable", f"on 1 device {cell.strategy} is the one-process run (the ddp cell at 1 device)"
     from scaletrain import models
     from scaletrain.techniques import compat
@@ -89,6 +97,9 @@ def run_once(cell: Cell, repeat: int, directory: Path, timeout_s: float = RUN_TI
         return {**run, "status": "oom" if oom else "failed", "error": msg}
     s = cell.settings
     run.update(results.read_run(out / "metrics.jsonl", s.steps, s.steps - 1, s.metric))
+    summary = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if summary and "plan" in (said := json.loads(summary[-1])):
+        run["plan"] = said["plan"]  # plan=auto: the plan it chose
     run["status"] = "ok"
     return run
 
@@ -114,7 +125,7 @@ def run_study(cells: list[Cell], directory: Path, repeats: int, log: Callable[[s
         why = blocked(c)
         if why:
             rec["status"], rec["error"] = why
-        elif "predicted_peak_bytes" not in rec:
+        elif "predicted_peak_bytes" not in rec and c.strategy != "auto":  # auto: the run's own prediction
             if c.devices not in platforms and gpt2:
                 log(f"calibrating this machine for {c.devices} process(es) (planner.local.measure)")
                 platforms[c.devices] = predicting.calibrate(c.devices, gpt2, directory)
