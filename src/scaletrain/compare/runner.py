@@ -38,7 +38,8 @@ def blocked(cell: Cell) -> tuple[str, str] | None:
     """(status, reason) when ``cell`` cannot run here, else None. Nothing is started."""
     strategy = STRATEGIES[cell.strategy]
     if strategy.requires and importlib.util.find_spec(strategy.requires) is None:
-        return "not installed", f"`import {strategy.requires}` fails here (pip install {strategy.requires} to add it)"
+        return "not installed", (f"`import {strategy.requires}` fails here (a peer of the `bench` extra: "
+                                 f"pip install -c constraints.txt -e .[bench])")
     if strategy.requires:
         return "not applicable", f"the {strategy.framework} peer has no runner in this build"
     if cell.strategy == "auto":
