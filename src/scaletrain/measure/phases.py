@@ -7,6 +7,7 @@ Every profiler event on that thread is put in one phase by its name:
 - ``backward``: the autograd engine's functions (``autograd::engine::evaluate_function: ...``);
 - ``optimizer``: ``Optimizer.step`` / ``zero_grad`` and the ``_foreach`` kernels of clipping;
 - ``comm_exposed``: the main thread blocked in a collective or point-to-point call (``c10d::...``,
+  ``_c10d_functional::...`` (DTensor: the launch and ``wait_tensor``),
   ``gloo:...``, ``record_param_comms``) — communication nothing else overlaps;
 - ``forward``: every other top-level operator (the model's forward and the loss).
 
@@ -29,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 PHASES = ("forward", "backward", "optimizer", "data", "comm_exposed", "other")
 """The phases of :func:`profile_step`'s result, in the order they are drawn."""
 MARKER = "scaletrain.step"
-_COMM = ("c10d::", "gloo:", "record_param_comms", "nccl:")
+_COMM = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "record_param_comms", "nccl:")
 
 T = TypeVar("T")
 
