@@ -154,6 +154,8 @@ def test_one_real_cell_end_to_end(tmp_path: Path, capsys) -> None:
     assert [v[0] for v in ddp["val"]] == [2, 4, 6] and all(v[1] > 0 for v in ddp["val"])
     assert set(ddp["time_breakdown_s"]) >= {"forward", "backward", "optimizer", "data", "comm_exposed", "other"}
     assert tp["status"] == "not applicable" and "one-process run" in tp["error"]
+    assert (out / ddp["runs"][0]["dir"] / "metrics.jsonl").is_file()
+    assert not (out / ddp["runs"][0]["dir"] / "checkpoints").exists()
     assert "vgg-mini,ddp,scaletrain,1,ok" in (out / "results.csv").read_text()
     assert "data:image/png;base64," in (out / "report.html").read_text()
     assert json.loads(capsys.readouterr().out)["status"] == {"ok": 1, "not applicable": 1}

@@ -92,6 +92,7 @@ def run_once(cell: Cell, repeat: int, directory: Path, timeout_s: float = RUN_TI
     run: dict[str, Any] = {"repeat": repeat, "dir": str(out.relative_to(directory)), "wall_s": time.perf_counter() - t0}
     out.mkdir(exist_ok=True)
     (out / "output.txt").write_text(p.stdout + p.stderr)  # the run's own words, for a failure's diagnosis
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the final checkpoint: not part of the study
     if p.returncode != 0:
         msg = _error_line(p.stderr, p.stdout)
         oom = "out of memory" in msg.lower() or p.returncode in (-9, 137) or "SIGKILL" in msg
