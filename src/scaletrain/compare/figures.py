@@ -25,7 +25,8 @@ activations; temporaries and the rest."""
 
 def _colour(strategy: str) -> Any:
     names = list(STRATEGIES)
-    return plt.get_cmap("tab10")(names.index(strategy) % 10 if strategy in names else 9)
+    return plt.get_cmap("tab20")(2 * names.index(strategy) % 20 + (names.index(strategy) >= 10)
+                                 if strategy in names else 19)
 
 
 def _ok(cells: Cells, model: str) -> Cells:

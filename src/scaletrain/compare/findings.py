@@ -89,6 +89,11 @@ def tp_u_shape(cells: Cells, model: str) -> tuple[str, str]:
         low = vals.index(min(vals))
         verdicts.append(0 < low < len(vals) - 1)
         texts.append(f"{s}: " + " → ".join(f"t={d} {_mib(v)}" for d, v in pts))
+    for d in sorted({d for (st, d) in ok if st == "tp2-dp"}):  # Megatron's own curve: fixed world, t = 1, 2, d
+        if ("ddp", d) in ok and ("tp", d) in ok and d > 2:
+            vals = [ok[(st, d)]["peak_bytes"] for st in ("ddp", "tp2-dp", "tp")]
+            verdicts.append(0 < vals.index(min(vals)) < 2)
+            texts.append(f"{d} devices (t x dp): " + " → ".join(f"t={t} {_mib(v)}" for t, v in zip((1, 2, d), vals)))
     if not verdicts:
         return "not testable", "needs tensor parallelism at >= 2 degrees and the 1-device ddp cell"
     return ("reproduced" if any(verdicts) else "not reproduced"), "; ".join(texts) + " (U: lowest inside)"
@@ -135,7 +140,8 @@ FINDINGS = (
             "per synchronous pipeline, the peak falls at every added stage count and the last relative drop is "
             "smaller than the first", "memory", pipeline_memory),
     Finding("tp_u_shape", "Megatron-style tensor parallelism has a U-shaped per-device memory curve",
-            "the lowest peak of t = 1, 2, 4 is at an inner degree", "memory", tp_u_shape),
+            "the lowest peak of t = 1, 2, 4 is at an inner degree (tp over all devices with the one-process run as "
+            "t = 1, or at a fixed device count: ddp, tp2-dp, tp)", "memory", tp_u_shape),
     Finding("async_staleness", "asynchronous pipelines lose statistical efficiency to weight staleness",
             "the asynchronous pipeline's final validation metric is worse than the synchronous one's at the same "
             "devices and step, at every device count", "validation", async_staleness),

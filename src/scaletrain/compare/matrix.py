@@ -26,6 +26,8 @@ class Strategy:
     describe: str
     requires: str = ""
     """Python module a peer needs (``import`` fails: the cell is "not installed")."""
+    min_devices: int = 1
+    """Fewest processes where it differs from a simpler strategy (a hybrid) [processes]."""
 
     def overrides(self, devices: int, microbatches: int) -> list[str]:
         """The config overrides of this strategy on ``devices`` processes."""
@@ -47,6 +49,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "pipeline, interleaved 1F1B (2 stages per device)"),
     Strategy("pipedream2bw", "scaletrain", (*_PP, "parallel.schedule=pipedream-2bw"),
              "asynchronous pipeline, PipeDream-2BW (weights one step stale)"),
+    Strategy("tp2-dp", "scaletrain", ("parallel.tp=2", "parallel.zero=1"),
+             "hybrid: tensor parallel in pairs x data parallel (ZeRO-1) over the pairs", min_devices=4),
+    Strategy("pp2-dp", "scaletrain", ("parallel.pp=2", "parallel.microbatches={m}", "parallel.schedule=1f1b",
+                                      "parallel.zero=1"),
+             "hybrid: 2-stage 1F1B pipeline x data parallel (ZeRO-1) over the pipelines", min_devices=4),
     Strategy("auto", "scaletrain", ("plan=auto",), "the plan scaletrain's planner picks for this machine and N "
              "processes (plan=auto: its own prediction)"),
     Strategy("deepspeed-zero3", "deepspeed", (), "DeepSpeed ZeRO-3 (peer)", requires="deepspeed"),

@@ -49,6 +49,9 @@ def blocked(cell: Cell) -> tuple[str, str] | None:
             Shape.of(cell.model)
         except UserError as e:
             return "not applicable", f"plan=auto: {one_line(e)}"
+    elif cell.devices < strategy.min_devices:
+        return "not applicable", (f"{cell.strategy} needs >= {strategy.min_devices} devices (below, it is one of "
+                                  f"the plain strategies' cells)")
     elif cell.devices == 1 and cell.strategy != "ddp":
         return "not applicable", f"on 1 device {cell.strategy} is the one-process run (the ddp cell at 1 device)"
     from scaletrain import models
