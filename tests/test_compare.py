@@ -35,6 +35,7 @@ def synthetic() -> list[dict]:
             _cell("ddp", 4, step=0.12, peak=120 * MiB),
             _cell("zero3", 2, step=0.25, peak=80 * MiB), _cell("zero3", 4, step=0.14, peak=60 * MiB),
             _cell("tp", 2, step=0.5, peak=90 * MiB), _cell("tp", 4, step=0.6, peak=110 * MiB),
+            _cell("tp2-dp", 4, step=0.3, peak=80 * MiB),
             _cell("1f1b", 2, step=0.3, peak=100 * MiB), _cell("1f1b", 4, step=0.2, peak=90 * MiB),
             _cell("pipedream2bw", 2, step=0.3, peak=90 * MiB, val=3.2),
             _cell("pipedream2bw", 4, status="failed", error="rank 1 died (SIGSEGV)"),
