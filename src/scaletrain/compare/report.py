@@ -99,7 +99,8 @@ def _cells(cells: Cells) -> str:
                      _num(c.get("predicted_step_time_s"), 1e3), _num(c.get("seconds_per_1000_samples"), 1, "{:.2f}"),
                      _num(c.get("peak_bytes"), 2**-20), _num(c.get("predicted_peak_bytes"), 2**-20),
                      _num(val[-1][2], 1, "{:.4f}") if val else "—", _e(len(c.get("runs", []))),
-                     _e(c.get("error") or c.get("predicted_note") or "")])
+                     _e(c.get("error") or (f"chosen plan: {c['plan']}" if c.get("plan") else "")
+                        or c.get("predicted_note") or "")])
         classes.append(c["status"].replace(" ", "-"))
     return _table(["model", "strategy", "framework", "devices", "status", "step ms, median [p25–p75]",
                    "predicted step ms", "s / 1,000 samples", "peak MiB", "predicted peak MiB", "final validation",
