@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     env_before = environment.snapshot()
     records = runner.run_study(cells, out, repeats, log)
     study = environment.study(env_before, time.perf_counter() - t0, cells, repeats, sys.argv)
-    environment.save(study, out)
+    study = environment.save(study, out)
     page = report.write(records, study, out / "report.html")
     counts: dict[str, int] = {}
     for r in records:

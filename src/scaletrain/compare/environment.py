@@ -65,6 +65,15 @@ def study(before: dict[str, Any], seconds: float, cells: list[Cell], repeats: in
     }
 
 
-def save(record: dict[str, Any], directory: Path) -> None:
-    """Write ``study.json`` into ``directory``."""
-    (directory / "study.json").write_text(json.dumps(record, indent=1))
+def save(record: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """Write ``study.json`` into ``directory``; a continued study keeps its first start and command, and adds
+    this session's seconds (``sessions`` counts the invocations). Returns what was written."""
+    path = directory / "study.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        record = {**record, "start": before.get("start", record["start"]),
+                  "command": before.get("command", record["command"]),
+                  "seconds": before.get("seconds", 0.0) + record["seconds"],
+                  "sessions": before.get("sessions", 1) + 1}
+    path.write_text(json.dumps(record, indent=1))
+    return record
