@@ -63,7 +63,7 @@ def test_findings_rules_can_say_not_reproduced() -> None:
         if c["strategy"] == "tp" and c["devices"] == 4:
             c["peak_bytes"] = 70 * MiB  # monotone: no U
         if c["strategy"] == "pipedream2bw":
-            c["val"] = [[8, 1.0, 3.0 * (1 + 5e-5)]]  # worse by rounding only
+            c["val"] = [[4, 0.5, 4.0], [8, 1.0, 3.0 * (1 + 5e-5)]]  # worse by rounding only
     verdicts = {r["key"]: r["verdict"] for r in findings.judge(cells)}
     assert verdicts["zero_memory"] == verdicts["tp_u_shape"] == verdicts["async_staleness"] == "not reproduced"
 
