@@ -145,8 +145,8 @@ def memory(cells: Cells) -> bytes:
             if c.get("predicted_peak_bytes"):
                 ax[0, j].plot(i, c["predicted_peak_bytes"] / 2**20, marker="D", mfc="none", color="k",
                               label="predicted peak" if i == 0 else None)
-            labels.append(f"{c['strategy']}\n{c['devices']}d")
-        ax[0, j].set_xticks(range(len(labels)), labels, fontsize=7)
+            labels.append(f"{c['strategy']} {c['devices']}d")
+        ax[0, j].set_xticks(range(len(labels)), labels, fontsize=7, rotation=45, ha="right")
         ax[0, j].set(title=f"{model}: per-device peak memory", ylabel="MiB (heaviest rank)")
         _legend(ax[0, j], fontsize=7)
     return _png(fig)

@@ -36,8 +36,10 @@ NOTES = [
     "the timed ones. Exposed communication = the main thread blocked in a collective or send/recv (in a "
     "pipeline this includes the bubble: waiting for a neighbour's activation or gradient). Not measured "
     "separately: DDP's wait for its last gradient bucket (inside the autograd engine, counted as backward); "
-    "data loading overlapped with compute (the loader is synchronous here). Other ranks' phases are not "
-    "measured.",
+    "data loading overlapped with compute (the loader is synchronous here); FSDP2's (zero3) waits for its "
+    "all-gathers happen in its hooks, and where the profiler does not name them as collectives they count "
+    "as forward / backward (a zero3 forward far longer than DDP's on the same model is such waiting). Other "
+    "ranks' phases are not measured.",
     "Predictions: peak bytes from <code>techniques.plan_cost.plan_costs</code> (every model); step time from "
     "<code>planner.cost.plan_cost</code> on this machine as measured by N processes at once "
     "(<code>planner.local.measure</code>), for GPT-2 shapes only (the planner prices transformers only).",
