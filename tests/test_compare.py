@@ -170,3 +170,17 @@ def test_continued_study_keeps_its_start_and_adds_seconds(tmp_path: Path) -> Non
     again = environment.save({"start": {"date": "d1"}, "command": "scaletrain compare", "seconds": 2.0}, tmp_path)
     assert (again["start"], again["command"], again["seconds"], again["sessions"]) == \
         ({"date": "d0"}, "scaletrain compare --quick", 402.0, 2)
+
+
+def test_prediction_of_a_gpt2_cell_has_time_phases_and_peak() -> None:
+    from scaletrain import platform
+    from scaletrain.compare.predict import predict
+
+    cell = matrix.build(("gpt2-mini",), ("1f1b",), (2,))[0]
+    got = predict(cell, platform.get("a100-80g"))
+    assert got["predicted_peak_bytes"] > 0 and got["predicted_step_time_s"] > 0
+    phases = got["predicted_time_breakdown_s"]
+    assert set(phases) == {"forward+backward", "optimizer", "comm_exposed"} and phases["forward+backward"] > 0
+    assert sum(phases.values()) <= got["predicted_step_time_s"] * 1.0001
+    none = predict(cell, None)  # no calibration: the peak still, the step time with its reason
+    assert none["predicted_step_time_s"] is None and "no calibration" in none["predicted_note"]

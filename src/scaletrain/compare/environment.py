@@ -31,6 +31,16 @@ def _memory_bytes() -> int | None:
         return None
 
 
+def child_env() -> dict[str, str]:
+    """The environment of the study's subprocesses: this one, with this scaletrain first on PYTHONPATH."""
+    import scaletrain
+
+    env = dict(os.environ)
+    src = str(Path(scaletrain.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
 def snapshot() -> dict[str, Any]:
     """The moment: UTC date and the 1/5/15-minute load averages (runnable processes)."""
     load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from scaletrain.compare.environment import child_env
 from scaletrain.compare.matrix import Cell
 from scaletrain.errors import UserError
 from scaletrain.platform import Platform
@@ -33,7 +34,7 @@ def calibrate(devices: int, model: str, directory: Path, timeout_s: float = 300.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}",
                "-m", "scaletrain.compare.predict", str(path), model]
         try:
-            subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=os.environ.copy())
+            subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=child_env())
         except subprocess.TimeoutExpired:
             return None
     try:

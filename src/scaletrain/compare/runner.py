@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import scaletrain
 from scaletrain.compare import predict as predicting
 from scaletrain.compare import results
+from scaletrain.compare.environment import child_env
 from scaletrain.compare.matrix import STRATEGIES, Cell
 from scaletrain.errors import UserError, one_line
 
@@ -82,9 +81,7 @@ def run_once(cell: Cell, repeat: int, directory: Path, timeout_s: float = RUN_TI
     if out.exists():  # a run killed in flight: start it again
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    src = str(Path(scaletrain.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env()
     cmd = [sys.executable, "-m", "scaletrain.cli", "train", "--nproc-per-node", str(cell.devices), "--out", str(out),
            "--json", *cell.train_overrides()]
     t0 = time.perf_counter()
