@@ -165,11 +165,14 @@ def test_one_real_cell_end_to_end(tmp_path: Path, capsys) -> None:
 def test_continued_study_keeps_its_start_and_adds_seconds(tmp_path: Path) -> None:
     from scaletrain.compare import environment
 
-    first = {"start": {"date": "d0"}, "command": "scaletrain compare --quick", "seconds": 400.0}
+    first = {"start": {"date": "d0"}, "end": {"date": "e0"}, "command": "scaletrain compare --quick", "seconds": 400.0}
     environment.save(first, tmp_path)
-    again = environment.save({"start": {"date": "d1"}, "command": "scaletrain compare", "seconds": 2.0}, tmp_path)
-    assert (again["start"], again["command"], again["seconds"], again["sessions"]) == \
-        ({"date": "d0"}, "scaletrain compare --quick", 402.0, 2)
+    again = environment.save({"start": {"date": "d1"}, "end": {"date": "e1"}, "command": "scaletrain compare",
+                              "seconds": 2.0}, tmp_path, ran=False)
+    assert (again["start"], again["end"], again["command"], again["seconds"], again["sessions"]) == \
+        ({"date": "d0"}, {"date": "e0"}, "scaletrain compare --quick", 402.0, 2)
+    more = environment.save({"start": {"date": "d2"}, "end": {"date": "e2"}, "command": "x", "seconds": 9.0}, tmp_path)
+    assert (more["end"], more["seconds"], more["sessions"]) == ({"date": "e2"}, 411.0, 3)
 
 
 def test_prediction_of_a_gpt2_cell_has_time_phases_and_peak() -> None:

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaletrain.compare import environment, matrix, report, runner
+    from scaletrain.compare import environment, matrix, report, results, runner
     from scaletrain.errors import ConfigError
 
     base = matrix.QUICK if args.quick else matrix.FULL
@@ -63,9 +63,11 @@ def run(args: argparse.Namespace) -> int:
         f"{len(devices)} device counts), {repeats} repeat(s), in {out}")
     t0 = time.perf_counter()
     env_before = environment.snapshot()
+    runs_before = sum(len(r["runs"]) for r in results.load(out / "results.json"))
     records = runner.run_study(cells, out, repeats, log)
+    ran = sum(len(r["runs"]) for r in records) > runs_before
     study = environment.study(env_before, time.perf_counter() - t0, cells, repeats, sys.argv)
-    study = environment.save(study, out)
+    study = environment.save(study, out, ran)
     page = report.write(records, study, out / "report.html")
     counts: dict[str, int] = {}
     for r in records:

@@ -75,13 +75,15 @@ def study(before: dict[str, Any], seconds: float, cells: list[Cell], repeats: in
     }
 
 
-def save(record: dict[str, Any], directory: Path) -> dict[str, Any]:
+def save(record: dict[str, Any], directory: Path, ran: bool = True) -> dict[str, Any]:
     """Write ``study.json`` into ``directory``; a continued study keeps its first start and command, and adds
-    this session's seconds (``sessions`` counts the invocations). Returns what was written."""
+    this session's seconds (``sessions`` counts the invocations); a session that ran nothing (``ran``
+    false: only the report was rendered again) keeps the recorded end too. Returns what was written."""
     path = directory / "study.json"
     if path.is_file():
         before = json.loads(path.read_text())
-        record = {**record, "start": before.get("start", record["start"]),
+        end = record["end"] if ran else before.get("end", record["end"])
+        record = {**record, "start": before.get("start", record["start"]), "end": end,
                   "command": before.get("command", record["command"]),
                   "seconds": before.get("seconds", 0.0) + record["seconds"],
                   "sessions": before.get("sessions", 1) + 1}
