@@ -130,6 +130,12 @@ def test_blocked_cells_say_why_without_running() -> None:
     assert why["gpt2-mini/1f1b/2d"] is None and why["gpt2-mini/auto/1d"] is None and why["vgg-mini/1f1b/2d"] is None
 
 
+def test_asynchronous_pipelines_are_not_profiled() -> None:
+    sync, async_ = matrix.build(("vgg-mini",), ("1f1b", "pipedream2bw"), (2,), steps=12)
+    assert "train.profile_step=11" in sync.train_overrides() and sync.profile_step == 11
+    assert "train.profile_step=0" in async_.train_overrides() and async_.profile_step == 0
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--strategies", "ddp,nope"], "unknown strategy 'nope'; allowed: ddp, zero1"),
     (["--devices", "1,x"], "--devices '1,x' is not allowed"),

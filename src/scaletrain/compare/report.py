@@ -39,7 +39,9 @@ NOTES = [
     "data loading overlapped with compute (the loader is synchronous here); FSDP2's (zero3) waits for its "
     "all-gathers happen in its hooks, and where the profiler does not name them as collectives they count "
     "as forward / backward (a zero3 forward far longer than DDP's on the same model is such waiting). Other "
-    "ranks' phases are not measured.",
+    "ranks' phases are not measured. The asynchronous pipelines are not profiled (no phase bars): with the "
+    "profiler on, vgg-mini's 2-stage PipeDream-2BW run corrupted the heap at exit in 2 of 3 tries, 0 of 3 "
+    "without it.",
     "Predictions: peak bytes from <code>techniques.plan_cost.plan_costs</code> (every model); step time from "
     "<code>planner.cost.plan_cost</code> on this machine as measured by N processes at once "
     "(<code>planner.local.measure</code>), for GPT-2 shapes only (the planner prices transformers only).",

@@ -98,7 +98,7 @@ def run_once(cell: Cell, repeat: int, directory: Path, timeout_s: float = RUN_TI
         oom = "out of memory" in msg.lower() or p.returncode in (-9, 137) or "SIGKILL" in msg
         return {**run, "status": "oom" if oom else "failed", "error": msg}
     s = cell.settings
-    run.update(results.read_run(out / "metrics.jsonl", s.steps, s.steps - 1, s.metric))
+    run.update(results.read_run(out / "metrics.jsonl", s.steps, cell.profile_step, s.metric))
     summary = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if summary and "plan" in (said := json.loads(summary[-1])):
         run["plan"] = said["plan"]  # plan=auto: the plan it chose
