@@ -100,6 +100,9 @@ class TrainConfig:
     measure_memory: bool = opt(False, "run the last step under the memory tracker: every rank's peak bytes of "
                                       "parameters, gradients, optimizer states, activations and temporaries go in "
                                       "its metrics row (tracked_peak_bytes*), next to scaletrain estimate's")
+    profile_step: int = opt(0, "run this optimizer step on rank 0 under torch.profiler: seconds of forward, backward, "
+                               "optimizer, data, exposed communication and other go in its metrics row "
+                               "(time_breakdown_s, scaletrain.measure.phases); 0 = off [step]", min=0)
 
 
 @dataclass

@@ -162,6 +162,8 @@ class Trainer:
         self.model_state_bytes: dict[str, float] = {}
         self.tracked: dict[str, Any] | None = None
         """``train.measure_memory``: the last step's tracked per-rank peaks (for the metrics row)."""
+        self.phases: dict[str, float] = {}
+        """``train.profile_step``: rank 0's seconds per phase of that step (for its metrics row)."""
 
     # ------------------------------------------------------------------ construction
     def _context(self) -> RunContext:
@@ -439,7 +441,12 @@ class Trainer:
                 t0 = time.perf_counter()
                 faults.maybe_fire(self.step + 1, self.rank, self.out_dir)  # tests only: SCALETRAIN_FAULT_*
                 try:
-                    step_loss = self._train_step(it)
+                    if self.step + 1 == cfg.train.profile_step and self.rank == 0:
+                        from scaletrain.measure.phases import profile_step
+
+                        step_loss, self.phases = profile_step(lambda: self._train_step(it))
+                    else:
+                        step_loss = self._train_step(it)
                 except Exception as exc:
                     failure = launch.explain_comm_failure(exc, self.rank, self.step, cfg.parallel.timeout_s)
                     if failure is None or self.world == 1:
@@ -470,6 +477,8 @@ class Trainer:
                         row["loss_scale"] = float(self.scaler.get_scale())
                     row.update(self.parallel.metrics())
                     row.update(self.tracked or {})
+                    if self.phases:  # written once, in the first row after the profiled step
+                        row["time_breakdown_s"], self.phases = self.phases, {}
                     row.update(self.auto.predicted() if self.auto is not None else {})
                     if self.world > 1:
                         row["comm_bytes"] = self.comm_bytes
