@@ -133,9 +133,7 @@ def build_skeleton(spec: dict[str, Any]) -> Skeleton:
                     seen.append(i)
         sk.shard_params.append(seen)
         for i in seen:
-            sk.last_use[i] = s  # ascending s: ends at the highest; fixed below
-    for i in sk.last_use:
-        sk.last_use[i] = min(s for s, ps in enumerate(sk.shard_params) if i in ps)
+            sk.last_use.setdefault(i, s)  # the lowest shard using it: the last to run backward
     return sk
 
 
