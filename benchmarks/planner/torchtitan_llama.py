@@ -1,0 +1,102 @@
+"""On paper against torchtitan's Llama 3.1 8B on 8 H100s: FSDP + selective activation checkpointing, bf16,
+5,762 tokens/s per GPU (pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``, Table 1).
+
+The published setting (facts from that file and the torchtitan commit it names, 9dec370): Llama 3.1 8B
+(the planner's ``llama3.1-8b`` shape: 32 layers, h = 4096, 32 heads, 8 KV heads, SwiGLU f = 14336,
+V = 128,256, untied head), sequence 8192, local batch 2, global batch 16 on 8 GPUs (FSDP2 over all 8 =
+ZeRO-3, bf16 gathers, fp32 sharded parameters and reductions), AdamW, selective AC with the ``op`` policy
+(save every other matmul's output and the attention's; :class:`~scaletrain.planner.Options` ``selective="op"``),
+no torch.compile, no Float8. Their H100s are not the data-sheet SXM5: 96 GB HBM2e at 2.4 TB/s, a 500 W
+power limit, "peak TFLOPs between SXM and NVL". So two platforms are priced: the ``h100`` preset (SXM5
+figures) and the same with the published memory, HBM bandwidth and the H100 NVL's dense bf16 peak (the low
+end of their stated range). The published figure is only compared with; it never enters a prediction.
+
+Writes ``benchmarks/results/planner_torchtitan_llama.json``; run from the repository root:
+``PYTHONPATH=src python benchmarks/planner/torchtitan_llama.py`` (a few seconds, nothing runs on a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import platform as host
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from scaletrain import __version__
+from scaletrain import platform as platforms
+from scaletrain.plan import Plan, RematPlan
+from scaletrain.planner import Options, Shape, plan_cost, search
+
+PUBLISHED_TPS_PER_GPU = 5762
+PUBLISHED_MEMORY_GIB = 82.4
+GPUS, LOCAL_BATCH, SEQ = 8, 2, 8192
+TORCHTITAN = Options(selective="op")
+GB = 10**9
+
+
+def platforms_priced() -> dict[str, platforms.Platform]:
+    """The preset, and the preset with the benchmark's stated hardware (96 GB HBM2e, 2.4 TB/s) and the
+    H100 NVL data sheet's bf16 peak (1,671 TFLOPS with sparsity = 835.5 dense)."""
+    h100 = platforms.get("h100")
+    published = h100.with_(name="h100-96g-hbm2e", device_memory_bytes=96 * GB, device_mem_bytes_per_s=2.4e12,
+                           flops_bf16=835.5e12,
+                           source="torchtitan benchmark's H100: 96 GB HBM2e, 2.4 TB/s; bf16 peak of the H100 NVL "
+                                  "data sheet (the low end of 'between SXM and NVL')")
+    return {"h100": h100, "h100-96g-hbm2e": published}
+
+
+def published_plan() -> Plan:
+    return Plan(dp=GPUS, zero=3, micro_batch=LOCAL_BATCH, remat=RematPlan(selective="attention"),
+                precision="bf16", optimizer="adamw")
+
+
+def main() -> int:
+    shape = Shape.of("llama3.1-8b")
+    gb = GPUS * LOCAL_BATCH
+    rows = {}
+    for name, plat in platforms_priced().items():
+        c = plan_cost(shape, published_plan(), plat, global_batch=gb, seq=SEQ, options=TORCHTITAN)
+        tps = c.tokens_per_s / GPUS
+        err = tps / PUBLISHED_TPS_PER_GPU - 1
+        res = search(shape, plat, nodes=1, gpus_per_node=GPUS, global_batch=gb, seq=SEQ, options=TORCHTITAN)
+        top = res.ranked[0] if res.ranked else None
+        rows[name] = {
+            "platform": plat.to_dict(),
+            "published_plan": {**c.to_dict()["plan"], "selective_policy": "op"},
+            "predicted_tokens_per_s_per_gpu": tps, "error": err, "within_15pct": abs(err) <= 0.15,
+            "predicted_step_s": c.step_time_s, "predicted_mfu": c.mfu, "phases_s": c.phases_s, "blocks_s": c.blocks_s,
+            "predicted_peak_bytes": c.peak_bytes, "predicted_peak_gib": c.peak_bytes["total"] / 2**30,
+            "fits": c.fits,
+            "planner": None if top is None else {
+                "describe": top.plan.describe(), "plan": top.to_dict()["plan"],
+                "tokens_per_s_per_gpu": top.tokens_per_s / GPUS, "mfu": top.mfu, "step_s": top.step_time_s,
+                "peak_gib": top.peak_bytes["total"] / 2**30, "fits": top.fits,
+                "plans_priced": res.evaluated, "plans_fit": len(res.ranked), "planning_s": res.seconds},
+        }
+        print(f"{name}: published plan predicted {tps:,.0f} tokens/s/GPU (published {PUBLISHED_TPS_PER_GPU:,}, "
+              f"error {err:+.1%}), MFU {c.mfu:.1%}, peak {c.peak_bytes['total'] / 2**30:.1f} GiB "
+              f"(published {PUBLISHED_MEMORY_GIB}), fits {c.fits}")
+        if top is not None:
+            print(f"  planner's top plan: {top.plan.describe()}, micro-batch {top.plan.micro_batch}: "
+                  f"{top.tokens_per_s / GPUS:,.0f} tokens/s/GPU, {top.peak_bytes['total'] / 2**30:.1f} GiB")
+    out = {"benchmark": "torchtitan Llama 3.1 8B, 8 H100, FSDP + selective AC (op), bf16, on paper",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "machine": {"host": host.node(), "cpu": host.processor() or host.machine(), "python": sys.version.split()[0],
+                       "torch": torch.__version__, "scaletrain": __version__},
+           "shape": {**shape.__dict__, "params": shape.params(), "flops_per_token": shape.flops_per_token(SEQ)},
+           "published": {"tokens_per_s_per_gpu": PUBLISHED_TPS_PER_GPU, "memory_gib": PUBLISHED_MEMORY_GIB,
+                         "gpus": GPUS, "local_batch": LOCAL_BATCH, "global_batch": gb, "seq": SEQ,
+                         "source": "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1"},
+           "options": TORCHTITAN.__dict__, "rows": rows}
+    path = Path("benchmarks/results/planner_torchtitan_llama.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, default=str), encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
