@@ -17,15 +17,10 @@ Writes ``benchmarks/results/planner_torchtitan_llama.json``; run from the reposi
 
 from __future__ import annotations
 
-import json
-import platform as host
 import sys
-import time
-from pathlib import Path
 
-import torch
+from on_paper import write_result
 
-from scaletrain import __version__
 from scaletrain import platform as platforms
 from scaletrain.plan import Plan, RematPlan
 from scaletrain.planner import Options, Shape, plan_cost, search
@@ -82,19 +77,13 @@ def main() -> int:
         if top is not None:
             print(f"  planner's top plan: {top.plan.describe()}, micro-batch {top.plan.micro_batch}: "
                   f"{top.tokens_per_s / GPUS:,.0f} tokens/s/GPU, {top.peak_bytes['total'] / 2**30:.1f} GiB")
-    out = {"benchmark": "torchtitan Llama 3.1 8B, 8 H100, FSDP + selective AC (op), bf16, on paper",
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "machine": {"host": host.node(), "cpu": host.processor() or host.machine(), "python": sys.version.split()[0],
-                       "torch": torch.__version__, "scaletrain": __version__},
-           "shape": {**shape.__dict__, "params": shape.params(), "flops_per_token": shape.flops_per_token(SEQ)},
-           "published": {"tokens_per_s_per_gpu": PUBLISHED_TPS_PER_GPU, "memory_gib": PUBLISHED_MEMORY_GIB,
-                         "gpus": GPUS, "local_batch": LOCAL_BATCH, "global_batch": gb, "seq": SEQ,
-                         "source": "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1"},
-           "options": TORCHTITAN.__dict__, "rows": rows}
-    path = Path("benchmarks/results/planner_torchtitan_llama.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1, default=str), encoding="utf-8")
-    print(f"wrote {path}")
+    write_result("planner_torchtitan_llama", "torchtitan Llama 3.1 8B, 8 H100, FSDP + selective AC (op), bf16, on "
+                 "paper", {
+        "shape": {**shape.__dict__, "params": shape.params(), "flops_per_token": shape.flops_per_token(SEQ)},
+        "published": {"tokens_per_s_per_gpu": PUBLISHED_TPS_PER_GPU, "memory_gib": PUBLISHED_MEMORY_GIB,
+                      "gpus": GPUS, "local_batch": LOCAL_BATCH, "global_batch": gb, "seq": SEQ,
+                      "source": "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1"},
+        "options": TORCHTITAN.__dict__, "rows": rows})
     return 0
 
 
