@@ -27,6 +27,16 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   and every pipeline synchronise after the flush, fully exposed.
 * **optimizer step**: memory-bound, 12 + 2K bytes per (sharded) parameter: read p, g, write p, read and write
   its K bytes of states (Adam: 28).
+* **offload** (ZeRO-Offload, Ren et al. ATC'21: the plan's ``offload.optimizer=host``): no optimizer step on
+  the device; each micro-batch's gradients go device -> host behind the backward, then the CPU Adam update
+  and the parameters' upload, exposed unless DPU overlaps them with the next step (:func:`offload_time`).
+  The device keeps the parameters and one block's gradients; the host (shared by a node's ranks) the
+  fp32 masters, gradients and states, and a plan fits only if both do.
+* **shapes**: each matmul of the layer in forward order (:meth:`Shape.matmuls`: GPT-2's fused QKV and GELU
+  MLP, or Llama's wq, wk, wv (GQA), wo and SwiGLU's w1, w3, w2); the memory-bound kernels follow it
+  (SwiGLU's silu and product, rotary on q and k). Selective recompute is Megatron's (the attention core)
+  or torchtitan's op-level policy (:class:`Options` ``selective``: every other matmul and every memory-bound
+  kernel again in the backward).
 
 Memory: :mod:`.memory` (model states by ZeRO stage, Korthikanti activations × in-flight micro-batches,
 autocast's 16-bit weight copies held per micro-batch until its backward, the logits and loss in fp32
@@ -40,6 +50,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from scaletrain.measure.model_states import ModelStateBytes
 from scaletrain.plan import Plan
 from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
@@ -380,7 +391,7 @@ def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int,
         ms = zero_cost.model_state_bytes(n, plan.zero, dp, precision=storage, optim_state_bytes=k)
         if offloaded:  # ZeRO-Offload: parameters stay; gradients leave block by block; no states here
             block_grads = max(shape.layer_params() / tp, shape.vocab * shape.hidden / tp if first else 0)
-            ms = type(ms)(ms.params, ms.params / n * block_grads, 0.0)
+            ms = ModelStateBytes(ms.params, ms.params / n * block_grads, 0.0)
         live = mem.inflight(plan.schedule, pp, m, v, last=last and not first)
         L = shape.layers / pp
         act = live * L * mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat=remat, elem=e,
