@@ -293,7 +293,7 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
         dp_exposed = dp_time
     k = optim_state_bytes(plan.optimizer, shape.hidden)
     opt_params = n_rank / (dp if plan.zero >= 1 else 1)
-    offloaded = offload_kind(plan) != "none"
+    offloaded = offload_kind(plan) == "optimizer"
     # read p, g; write p (12 B); read + write the states — on the device unless offloaded to the host
     optimizer = 0.0 if offloaded else _mb(plat, opt_params * (12 + 2 * k))
     host = offload_time(shape, plan, plat, n_rank=n_rank, opt_params=opt_params, m=m, tp=tp,
@@ -319,7 +319,9 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
                     phases_s=phases, heaviest_rank=which,
                     blocks_s={"layer_fwd": lt["fwd"], "layer_bwd": lt["bwd"], "layer_recompute": recompute,
                               "layer_tp_comm": tp_layer, "layer_weight_traffic": weight_traffic,
-                              "embedding": embed, "head": head})
+                              "embedding": embed, "head": head},
+                    notes=["offload keys other than optimizer=host (with recompute none or all, DPU) are not priced"]
+                    if offload_kind(plan) == "other" else [])
 
 
 def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int, *,
