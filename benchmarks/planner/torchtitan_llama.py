@@ -48,6 +48,20 @@ def published_plan() -> Plan:
                 precision="bf16", optimizer="adamw")
 
 
+def attention_scores_bytes_s(shape: Shape, plat: platforms.Platform) -> dict[str, float]:
+    """What the s x s scores' bytes add to one layer's attention core as priced. Each of its two batched
+    matmuls is a roofline whose bytes include the b·a·s² scores matrix, which FlashAttention never writes
+    to HBM. So the priced time is compared with the same FLOPs at the matmul efficiency alone."""
+    from scaletrain.planner.cost import Options as _O
+    from scaletrain.planner.cost import layer_times
+
+    lt = layer_times(shape, plat, seq=SEQ, b=LOCAL_BATCH, tp=1, sp=False, precision="bf16", opts=_O())
+    d = shape.hidden // shape.heads
+    flops = 2 * SEQ * SEQ * d * LOCAL_BATCH * shape.heads  # QK^T, and AV the same
+    only = 2 * flops / (plat.flops("bf16") * plat.matmul_fraction(flops))
+    return {"attention_core_fwd_s": lt["attn_core"], "flops_only_fwd_s": only}
+
+
 def main() -> int:
     shape = Shape.of("llama3.1-8b")
     gb = GPUS * LOCAL_BATCH
@@ -58,13 +72,19 @@ def main() -> int:
         err = tps / PUBLISHED_TPS_PER_GPU - 1
         res = search(shape, plat, nodes=1, gpus_per_node=GPUS, global_batch=gb, seq=SEQ, options=TORCHTITAN)
         top = res.ranked[0] if res.ranked else None
+        att = attention_scores_bytes_s(shape, plat)
+        # forward, backward (2x) of every layer, once per micro-batch; the op policy recomputes no attention
+        m = gb // (GPUS * LOCAL_BATCH)
+        att["step_without_scores_bytes_s"] = c.step_time_s - 3 * shape.layers * m * (
+            att["attention_core_fwd_s"] - att["flops_only_fwd_s"])
+        att["tokens_per_s_per_gpu"] = gb * SEQ / att["step_without_scores_bytes_s"] / GPUS
         rows[name] = {
             "platform": plat.to_dict(),
             "published_plan": {**c.to_dict()["plan"], "selective_policy": "op"},
             "predicted_tokens_per_s_per_gpu": tps, "error": err, "within_15pct": abs(err) <= 0.15,
             "predicted_step_s": c.step_time_s, "predicted_mfu": c.mfu, "phases_s": c.phases_s, "blocks_s": c.blocks_s,
             "predicted_peak_bytes": c.peak_bytes, "predicted_peak_gib": c.peak_bytes["total"] / 2**30,
-            "fits": c.fits,
+            "fits": c.fits, "attention_without_scores_bytes": att,
             "planner": None if top is None else {
                 "describe": top.plan.describe(), "plan": top.to_dict()["plan"],
                 "tokens_per_s_per_gpu": top.tokens_per_s / GPUS, "mfu": top.mfu, "step_s": top.step_time_s,
@@ -74,6 +94,10 @@ def main() -> int:
         print(f"{name}: published plan predicted {tps:,.0f} tokens/s/GPU (published {PUBLISHED_TPS_PER_GPU:,}, "
               f"error {err:+.1%}), MFU {c.mfu:.1%}, peak {c.peak_bytes['total'] / 2**30:.1f} GiB "
               f"(published {PUBLISHED_MEMORY_GIB}), fits {c.fits}")
+        print(f"  attention core {att['attention_core_fwd_s'] * 1e3:.2f} ms per layer forward as priced, "
+              f"{att['flops_only_fwd_s'] * 1e3:.2f} ms without the scores' bytes: "
+              f"{att['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU "
+              f"({att['tokens_per_s_per_gpu'] / PUBLISHED_TPS_PER_GPU - 1:+.1%})")
         if top is not None:
             print(f"  planner's top plan: {top.plan.describe()}, micro-batch {top.plan.micro_batch}: "
                   f"{top.tokens_per_s / GPUS:,.0f} tokens/s/GPU, {top.peak_bytes['total'] / 2**30:.1f} GiB")
