@@ -3,7 +3,8 @@ Model Training"): the largest GPT that trains on one V100-32GB with the host's m
 alone: 1.4B), and 40 TFLOP/s for the 10B model on one V100.
 
 Inputs (facts, none fitted): the GPT-2 sizes of the paper's model-configuration table (layers x hidden and
-batch per GPU; 10B = 50 x 4096, 32 heads, batch 10 is also DeepSpeed's ZeRO-Offload tutorial's), Megatron-LM
+batch per GPU; 10B = 50 x 4096, 32 heads, batch 10 is also DeepSpeed's ZeRO-Offload tutorial's; the other
+rows were not re-read from the paper when this was written, and each gives its size by 12·l·h²), Megatron-LM
 GPT-2 as DeepSpeed ran it: sequence 1024, vocabulary 50,257 padded to 50,304, dropout 0.1, materialised
 softmax (no flash attention on V100 in 2020), full activation checkpointing; fp16 parameters on the GPU
 with fp32 masters (params_dtype bf16 here: the v100 preset's 16-bit figure is its fp16 one). The platform
