@@ -161,3 +161,29 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, msg):
     rc = main(["plan", "--model", "gpt2-small", "--nodes", "1", "--gpus-per-node", "8", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and msg in err and err.count("\n") == 1
+
+
+def test_unaligned_16bit_matmul_runs_at_the_measured_fraction():
+    """A GPT-2 head (50,257 columns) on an H200 is priced on alignment-1 kernels (0.115 of peak, measured
+    there); padding the vocabulary to a multiple of 8 gives it the ordinary table's fraction back."""
+    from scaletrain.planner.cost import _mm
+
+    h200 = P.get("h200")
+    m, k = 16384, 1024
+    flops = 2.0 * m * 50257 * k
+    unaligned = _mm(h200, "bf16", m, 50257, k)
+    assert unaligned == pytest.approx(flops / (h200.flops_bf16 * 0.115))
+    aligned = _mm(h200, "bf16", m, 50304, k)
+    assert aligned == pytest.approx(2.0 * m * 50304 * k / (h200.flops_bf16 * h200.matmul_fraction(2.0 * m * 50304 * k)))
+    assert _mm(h200, "fp32", m, 50257, k) < 2 * _mm(h200, "fp32", m, 50304, k)  # fp32: no tensor-core penalty
+    assert P.get("a100").unaligned_matmul_fraction == 0.0  # never measured there: no penalty priced
+
+
+def test_adamw_step_bytes_count_torchs_foreach_kernels():
+    """AdamW's priced step moves 80 B per parameter (its eight _foreach kernels) + 12 B of clipping."""
+    from scaletrain.planner.cost import optimizer_step_bytes
+
+    reads = 8 + 4 + 8 + 4 + 4 + 4 + 4 + 12  # lerp_, mul_, addcmul_, decay mul_, sqrt, div_, add_, addcdiv_
+    writes = 4 * 8
+    assert optimizer_step_bytes("adamw", 8) == reads + writes + 4 + 8
+    assert optimizer_step_bytes("sgd", 4) == 12 + 8 + 12
