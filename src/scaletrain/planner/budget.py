@@ -74,11 +74,11 @@ def parse_count(flag: str, text: str) -> float:
 
 
 def fmt_duration(seconds: float) -> str:
-    """Seconds as the largest unit that keeps the number >= 1 (s, min, h, d), 3 significant figures."""
+    """Seconds as the largest unit that keeps the number >= 1 (s, min, h, d), 4 significant figures."""
     for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
         if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds:.3g} s"
+            return f"{seconds / size:.4g} {unit}"
+    return f"{seconds:.4g} s"
 
 
 def fmt_usd(x: float) -> str:
@@ -222,16 +222,18 @@ def plan_rentals(shape: Shape, platforms: list[Platform], nodes: list[int], *, g
     for rents in late.values():
         fastest = min(rents, key=lambda r: r.cost.step_time_s)
         budget.append({"region": fastest.where, "kind": "deadline", "count": len(rents),
-                       "reason": f"{len(rents)} plan(s) that fit train {workload.describe()} past the deadline "
-                                 f"{fmt_duration(deadline_s)}; the fastest takes {fmt_duration(fastest.train_time_s)} "
+                       "reason": f"past the deadline {fmt_duration(deadline_s)} for {workload.describe()}; the "
+                                 f"fastest of these takes {fmt_duration(fastest.train_time_s)} "
                                  f"({fastest.cost.plan.describe()})"})
     for rents in over.values():
         cheapest = min(rents, key=lambda r: r.train_cost)
         budget.append({"region": cheapest.where, "kind": "budget", "count": len(rents),
-                       "reason": f"{len(rents)} plan(s) within the deadline cost more than {fmt_usd(max_cost)}; the "
-                                 f"cheapest costs {fmt_usd(cheapest.train_cost)} ({cheapest.cost.plan.describe()})"})
+                       "reason": f"over the budget {fmt_usd(max_cost)}; the cheapest of these costs "
+                                 f"{fmt_usd(cheapest.train_cost)} ({cheapest.cost.plan.describe()})"})
     kept.sort(key=_rank_key(objective))
-    return BudgetResult(ranked=kept, rejected=budget + rejected, searches=searches, objective=objective,
+    order = {"deadline": 0, "budget": 1, "memory": 2, "batch": 3, "divisibility": 4, "compat": 5}
+    rejected = sorted(budget + rejected, key=lambda r: order.get(r["kind"], 6))  # stable: each search's order kept
+    return BudgetResult(ranked=kept, rejected=rejected, searches=searches, objective=objective,
                         evaluated=sum(r.evaluated for _, _, r in searches), seconds=time.perf_counter() - t0)
 
 
@@ -263,7 +265,8 @@ def by_rental(result: BudgetResult) -> list[dict[str, Any]]:
         mine = next((r for r in result.ranked if r.platform.name == plat.name and r.nodes == n), None)
         row: dict[str, Any] = {"platform": plat.name, "nodes": n, "devices": res.world, "best": mine}
         if mine is None:
-            why = [r["reason"] for r in result.rejected if r["kind"] in ("deadline", "budget") and r["region"] == where]
+            why = [f"{r['count']} plan(s) {r['reason']}" for r in result.rejected
+                   if r["kind"] in ("deadline", "budget") and r["region"] == where]
             if why:
                 row["why"] = "; ".join(why)
             else:

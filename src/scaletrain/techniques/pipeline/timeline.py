@@ -105,6 +105,7 @@ def draw(events: Iterable[Sequence], path: str | Path, title: str | None = None,
     if any(e[5] for e in evs):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="up pipe"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+    fig.set_size_inches(width, max(0.9 + 0.55 * P, 0.8 + 0.2 * len(handles)))  # tall enough for the legend
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
