@@ -179,10 +179,10 @@ def check_request(platforms: list[Platform], *, objective: str, workload: Worklo
 
 def _rank_key(objective: str):
     # time: step time (the run's steps are the same for every rental: one global batch), then cost, then fewer
-    # devices; cost: the run's cost to the cent, then time, then devices. Stable: the search's own order
-    # (simpler, then lighter plans first) breaks the remaining ties inside one rental.
+    # devices; cost: the run's cost to 6 significant digits, then time, then devices. Stable: the search's own
+    # order (simpler, then lighter plans first) breaks the remaining ties inside one rental.
     if objective == "cost":
-        return lambda r: (round(r.train_cost, 2), round(r.cost.step_time_s, 6), r.devices)
+        return lambda r: (float(f"{r.train_cost:.6g}"), round(r.cost.step_time_s, 6), r.devices)
     return lambda r: (round(r.cost.step_time_s, 6), r.train_cost or 0.0, r.devices)
 
 
