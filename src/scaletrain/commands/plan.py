@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         from scaletrain.planner.timeline import draw_step, step_timeline
 
         tl = step_timeline(chosen.cost, shape, chosen.platform, global_batch=args.global_batch, seq=seq)
-        draw_step(tl, args.timeline, title=f"{args.model} on {chosen.where}: {tl.title}")
+        draw_step(tl, args.timeline, title=f"{args.model} ({shape.params() / 1e9:.2f}B) on {chosen.where}: {tl.title}")
     top = res.ranked[:args.top]
     if args.json:  # the ranked list itself, best first (the schema); --json-rejected adds the rest
         ranked = [entry(r, best, args.objective) for r in top]

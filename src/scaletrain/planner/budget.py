@@ -77,8 +77,8 @@ def fmt_duration(seconds: float) -> str:
     """Seconds as the largest unit that keeps the number >= 1 (s, min, h, d), 4 significant figures."""
     for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
         if seconds >= size:
-            return f"{seconds / size:.4g} {unit}"
-    return f"{seconds:.4g} s"
+            return f"{seconds / size:#.4g} {unit}"
+    return f"{seconds:#.4g} s"
 
 
 def fmt_usd(x: float) -> str:
