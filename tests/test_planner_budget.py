@@ -91,8 +91,10 @@ def test_bad_budget_input_is_one_line_exit_2(capsys, argv, msg):
     assert rc == 2 and msg in err and err.count("\n") == 1, err
 
 
-def test_several_platforms_are_ranked_together_by_cost(capsys):
-    rc = main([*BASE, "--platform", "a100-80g", "--platform", "h100", "--price", "a100-80g=2", "--price", "h100=4",
+def test_several_platforms_are_ranked_together_by_cost(capsys, tmp_path):
+    h100 = tmp_path / "h100.json"  # a price in the platform file; the other one on the command line
+    h100.write_text(json.dumps({**P.get("h100").to_dict(), "price_per_device_hour": 4.0}))
+    rc = main([*BASE, "--platform", "a100-80g", "--platform", str(h100), "--price", "a100-80g=2",
                "--nodes", "1,2", "--tokens", "1e9", "--objective", "cost", "--top", "400", "--json"])
     ranked = json.loads(capsys.readouterr().out)
     assert rc == 0 and {e["platform"] for e in ranked} == {"a100-80g", "h100"}
