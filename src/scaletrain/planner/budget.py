@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from scaletrain.errors import UserError
@@ -155,7 +155,6 @@ class BudgetResult:
     objective: str
     evaluated: int
     seconds: float
-    notes: list[str] = field(default_factory=list)
 
 
 def check_request(platforms: list[Platform], *, objective: str, workload: Workload, deadline_s: float | None,
