@@ -15,7 +15,7 @@ from scaletrain.plan import Plan, RematPlan
 from scaletrain.planner import Shape, plan_cost
 from scaletrain.planner.budget import (Rental, Workload, parse_count, parse_duration, parse_nodes, plan_rentals,
                                        train_cost)
-from scaletrain.planner.timeline import KINDS, step_timeline
+from scaletrain.planner.timeline import KINDS, draw_step, step_timeline
 
 SMALL = Shape.of("gpt2-small")
 A100 = P.get("a100-80g").with_(price_per_device_hour=2.0)
@@ -143,3 +143,16 @@ def test_timeline_png_from_the_cli(capsys, tmp_path):
     rc = main([*BASE, "--nodes", "1", "--fix", "pp=2", "--explain", "2", "--timeline", str(png)])
     out = capsys.readouterr().out
     assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out
+
+
+def test_a_phase_without_a_block_is_drawn_after_the_step(tmp_path):
+    # a phase the timeline has no kind for (here a made-up 10 ms host phase) still gets its own segment
+    plan = Plan(dp=8, micro_batch=2, zero=1, precision="bf16")
+    c = plan_cost(SMALL, plan, A100, global_batch=32, seq=1024)
+    c.phases_s["host_update"] = 0.010
+    c.step_time_s += 0.010
+    tl = step_timeline(c, SMALL, A100, global_batch=32, seq=1024)
+    _check_rows(tl, c)
+    last = max(tl.segments, key=lambda e: e.end_s)
+    assert last.kind == "host_update" and last.end_s - last.start_s == pytest.approx(0.010)
+    assert draw_step(tl, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

@@ -18,7 +18,8 @@ How the planner's figures become blocks (units: seconds):
   forward), then its TP collectives, then the p2p send; a backward block is the recompute, the
   backward (+ ⅔ of the embedding / head, the per-micro-batch weight-gradient and cast traffic), its TP
   collectives, the p2p send. TP time is split between the passes as :func:`.cost.layer_times` splits it.
-* After the flush, on every rank: the exposed DP communication, then the optimizer step.
+* After the flush, on every rank: the exposed DP communication, then the optimizer step, then any other
+  phase the planner prices (a host-side update, say) under its own name.
 
 Each kind maps to one of the planner's phases (:data:`KINDS`), so every rank's row sums to the
 predicted step and, kind by kind, to :attr:`.cost.PlanCost.phases_s`.
@@ -48,6 +49,11 @@ KINDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+_DRAWN = {phase for phase, _, _ in KINDS.values()}
+OTHER_COLOUR = "#7F7F7F"
+"""A phase without a kind of its own here is drawn after the optimizer, in grey, under its own name."""
+
+
 @dataclass
 class StepTimeline:
     """The segments of one predicted step, as pipeline-timeline events ``(rank, kind, mb, start_s,
@@ -68,7 +74,7 @@ class StepTimeline:
         out: dict[str, float] = {}
         for e in self.segments:
             if e.rank == rank:
-                phase = KINDS[e.kind][0]
+                phase = KINDS[e.kind][0] if e.kind in KINDS else e.kind
                 out[phase] = out.get(phase, 0.0) + e.end_s - e.start_s
         return out
 
@@ -113,7 +119,9 @@ def step_timeline(c: PlanCost, shape: Shape, plat: Platform, *, global_batch: in
         t = flush
         if flush > busy_until[r]:
             segments.append(Event(r, "BUBBLE", -1, busy_until[r], flush))
-        for kind, d in (("DP", phases["dp_comm"]), ("OPT", phases["optimizer"])):
+        # then any phase the planner prices after the flush that has no block above (e.g. a host-side update)
+        later = [(k, d) for k, d in phases.items() if k not in _DRAWN]
+        for kind, d in [("DP", phases["dp_comm"]), ("OPT", phases["optimizer"]), *later]:
             if d > 0:
                 segments.append(Event(r, kind, -1, t, t + d))
                 t += d
@@ -127,5 +135,6 @@ def draw_step(tl: StepTimeline, path: str | Path, title: str | None = None) -> P
     from scaletrain.techniques.pipeline.timeline import draw
 
     styles = {k: (colour, label) for k, (_, colour, label) in KINDS.items() if colour}
+    styles.update({e.kind: (OTHER_COLOUR, e.kind.replace("_", " ")) for e in tl.segments if e.kind not in KINDS})
     return draw(tl.segments, path, title=title or tl.title, n_ranks=tl.n_ranks, time_unit="ms", styles=styles,
                 row_label="pp rank")
