@@ -99,6 +99,12 @@ class Platform:
     """Fixed seconds per kernel the planner prices (dispatch, autograd bookkeeping, launch), on top of its
     roofline time. 0 on the GPU presets (not modelled there); measured by :mod:`scaletrain.planner.local`
     on a CPU, where eager PyTorch's per-operator cost dominates a small model's small kernels."""
+    price_per_device_hour: float = 0.0
+    """What renting one device for one hour costs, in USD per device per hour (on-demand; the node's
+    share of host, network and storage included if the provider bills it per GPU). 0 = unknown: the
+    presets carry none, because a price depends on the provider, the term and the month; give it in a
+    platform file or with ``scaletrain plan --price NAME=USD``. ``scaletrain plan --objective cost``
+    multiplies it by devices × hours."""
     source: str = ""
     """Where the figures come from (data sheet, calibration date)."""
     meta: dict = field(default_factory=dict, compare=False, hash=False)
