@@ -65,6 +65,25 @@ def optim_state_bytes(name: str, hidden: int) -> float:
     return float(state_bytes_per_param(name.lower(), (hidden, hidden)))
 
 
+# Bytes each fp32 parameter moves in torch's foreach AdamW step (scaletrain's default, foreach=True),
+# one term per _foreach kernel as torch/optim/adamw.py runs them: lerp_ m<-g (r8 w4), mul_ v (r4 w4),
+# addcmul_ v<-g,g (r8 w4), decoupled decay mul_ p (r4 w4), sqrt v -> d (r4 w4), div_ d (r4 w4),
+# add_ eps (r4 w4), addcdiv_ p<-m,d (r12 w4) = 80; plus clipping (train.grad_clip, on by default):
+# the norm reads g (4), the scale reads and writes g (8). 92 B at 4.3 TB/s for gpt2-medium = 7.6 ms;
+# measured on one H200: 8.8 ms of multi_tensor_apply kernels per step (planner_gpu_h200_profile.json).
+ADAM_FOREACH_BYTES = 80.0
+CLIP_BYTES = 12.0
+
+
+def optimizer_step_bytes(name: str, state_bytes: float) -> float:
+    """Bytes moved per parameter by one optimizer step with gradient clipping: Adam/AdamW as torch's
+    foreach kernels run it (:data:`ADAM_FOREACH_BYTES`); any other optimizer read p, g and write p (12 B)
+    and read + write its ``state_bytes`` once — a lower bound where its kernels are not counted."""
+    if name.lower() in ("adam", "adamw"):
+        return ADAM_FOREACH_BYTES + CLIP_BYTES
+    return 12 + 2 * state_bytes + CLIP_BYTES
+
+
 @dataclass(frozen=True)
 class Options:
     """How the priced system runs, where it is not in the plan."""
@@ -154,7 +173,10 @@ def _mm(plat: Platform, precision: str, m: float, n: float, k: float, batch: flo
     achieved fraction for its size and its bytes (both operands read, the output written) at HBM's."""
     e = 4 if precision == "fp32" else 2
     flops = 2 * m * n * k * batch
-    compute = flops / (plat.flops(precision) * plat.matmul_fraction(flops)) + plat.kernel_overhead_s
+    fraction = plat.matmul_fraction(flops)
+    if e == 2 and plat.unaligned_matmul_fraction and any(float(d) % 8 for d in (m, n, k)):
+        fraction = min(fraction, plat.unaligned_matmul_fraction)  # alignment-1 kernels (Platform docstring)
+    compute = flops / (plat.flops(precision) * fraction) + plat.kernel_overhead_s
     return max(compute, _mb(plat, e * (m * k + k * n + m * n) * batch))
 
 
@@ -294,8 +316,8 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     k = optim_state_bytes(plan.optimizer, shape.hidden)
     opt_params = n_rank / (dp if plan.zero >= 1 else 1)
     offloaded = offload_kind(plan) == "optimizer"
-    # read p, g; write p (12 B); read + write the states — on the device unless offloaded to the host
-    optimizer = 0.0 if offloaded else _mb(plat, opt_params * (12 + 2 * k))
+    # the update's bytes per (sharded) parameter (optimizer_step_bytes) — on the device unless offloaded
+    optimizer = 0.0 if offloaded else _mb(plat, opt_params * optimizer_step_bytes(plan.optimizer, k))
     host = offload_time(shape, plan, plat, n_rank=n_rank, opt_params=opt_params, m=m, tp=tp,
                         backward_s=L * lt["bwd"], compute_s=pipeline) if offloaded else {"s": 0.0, "host_bytes": 0.0}
     step = pipeline + dp_exposed + optimizer + host["s"]
