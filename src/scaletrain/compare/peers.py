@@ -75,20 +75,22 @@ def _optimizer(cfg: Any, model: nn.Module) -> tuple[torch.optim.Optimizer, Calla
     return opt, factor
 
 
-def torch_engine(strategy: str, model: nn.Module, cfg: Any) -> PeerEngine:
+def torch_engine(strategy: str, model: nn.Module, cfg: Any, device: torch.device) -> PeerEngine:
     """``torch-ddp`` (DDP, gradients all-reduced in ``parallel.bucket_mb`` buckets) or ``torch-fsdp``
     (``fully_shard`` per block, then the root; resharded after forward: ZeRO-3), over the default group."""
     if strategy == "torch-ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        forward: nn.Module = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True)
+        ids = [device.index] if device.type == "cuda" else None
+        forward: nn.Module = DDP(model, device_ids=ids, bucket_cap_mb=cfg.parallel.bucket_mb,
+                                 gradient_as_bucket_view=True)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         from scaletrain.techniques.data_parallel.fsdp import shardable_blocks
 
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         for block in shardable_blocks(model):
             fully_shard(block, mesh=mesh)
         forward = fully_shard(model, mesh=mesh)
@@ -160,7 +162,7 @@ def _all_reduce(values: list[float]) -> list[float]:
 
 @torch.no_grad()
 def evaluate(engine: PeerEngine, cfg: Any, adapter: Any, val_set: Any, micro_batch: int, rank: int,
-             world: int) -> dict[str, float]:
+             world: int, device: torch.device) -> dict[str, float]:
     """The trainer's validation: ``train.eval_batches`` micro-batches per rank of the unshuffled validation
     split (the same samples as every scaletrain cell), loss summed over ranks; nats per target."""
     from scaletrain.data import build_loader
@@ -172,6 +174,7 @@ def evaluate(engine: PeerEngine, cfg: Any, adapter: Any, val_set: Any, micro_bat
     for i, (x, y) in enumerate(loader):
         if i >= cfg.train.eval_batches:
             break
+        x, y = x.to(device), y.to(device)
         out = engine.forward(x)
         total += float(adapter.loss(out, y)) * len(y)
         correct += int((logits_of(out).argmax(-1) == y).sum()) if adapter.task != "lm" else 0
@@ -206,17 +209,14 @@ def _tracked_step(engine: PeerEngine, run_step: Callable[[], float], rank: int, 
                   "tracked_peak_breakdown": ranks[heaviest]}
 
 
-def train(strategy: str, out: Path, overrides: list[str]) -> list[dict[str, Any]]:
+def train(strategy: str, out: Path, overrides: list[str], device: torch.device) -> list[dict[str, Any]]:
     """Train ``strategy`` with the cell's ``overrides`` (``scaletrain train`` keys) in this process of the
     torchrun job; rank 0 writes ``out/metrics.jsonl``. Returns the rows written (rank 0; [] elsewhere)."""
-    import json
-
     import torch.distributed as dist
 
     from scaletrain import models
     from scaletrain.measure.comm import LEDGER
     from scaletrain.models.adapters import adapt
-    from scaletrain.techniques.tensor_parallel.rng import replica_seed
     from scaletrain.train.config import load_config
     from scaletrain.train.model_data import build_datasets
     from scaletrain.train.trainer import batch_arithmetic
@@ -230,16 +230,32 @@ def train(strategy: str, out: Path, overrides: list[str]) -> list[dict[str, Any]
         raise ConfigError(f"train.micro_batch={cfg.train.micro_batch}: the peers take one micro-batch per rank and "
                           f"step; allowed: train.micro_batch=0 or {cfg.train.global_batch // world}")
     torch.manual_seed(cfg.train.seed)  # the trainer's order: seed, model, data, then per-replica streams
-    model = models.get(cfg.model.name, **cfg.model.overrides)
+    model = models.get(cfg.model.name, **cfg.model.overrides).to(device)
     adapter = adapt(model)
     _, train_set, val_set = build_datasets(cfg, adapter, user_model=False)
+    LEDGER.install()  # before the engine: DeepSpeed keeps its own references to the collectives it will call
+    try:
+        return _loop(strategy, out, cfg, model, adapter, train_set, val_set, (micro, rank, world), device)
+    finally:
+        LEDGER.uninstall()
+
+
+def _loop(strategy: str, out: Path, cfg: Any, model: nn.Module, adapter: Any, train_set: Any, val_set: Any,
+          layout: tuple[int, int, int], device: torch.device) -> list[dict[str, Any]]:
+    """:func:`train` from the engine on: build it, run the steps, evaluate, write rank 0's rows.
+    ``layout``: (micro-batch [samples], rank, world)."""
+    import json
+
+    from scaletrain.measure.comm import LEDGER
+    from scaletrain.techniques.tensor_parallel.rng import replica_seed
+
+    micro, rank, world = layout
     if strategy.startswith("deepspeed"):
         engine = deepspeed_engine(int(strategy[-1]), model, cfg, micro, world)
     else:
-        engine = torch_engine(strategy, model, cfg)
+        engine = torch_engine(strategy, model, cfg, device)
     torch.manual_seed(replica_seed(cfg.train.seed, rank, 1))
     it = rank_batches(cfg, train_set, micro, rank, world)
-    LEDGER.install()
     unit = "tok" if adapter.task == "lm" else "samples"
     items = cfg.train.global_batch * (getattr(train_set, "tokens_per_sample", 1) if unit == "tok" else 1)
     rows: list[dict[str, Any]] = []
@@ -247,37 +263,38 @@ def train(strategy: str, out: Path, overrides: list[str]) -> list[dict[str, Any]
 
     def one_step() -> float:
         x, y = next(it)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss = adapter.loss(engine.forward(x), y)
         engine.backward(loss)
         norm[0] = engine.step()
         return float(loss.detach())
 
     engine.forward.train()
-    try:
-        for step in range(1, cfg.train.steps + 1):
-            LEDGER.reset()
-            t0 = time.perf_counter()
-            tracked: dict[str, Any] = {}
-            phases: dict[str, float] = {}
-            if cfg.train.measure_memory and step == cfg.train.steps:
-                loss, tracked = _tracked_step(engine, one_step, rank, world)
-            elif step == cfg.train.profile_step and rank == 0:
-                from scaletrain.measure.phases import profile_step
+    for step in range(1, cfg.train.steps + 1):
+        LEDGER.reset()
+        t0 = time.perf_counter()
+        tracked: dict[str, Any] = {}
+        phases: dict[str, float] = {}
+        if cfg.train.measure_memory and step == cfg.train.steps:
+            loss, tracked = _tracked_step(engine, one_step, rank, world)
+        elif step == cfg.train.profile_step and rank == 0:
+            from scaletrain.measure.phases import profile_step
 
-                loss, phases = profile_step(one_step)
-            else:
-                loss = one_step()
-            dt = time.perf_counter() - t0
-            comm = LEDGER.total()
-            loss = _all_reduce([loss])[0] / world
-            row = {"step": step, "loss": loss, "lr": engine.lr(), "grad_norm": norm[0], "step_time_s": dt, f"{unit}_per_s": items / max(dt, 1e-9), "comm_bytes": comm, **tracked}
-            if phases:
-                row["time_breakdown_s"] = phases
-            rows.append(row)
-            if step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-                rows.append({"step": step, **evaluate(engine, cfg, adapter, val_set, micro, rank, world)})
-    finally:
-        LEDGER.uninstall()
+            loss, phases = profile_step(one_step)
+        else:
+            loss = one_step()
+        dt = time.perf_counter() - t0
+        comm = LEDGER.total()
+        loss = _all_reduce([loss])[0] / world
+        row = {"step": step, "loss": loss, "lr": engine.lr(), "grad_norm": norm[0], "step_time_s": dt,
+               f"{unit}_per_s": items / max(dt, 1e-9), **tracked}
+        if comm > 0:  # plain DDP's C++ reducer calls no wrapped function: its traffic is not seen
+            row["comm_bytes"] = comm
+        if phases:
+            row["time_breakdown_s"] = phases
+        rows.append(row)
+        if step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
+            rows.append({"step": step, **evaluate(engine, cfg, adapter, val_set, micro, rank, world, device)})
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -295,13 +312,18 @@ def main(argv: list[str]) -> int:
         return 2
     from datetime import timedelta
 
+    from scaletrain.techniques.data_parallel.launch import backend_for, launch_env
     from scaletrain.train.config import load_config
+    from scaletrain.train.preflight import resolve_device
 
     try:
-        timeout = load_config(None, argv[2:]).parallel.timeout_s
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))  # torchrun's env://, even for 1
+        cfg = load_config(None, argv[2:])
+        device = resolve_device(cfg.train.device, launch_env().local_rank)  # the trainer's device, so the same
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=cfg.parallel.timeout_s))  # even for 1
         try:
-            train(argv[0], Path(argv[1]), argv[2:])
+            train(argv[0], Path(argv[1]), argv[2:], device)
             dist.barrier()
         finally:
             dist.destroy_process_group()

@@ -45,6 +45,14 @@ NOTES = [
     "Predictions: peak bytes from <code>techniques.plan_cost.plan_costs</code> (every model); step time from "
     "<code>planner.cost.plan_cost</code> on this machine as measured by N processes at once "
     "(<code>planner.local.measure</code>), for GPT-2 shapes only (the planner prices transformers only).",
+    "Peers (framework pytorch / deepspeed): <code>scaletrain.compare.peers</code> trains the same model object "
+    "(same seed, same initial weights) on the same per-rank batches (scaletrain's loader), with the same AdamW, "
+    "learning-rate schedule, gradient clipping, steps and validation batches; only the step is the framework's "
+    "own (plain DDP, plain <code>fully_shard</code>, a DeepSpeed ZeRO-2/3 engine, fp32). Their memory is "
+    "measured by the same tracker on the same last step (DeepSpeed's fp32 partitions, a second copy of the "
+    "parameters it keeps even in fp32, count as parameters). Their "
+    "prediction is that of the scaletrain strategy computing the same step (torch-ddp ~ ddp, deepspeed-zero2 ~ "
+    "zero2, deepspeed-zero3 and torch-fsdp ~ zero3).",
 ]
 
 
