@@ -91,6 +91,7 @@ def run_once(cell: Cell, repeat: int, directory: Path, timeout_s: float = RUN_TI
         cmd = [sys.executable, "-m", "scaletrain.cli", "train", "--nproc-per-node", str(cell.devices), "--out",
                str(out), "--json", *cell.train_overrides()]
     else:  # a peer: its framework's own loop (scaletrain.compare.peers), one process per device under torchrun
+        env.setdefault("OMP_NUM_THREADS", "1")  # as scaletrain's launcher sets it (torchrun does only for N > 1)
         if not torch.cuda.is_available():
             env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator (it would look for CUDA)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cell.devices}",
