@@ -17,7 +17,10 @@ no-decay parameter groups and hyperparameters; the learning rate of :func:`scale
 steps on the same validation batches. The metrics.jsonl rows have the fields :func:`.results.read_run` reads of
 a scaletrain run: per-step ``step_time_s`` (batch fetch included, as the trainer times it), rank-averaged
 ``loss``, validation rows, the last step under scaletrain's memory tracker (every rank's peak and its
-breakdown, the same tracker and the same step as a scaletrain cell) and the profiled step's phases.
+breakdown, the same tracker and the same step as a scaletrain cell) and the profiled step's phases, and
+``comm_bytes`` where the traffic ledger sees the collectives (FSDP2's and DeepSpeed's Python calls; plain DDP's
+C++ reducer calls none of the wrapped functions, so its row has none). With one process the peer still runs in
+a process group of one (its framework's own one-process run), where scaletrain's one-process run has none.
 Units: seconds, bytes.
 """
 
@@ -35,9 +38,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from scaletrain.compare.matrix import STRATEGIES
 from scaletrain.errors import ConfigError, UserError, one_line
 
-PEERS = ("torch-ddp", "torch-fsdp", "deepspeed-zero2", "deepspeed-zero3")
+PEERS = tuple(n for n, s in STRATEGIES.items() if s.framework != "scaletrain")
 """The strategies this worker runs (their framework's own loop, not scaletrain's trainer)."""
 
 
@@ -124,8 +128,11 @@ def deepspeed_config(stage: int, cfg: Any, micro_batch: int, world: int) -> dict
 def deepspeed_engine(stage: int, model: nn.Module, cfg: Any, micro_batch: int, world: int) -> PeerEngine:
     """A DeepSpeed engine with ZeRO ``stage`` over ``model``: our AdamW as its client optimizer (ZeRO wraps it
     and keeps fp32 partitions), our schedule as its client scheduler (stepped by ``engine.step``)."""
+    import logging
+
     import deepspeed
 
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # its per-step INFO lines would bury the run's output
     opt, factor = _optimizer(cfg, model)
     engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(
         stage, cfg, micro_batch, world), lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, factor))
