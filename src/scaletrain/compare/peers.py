@@ -114,10 +114,12 @@ def torch_engine(strategy: str, model: nn.Module, cfg: Any, device: torch.device
     return PeerEngine(forward, model, opt, lambda loss: loss.backward(), step, lambda: sched.get_last_lr()[0])
 
 
-def deepspeed_config(stage: int, cfg: Any, micro_batch: int, world: int) -> dict[str, Any]:
+def deepspeed_config(stage: int, cfg: Any, micro_batch: int, world: int, numel: int) -> dict[str, Any]:
     """The DeepSpeed config of one peer run: ZeRO ``stage``, fp32, the cell's batch and clipping, buckets of
-    ``parallel.bucket_mb`` MiB (DeepSpeed counts them in elements: 4 bytes each in fp32)."""
-    bucket = int(cfg.parallel.bucket_mb * 2**20 / 4)
+    ``parallel.bucket_mb`` MiB as DDP's, capped at the model's ``numel`` parameters: DeepSpeed allocates its
+    whole bucket up front (counted in elements, 4 bytes each in fp32), where DDP's buckets never exceed the
+    gradients (its own default, 5e8 elements, would be 2 GB here)."""
+    bucket = min(int(cfg.parallel.bucket_mb * 2**20 / 4), numel)
     return {"train_batch_size": micro_batch * world, "train_micro_batch_size_per_gpu": micro_batch,
             "gradient_accumulation_steps": 1, "gradient_clipping": cfg.optim.grad_clip,
             "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
@@ -134,8 +136,9 @@ def deepspeed_engine(stage: int, model: nn.Module, cfg: Any, micro_batch: int, w
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its per-step INFO lines would bury the run's output
     opt, factor = _optimizer(cfg, model)
+    numel = sum(p.numel() for p in model.parameters())
     engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(
-        stage, cfg, micro_batch, world), lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, factor))
+        stage, cfg, micro_batch, world, numel), lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, factor))
 
     def step() -> float:
         engine.step()  # clip, update, lr scheduler, zero the gradients
