@@ -139,10 +139,10 @@ def test_torch_ddp_two_processes_matches_scaletrain_ddp(tmp_path: Path, monkeypa
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed (the bench extra) not installed")
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_two_processes_tracks_scaletrain(stage: int, tmp_path: Path, monkeypatch) -> None:
-    """DeepSpeed ZeRO-2/3 on the same batches: the losses of scaletrain's same stage to rounding (its reduction
-    order and fp32 partition copies differ, so not bitwise)."""
+def test_deepspeed_zero3_two_processes_tracks_scaletrain(tmp_path: Path, monkeypatch) -> None:
+    """DeepSpeed ZeRO-3 on the same batches: the losses of scaletrain's ZeRO-3 to rounding (its reduction order
+    differs, so not bitwise). ZeRO-2 is the same code path with another stage number (not run here: ~90 s)."""
+    stage = 3
     monkeypatch.setattr(runner.predicting, "calibrate", lambda *a, **k: None)
     cells = [_cell(f"zero{stage}", 2), _cell(f"deepspeed-zero{stage}", 2)]
     recs = runner.run_study(cells, tmp_path, repeats=1, log=lambda s: None)
