@@ -1,5 +1,9 @@
 """Run a study: every cell as ``scaletrain train`` subprocesses, repeats interleaved, resumable.
 
+The one place that launches cells: a scaletrain strategy runs ``scaletrain train --nproc-per-node N``; a peer
+(framework ``pytorch`` / ``deepspeed``) runs :mod:`.peers` under ``torch.distributed.run`` with N processes
+and the same keys, and writes the same metrics.jsonl rows, so both fill a cell the same way.
+
 Order: repeat r runs every unfinished cell, the cell order rotated by r places, so that no cell
 always runs first (on a cold machine) or last (after the others heated it) — drifts of a shared
 machine spread over all cells instead of biasing some. results.json is rewritten after every run;
