@@ -18,8 +18,10 @@ steps on the same validation batches. The metrics.jsonl rows have the fields :fu
 a scaletrain run: per-step ``step_time_s`` (batch fetch included, as the trainer times it), rank-averaged
 ``loss``, validation rows, the last step under scaletrain's memory tracker (every rank's peak and its
 breakdown, the same tracker and the same step as a scaletrain cell) and the profiled step's phases, and
-``comm_bytes`` where the traffic ledger sees the collectives (FSDP2's and DeepSpeed's Python calls; plain DDP's
-C++ reducer calls none of the wrapped functions, so its row has none). With one process the peer still runs in
+``comm_bytes`` where the traffic ledger sees every collective: FSDP2's (3 Psi (N-1)/N per step, as scaletrain's
+zero3). Not for plain DDP (its C++ reducer calls none of the wrapped functions) nor DeepSpeed (its ZeRO-3 moved
+2 Psi (N-1)/N by the ledger's count on gpt2-mini, 2 processes, where ZeRO-3 moves 3: some of its collectives
+bypass the wrappers, so the count would be wrong). With one process the peer still runs in
 a process group of one (its framework's own one-process run), where scaletrain's one-process run has none.
 Units: seconds, bytes.
 """
@@ -298,7 +300,7 @@ def _loop(strategy: str, out: Path, cfg: Any, model: nn.Module, adapter: Any, tr
         loss = _all_reduce([loss])[0] / world
         row = {"step": step, "loss": loss, "lr": engine.lr(), "grad_norm": norm[0], "step_time_s": dt,
                f"{unit}_per_s": items / max(dt, 1e-9), **tracked}
-        if comm > 0:  # plain DDP's C++ reducer calls no wrapped function: its traffic is not seen
+        if comm > 0 and not strategy.startswith("deepspeed"):  # module docstring: where the ledger sees it all
             row["comm_bytes"] = comm
         if phases:
             row["time_breakdown_s"] = phases
