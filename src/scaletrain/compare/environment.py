@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import datetime as _dt
 import json
 import os
@@ -60,6 +61,12 @@ def study(before: dict[str, Any], seconds: float, cells: list[Cell], repeats: in
     except ImportError:
         mpl = None
     models = sorted({c.model for c in cells})
+    peers = {}
+    for name in sorted({STRATEGIES[c.strategy].requires.split(".")[0] for c in cells if c.framework == "deepspeed"}):
+        try:  # the installed version, read without importing the package
+            peers[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            peers[name] = None
     return {
         "command": "scaletrain " + " ".join(argv[1:]) if argv and argv[0].endswith(("cli.py", "scaletrain")) else
         " ".join(argv),
@@ -67,7 +74,7 @@ def study(before: dict[str, Any], seconds: float, cells: list[Cell], repeats: in
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_bytes": _memory_bytes(),
                     "os": platform.platform()},
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "scaletrain": scaletrain.__version__,
-                     "matplotlib": mpl, "backend": "gloo"},
+                     "matplotlib": mpl, "backend": "gloo", **peers},
         "settings": {m: dataclasses.asdict(cells[[c.model for c in cells].index(m)].settings) for m in models
                      if m in MODELS},
         "strategies": {s: STRATEGIES[s].describe for s in dict.fromkeys(c.strategy for c in cells)},

@@ -20,7 +20,8 @@ class Strategy:
 
     name: str
     framework: str
-    """Who implements it: ``scaletrain`` or a peer (``deepspeed``)."""
+    """Who implements it: ``scaletrain`` or a peer's framework (``pytorch``, ``deepspeed``: run by
+    :mod:`.peers`, its own loop over the same model, data and settings)."""
     keys: tuple[str, ...]
     """``scaletrain train`` overrides; ``{n}`` is the device count, ``{m}`` the pipeline micro-batches."""
     describe: str
@@ -28,6 +29,8 @@ class Strategy:
     """Python module a peer needs (``import`` fails: the cell is "not installed")."""
     min_devices: int = 1
     """Fewest processes where it differs from a simpler strategy (a hybrid) [processes]."""
+    like: str = ""
+    """A peer: the scaletrain strategy that computes the same step (its prediction is the peer's)."""
 
     def overrides(self, devices: int, microbatches: int) -> list[str]:
         """The config overrides of this strategy on ``devices`` processes."""
@@ -56,9 +59,16 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "hybrid: 2-stage 1F1B pipeline x data parallel (ZeRO-1) over the pipelines", min_devices=4),
     Strategy("auto", "scaletrain", ("plan=auto",), "the plan scaletrain's planner picks for this machine and N "
              "processes (plan=auto: its own prediction)"),
-    Strategy("deepspeed-zero3", "deepspeed", (), "DeepSpeed ZeRO-3 (peer)", requires="deepspeed"),
+    Strategy("torch-ddp", "pytorch", (), "plain PyTorch DistributedDataParallel (peer)",
+             requires="torch.nn.parallel", like="ddp"),
+    Strategy("torch-fsdp", "pytorch", (), "plain PyTorch FSDP2 fully_shard per block + root (peer)",
+             requires="torch.distributed.fsdp", like="zero3"),
+    Strategy("deepspeed-zero2", "deepspeed", (), "DeepSpeed ZeRO-2 engine (peer)", requires="deepspeed",
+             like="zero2"),
+    Strategy("deepspeed-zero3", "deepspeed", (), "DeepSpeed ZeRO-3 engine (peer)", requires="deepspeed",
+             like="zero3"),
 )}
-DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "deepspeed-zero3")
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "torch-ddp", "torch-fsdp", "deepspeed-zero2", "deepspeed-zero3")
 """Strategies that replicate the computation (each device runs the whole model on its samples)."""
 SYNC_PIPELINES = ("gpipe", "1f1b", "interleaved")
 ASYNC_PIPELINES = ("pipedream2bw",)
@@ -104,7 +114,11 @@ WARMUP_STEPS = 2
 """Steps left out of the step time (allocator, autograd and gloo warm-up)."""
 QUICK = dict(models=("gpt2-mini", "vgg-mini"), devices=(1, 2, 4),
              strategies=("ddp", "zero3", "tp", "1f1b", "pipedream2bw", "deepspeed-zero3"), repeats=1)
-FULL = dict(models=("gpt2-mini", "vgg-mini"), devices=(1, 2, 4), strategies=tuple(STRATEGIES), repeats=3)
+FULL = dict(models=("gpt2-mini", "vgg-mini"), devices=(1, 2, 4), repeats=3,
+            strategies=(*(n for n, s in STRATEGIES.items() if s.framework == "scaletrain"), "torch-fsdp",
+                        "deepspeed-zero3"))
+"""The full study: every scaletrain strategy and the two sharded peers (torch-ddp and deepspeed-zero2 on request:
+``--strategies``)."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.compare.environment import child_env
-from scaletrain.compare.matrix import Cell
+from scaletrain.compare.matrix import STRATEGIES, Cell
 from scaletrain.errors import UserError
 from scaletrain.platform import Platform
 
@@ -34,7 +34,9 @@ def predict(cell: Cell, platform: Platform | None) -> dict[str, Any]:
     """``predicted_step_time_s``, ``predicted_peak_bytes`` and ``predicted_time_breakdown_s`` (the cost model's
     phases folded into forward+backward, optimizer and exposed communication; the pipeline bubble counts as
     exposed communication, as the measured breakdown sees it) of ``cell``. None where the cost model has no
-    answer, with the reason in ``predicted_note``."""
+    answer, with the reason in ``predicted_note``. A peer gets the prediction of the scaletrain strategy that
+    computes the same step (``Strategy.like``: DeepSpeed ZeRO-3 and fully_shard ~ zero3, DeepSpeed ZeRO-2 ~
+    zero2, DDP ~ ddp), named in ``predicted_like`` and the note."""
     from scaletrain import models
     from scaletrain.plan import Plan
     from scaletrain.planner.cost import plan_cost
@@ -42,6 +44,13 @@ def predict(cell: Cell, platform: Platform | None) -> dict[str, Any]:
     from scaletrain.techniques.plan_cost import heaviest, plan_costs
     from scaletrain.train.config import load_config
 
+    like = STRATEGIES[cell.strategy].like
+    if like:  # a peer computes the step of a scaletrain strategy: that one's prediction, said so in the cell
+        out = predict(Cell(cell.model, like, cell.devices, cell.settings), platform)
+        said = f"predicted as scaletrain's {like} (the same computation)"
+        out["predicted_note"] = said + (f"; {out['predicted_note']}" if out.get("predicted_note") else "")
+        out["predicted_like"] = like
+        return out
     out: dict[str, Any] = {"predicted_step_time_s": None, "predicted_peak_bytes": None}
     notes = []
     s = cell.settings

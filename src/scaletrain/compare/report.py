@@ -1,7 +1,7 @@
 """report.html: one self-contained page (figures as base64 PNG, no external file or script).
 
 Sections: the setup (machine, versions, load, dates, fixed hyperparameters, strategies), the
-findings table, the figures, how each figure was measured (and what was not), and every cell —
+findings table, the peers beside their scaletrain twins, the figures, how each figure was measured (and what was not), and every cell —
 failed, out-of-memory, not applicable and not installed ones with their one-line reason.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from scaletrain.compare import figures as figs
 from scaletrain.compare.findings import judge
+from scaletrain.compare.matrix import STRATEGIES
 
 Cells = list[dict[str, Any]]
 STYLE = """body{font-family:sans-serif;max-width:1400px;margin:1em auto;padding:0 1em;color:#222}
@@ -45,6 +46,14 @@ NOTES = [
     "Predictions: peak bytes from <code>techniques.plan_cost.plan_costs</code> (every model); step time from "
     "<code>planner.cost.plan_cost</code> on this machine as measured by N processes at once "
     "(<code>planner.local.measure</code>), for GPT-2 shapes only (the planner prices transformers only).",
+    "Peers (framework pytorch / deepspeed): <code>scaletrain.compare.peers</code> trains the same model object "
+    "(same seed, same initial weights) on the same per-rank batches (scaletrain's loader), with the same AdamW, "
+    "learning-rate schedule, gradient clipping, steps and validation batches; only the step is the framework's "
+    "own (plain DDP, plain <code>fully_shard</code>, a DeepSpeed ZeRO-2/3 engine, fp32). Their memory is "
+    "measured by the same tracker on the same last step (DeepSpeed's fp32 partitions, a second copy of the "
+    "parameters it keeps even in fp32, count as parameters). Their "
+    "prediction is that of the scaletrain strategy computing the same step (torch-ddp ~ ddp, deepspeed-zero2 ~ "
+    "zero2, deepspeed-zero3 and torch-fsdp ~ zero3).",
 ]
 
 
@@ -111,6 +120,34 @@ def _cells(cells: Cells) -> str:
                    "repeats", "error / reason / note"], rows, classes)
 
 
+def _peers(cells: Cells) -> str:
+    """Each peer that ran beside its scaletrain twin (``Strategy.like``; on one device the ddp cell, the
+    one-process run) of the same model and device count: the ratios of step time and peak, and the largest
+    relative difference of their validation values at the same steps — the same computation on the same
+    samples, so anything beyond float rounding is a difference in what was computed. Empty without peers."""
+    ok = {(c["model"], c["strategy"], c["devices"]): c for c in cells if c["status"] == "ok"}
+    rows = []
+    for c in cells:
+        like = STRATEGIES[c["strategy"]].like if c["strategy"] in STRATEGIES else ""
+        twin = ok.get((c["model"], like, c["devices"])) or (ok.get((c["model"], "ddp", 1)) if c["devices"] == 1
+                                                            else None)
+        if not like or c["status"] != "ok" or twin is None:
+            continue
+        pairs = [(a[2], b[2]) for a, b in zip(c.get("val") or [], twin.get("val") or []) if a[0] == b[0] and b[2]]
+        diff = max((abs(a / b - 1) for a, b in pairs), default=None)
+        ratio = lambda k: c[k] / twin[k] if c.get(k) and twin.get(k) else None  # noqa: E731
+        rows.append([_e(c["model"]), _e(c["strategy"]), _e(c["devices"]), _e(twin["strategy"]),
+                     _num(ratio("step_time_s"), 1, "{:.2f}"), _num(ratio("peak_bytes"), 1, "{:.2f}"),
+                     _num(diff, 1, "{:.1e}"), _e(len(pairs))])
+    if not rows:
+        return ""
+    return ("<h2>Peers beside scaletrain</h2><p>Each peer next to the scaletrain strategy computing the same step "
+            "on the same samples. Validation values equal up to float rounding (~1e-7 relative in fp32) say the "
+            "two trained the same model the same way; the ratios are then the cost of the implementation.</p>"
+            + _table(["model", "peer", "devices", "scaletrain twin", "step time ratio (peer / twin)",
+                      "peak ratio (peer / twin)", "max relative validation difference", "points compared"], rows))
+
+
 def render(cells: Cells, study: dict[str, Any]) -> str:
     """The whole page as one HTML string."""
     found = judge(cells)
@@ -126,7 +163,7 @@ def render(cells: Cells, study: dict[str, Any]) -> str:
              _setup(study), "<h2>Findings of the survey, judged here</h2>",
              _table(["finding", "model", "verdict", "evidence", "rule", "figure"], f_rows,
                     [f["verdict"].replace(" ", "-") for f in found]),
-             "<h2>Figures</h2>"]
+             _peers(cells), "<h2>Figures</h2>"]
     for key, (caption, fn) in figs.FIGURES.items():
         parts.append(f'<figure id="fig-{key}">{_img(fn(cells))}<figcaption>{_e(key)}: {_e(caption)}'
                      f"</figcaption></figure>")

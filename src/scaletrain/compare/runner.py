@@ -1,5 +1,9 @@
 """Run a study: every cell as ``scaletrain train`` subprocesses, repeats interleaved, resumable.
 
+The one place that launches cells: a scaletrain strategy runs ``scaletrain train --nproc-per-node N``; a peer
+(framework ``pytorch`` / ``deepspeed``) runs :mod:`.peers` under ``torch.distributed.run`` with N processes
+and the same keys, and writes the same metrics.jsonl rows, so both fill a cell the same way.
+
 Order: repeat r runs every unfinished cell, the cell order rotated by r places, so that no cell
 always runs first (on a cold machine) or last (after the others heated it) — drifts of a shared
 machine spread over all cells instead of biasing some. results.json is rewritten after every run;
@@ -23,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from scaletrain.compare import predict as predicting
 from scaletrain.compare import results
 from scaletrain.compare.environment import child_env
@@ -39,8 +45,11 @@ def blocked(cell: Cell) -> tuple[str, str] | None:
     if strategy.requires and importlib.util.find_spec(strategy.requires) is None:
         return "not installed", (f"`import {strategy.requires}` fails here (a peer of the `bench` extra: "
                                  f"pip install -c constraints.txt -e .[bench])")
-    if strategy.requires:
-        return "not applicable", f"the {strategy.framework} peer has no runner in this build"
+    if strategy.framework != "scaletrain":  # a peer: its own one-process run too (the framework's overhead)
+        if cell.devices > cell.settings.global_batch or cell.settings.global_batch % cell.devices:
+            return "not applicable", (f"the peers take one micro-batch per device: global batch "
+                                      f"{cell.settings.global_batch} does not split over {cell.devices} devices")
+        return None
     if cell.strategy == "auto":
         from scaletrain.planner.shape import Shape
 
@@ -82,8 +91,15 @@ def run_once(cell: Cell, repeat: int, directory: Path, timeout_s: float = RUN_TI
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     env = child_env()
-    cmd = [sys.executable, "-m", "scaletrain.cli", "train", "--nproc-per-node", str(cell.devices), "--out", str(out),
-           "--json", *cell.train_overrides()]
+    if cell.framework == "scaletrain":
+        cmd = [sys.executable, "-m", "scaletrain.cli", "train", "--nproc-per-node", str(cell.devices), "--out",
+               str(out), "--json", *cell.train_overrides()]
+    else:  # a peer: its framework's own loop (scaletrain.compare.peers), one process per device under torchrun
+        env.setdefault("OMP_NUM_THREADS", "1")  # as scaletrain's launcher sets it (torchrun does only for N > 1)
+        if not torch.cuda.is_available():
+            env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator (it would look for CUDA)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cell.devices}",
+               "-m", "scaletrain.compare.peers", cell.strategy, str(out), *cell.train_overrides()]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
