@@ -122,11 +122,15 @@ class PipelineStrategy(Strategy):
         """ZeRO-1 inside the stages (:meth:`_shard_optimizer_states`), or None."""
         self._proxy_entry: dict[int, Any] = {}
         self._param_entry: dict[int, Any] = {}
-        # the one-process optimizer's parameter numbering (build(model) groups parameters by
-        # scaletrain.techniques.optim.registry.param_groups): the checkpoint layout
+        self._index_parameters()
+
+    def _index_parameters(self) -> None:
+        """The one-process optimizer's parameter numbering (build(model) groups parameters by
+        scaletrain.techniques.optim.registry.param_groups): the checkpoint layout. Re-run when
+        parameters are replaced (ZeRO-3's sharded DTensors)."""
         from scaletrain.techniques.optim.registry import param_groups
 
-        groups = param_groups(model, None)
+        groups = param_groups(self.model, None)
         self._full_index: dict[int, int] = {}
         self._full_group: dict[int, int] = {}
         for g, group in enumerate(groups):
@@ -134,7 +138,7 @@ class PipelineStrategy(Strategy):
                 self._full_group[len(self._full_index)] = g
                 self._full_index[id(p)] = len(self._full_index)
         self._full_groups = len(groups)
-        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._names = {id(p): n for n, p in self.model.named_parameters()}
 
     @classmethod
     def build(cls, model: nn.Module, plan: Any, ctx: Any) -> "PipelineStrategy":
@@ -178,6 +182,8 @@ class PipelineStrategy(Strategy):
         strategy = cls(model, rt, ctx.rank, ctx.world)
         if p.zero == 1:
             strategy._shard_optimizer_states()
+        elif p.zero == 3:
+            strategy._shard_parameters(ctx.precision)
         if rt.tp is not None:
             from .tensor_parallel import predicted_tp_bytes
 
@@ -256,6 +262,23 @@ class PipelineStrategy(Strategy):
         self._param_entry = {id(e.param): e for e in self.zero.entries}
         plan.zero_sync = self.zero
 
+    def _shard_parameters(self, precision: str) -> None:
+        """ZeRO-3 inside the stages (torchtitan's PP + FSDP, :mod:`.fsdp`): every stage FSDP2-sharded
+        over its data-parallel replicas, gathered once per step, reduce-scattered at the update."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .fsdp import StageFSDP
+
+        rt = self.runtime
+        # the runtime's layout: pipeline rank r of replica d is global rank r * dp + d (pp outermost)
+        mesh = init_device_mesh(rt.device.type, (rt.pp, rt.dp), mesh_dim_names=("pp", "dp"))
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.zero = StageFSDP(self.model, rt, mesh["dp"], param_dtype=half)
+        rt.plan.zero_sync = self.zero
+        self._proxy_entry = {id(e.proxy): e for e in self.zero.entries}
+        self._param_entry = {id(e.param): e for e in self.zero.entries}
+        self._index_parameters()
+
     def make_scaler(self, device: torch.device, enabled: bool) -> torch.amp.GradScaler:
         if not enabled:
             return torch.amp.GradScaler(device.type, enabled=False)
@@ -315,7 +338,7 @@ class PipelineStrategy(Strategy):
         local = self.zero.gather_rows(e, v)  # type: ignore[union-attr]
         from torch.distributed.tensor import DTensor
 
-        if isinstance(e.param, DTensor):
+        if isinstance(e.param, DTensor) and self.zero.stage != 3:  # ZeRO-3: gathered whole already
             return DTensor.from_local(local, e.param.device_mesh, e.param.placements, run_check=False,
                                       shape=e.param.shape, stride=e.param.stride())
         return local
@@ -358,8 +381,9 @@ class PipelineStrategy(Strategy):
                 h = rt.transport.recv(torch.Size((x.shape[0], *spec.shape[1:])), spec.dtype,
                                       rt._global(sched.rank_of(s - 1, 0)), _eval_tag(s),
                                       f"evaluation activation into stage {s}")
-            with ctx.autocast():
-                h = rt.replicas[(0, s)].module(h)
+            rep = rt.replicas[(0, s)]
+            with ctx.autocast():  # (without grad a remat tree is the plain forward; under ZeRO-3 the FSDP root)
+                h = (rep.remat if rep.remat is not None else rep.module)(h)
             if s == S - 1:
                 loss = float(rt.loss_fn(h, y)) * len(y)  # vocabulary-parallel under TP
                 correct = int((h.argmax(-1) == y).sum()) if ctx.task != "lm" else 0
@@ -371,6 +395,8 @@ class PipelineStrategy(Strategy):
                     rt.transport.send(h, rt._global(nxt), _eval_tag(s + 1), f"evaluation activation of stage {s}")
                     sent.append(_eval_tag(s + 1))
         rt.transport.release(sent)  # not drain(): a paused asynchronous stream may have sends in flight
+        if self.zero is not None and self.zero.stage == 3:
+            self.zero.reshard()  # the forward left the stages gathered (reshard_after_forward=False)
         self._sent_before = rt.transport.bytes_sent  # p2p_bytes counts training traffic only
         if rt.pp > 1:
             with LEDGER.paused():
@@ -508,7 +534,11 @@ class PipelineStrategy(Strategy):
             total += ring_ar(len(h), nbytes(ts))
         for ts in plan.gradsync.values():  # Chimera: a stage's two replicas
             total += ring_ar(2, nbytes(ts))
-        if self.zero is not None:
+        if self.zero is not None and self.zero.stage == 3:  # one all-gather (compute dtype) + one fp32 reduce-scatter
+            dp, n = rt.dp, self.zero.padded_shard_elements()
+            pb = torch.empty(0, dtype=self.zero.param_dtype or torch.float32).element_size()
+            total += (dp - 1) * n * (pb + 4)
+        elif self.zero is not None:
             dp = rt.dp
             per = sum(dp * b.seg * self.zero.entries[b.entries[0]].local.element_size() for b in self.zero.buckets)
             total += 2 * (dp - 1) / dp * per  # reduce-scatter of the padded buckets, then their all-gather
