@@ -193,6 +193,9 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
     N = plan.hsdp or max(plan.dp, 1) * (plan.cp if plan.pp == 1 else 1)
     if plan.zero == 0 or N == 1:
         return
+    if plan.zero == 3 and plan.pp > 1:
+        _shard_stages(mem, plan, bounds, chain, N, gloo)
+        return
     for s in range(len(bounds) - 1):
         mem["state_bytes"][s] /= N
         # the step's transient: the optimizer's over the owned rows, or — ZeRO-1/2 — every bucket's
@@ -209,6 +212,31 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
             biggest = max((sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks),
                           default=0)
             mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + (4 if gloo else 3) * biggest
+
+
+def _padded_shard_elements(params: list, N: int) -> int:
+    """Elements of one rank's FSDP2 shards of ``params`` (dim 0 padded to a multiple of N)."""
+    return sum(-(-(p.shape[0] if p.dim() else 1) // N) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1))
+               for p in params)
+
+
+def _stage_params(chain: nn.Module, bounds: list[int], s: int) -> list:
+    return list({id(p): p for b in chain.blocks[bounds[s]:bounds[s + 1]] for p in b.parameters()}.values())
+
+
+def _shard_stages(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, N: int, gloo: bool) -> None:
+    """ZeRO-3 inside pipeline stages (:mod:`.pipeline.fsdp`, torchtitan's PP + FSDP): the fp32 shards and
+    optimizer states are 1/N; during the step each stage is gathered whole (compute dtype: 2 bytes under
+    bf16/fp16) and keeps its whole fp32 gradient, as ZeRO-1; at the update the reduce-scatter's fp32 input
+    (a copy of the whole gradient; gloo all-reduces a second copy) and its 1/N output live beside it."""
+    half = plan.precision in ("bf16", "fp16")
+    for s in range(len(bounds) - 1):
+        w = mem["weight_bytes"][s]  # fp32, the whole stage
+        shard = 4.0 * _padded_shard_elements(_stage_params(chain, bounds, s), N)
+        mem["state_bytes"][s] /= N
+        mem["weight_bytes"][s] = shard + (w / 2 if half else w)
+        mem["grad_bytes"][s] = w
+        mem["opt_temp_bytes"][s] = max(mem["opt_temp_bytes"][s] / N + shard, (2 if gloo else 1) * w + shard)
 
 
 def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, seq: int, M: int,
@@ -265,6 +293,8 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
     from scaletrain.techniques.pipeline.tensor_parallel import stage_tp_bytes
     from scaletrain.techniques.remat.tree import recompute_counts, tree_of
 
+    from scaletrain.techniques.data_parallel.sharded import shard_rows
+
     chain = to_chain(model)
     v = (plan.virtual or (2 if plan.schedule == "interleaved" else 1))
     sched = build(plan.schedule, plan.pp, M, v)
@@ -283,13 +313,18 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
         return 2 * (n - 1) / n * x if n > 1 else 0.0
 
     def nbytes(ps: list) -> float:
+        if plan.zero == 3:  # the tied gradient is summed over its holders as this rank's FSDP2 shard (dp rank 0's)
+            return float(sum(math.prod(shard_rows(p.shape[0], dp, 0)[2:] + tuple(p.shape[1:])) * 4 for p in ps))
         return float(sum(math.prod(_tp_local_shape(names[id(p)], tuple(p.shape), t)) * 4 for p in ps))
 
     total = ring_ar(plan.pp * dp, 8.0)  # the window's mean loss (float64)
     shared = [p for p in mine if len(holders[id(p)]) > 1]
     if shared:
         total += ring_ar(len(holders[id(shared[0])]), nbytes(shared))
-    if plan.zero == 1:
+    if plan.zero == 3:  # FSDP2 in the stages: one all-gather (compute dtype) and one fp32 reduce-scatter per step
+        pb = 2 if plan.precision in ("bf16", "fp16") else 4
+        total += (dp - 1) * _padded_shard_elements(mine, dp) * (pb + 4)
+    elif plan.zero == 1:
         from scaletrain.techniques.data_parallel.zero import bucket_segments
 
         shapes = []
