@@ -228,7 +228,8 @@ def _shard_stages(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, N:
     """ZeRO-3 inside pipeline stages (:mod:`.pipeline.fsdp`, torchtitan's PP + FSDP): the fp32 shards and
     optimizer states are 1/N; during the step each stage is gathered whole (compute dtype: 2 bytes under
     bf16/fp16) and keeps its whole fp32 gradient, as ZeRO-1; at the update the reduce-scatter's fp32 input
-    (a copy of the whole gradient; gloo all-reduces a second copy) and its 1/N output live beside it."""
+    takes the whole gradient's place (FSDP2 copies it in and drops the gradient; gloo all-reduces a second
+    copy) and its 1/N output lives beside it."""
     half = plan.precision in ("bf16", "fp16")
     for s in range(len(bounds) - 1):
         w = mem["weight_bytes"][s]  # fp32, the whole stage
@@ -236,7 +237,7 @@ def _shard_stages(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, N:
         mem["state_bytes"][s] /= N
         mem["weight_bytes"][s] = shard + (w / 2 if half else w)
         mem["grad_bytes"][s] = w
-        mem["opt_temp_bytes"][s] = max(mem["opt_temp_bytes"][s] / N + shard, (2 if gloo else 1) * w + shard)
+        mem["opt_temp_bytes"][s] = max(mem["opt_temp_bytes"][s] / N + shard - w, (w if gloo else 0.0) + shard)
 
 
 def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, seq: int, M: int,
