@@ -121,6 +121,12 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     remat = _remat(plan, chain, bounds, example, target)
     mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
                        precision=plan.precision, remat=remat)
+    if plan.pp > 1 and plan.zero == 3 and plan.precision in ("bf16", "fp16"):
+        # FSDP2 in the stages computes with 16-bit parameters: autocast saves no 16-bit weight copies
+        half = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
+                            precision=plan.precision, remat=remat, params_dtype=plan.precision)
+        for k in ("act_bytes", "fwd_temp_bytes", "bwd_temp_bytes"):
+            mem[k] = half[k]
     S = len(bounds) - 1
     cfg = getattr(model, "config", None)
     if (plan.tp > 1 or plan.cp > 1) and not hasattr(cfg, "n_embd"):  # e.g. HF Llama: trains under TP, not modelled
