@@ -219,20 +219,20 @@ RULES: list[Rule] = [
          "Megatron-LM refuse it with pipelines too)",
          "parallel.zero=1 with pipelines (Megatron's distributed optimizer), 3 (FSDP inside the stages), or 0",
          "use zero=1 or 3"),
-    Rule("pp-zero3-schedule", lambda p, f: p.pp > 1 and p.zero == 3 and (p.schedule == "chimera"
-                                                                         or p.schedule in ASYNC),
-         lambda p, f: f"parallel.zero=3 with parallel.schedule={p.schedule}",
-         "FSDP inside the stages reduce-scatters each stage's gradients once, at the step's update; Chimera sums "
-         "a stage's two replicas mid-step and the asynchronous schedules update inside the stream",
-         "parallel.zero=3 with gpipe, 1f1b, interleaved or zb1p; zero=0 or 1 with chimera", "sync, unreplicated"),
+    Rule("pp-zero3-chimera", lambda p, f: p.pp > 1 and p.zero == 3 and p.schedule == "chimera",
+         "parallel.zero=3 with parallel.schedule=chimera",
+         "FSDP inside the stages reduce-scatters each stage's gradients once, at the step's update, but Chimera "
+         "sums a stage's two replicas' gradients mid-step", "parallel.zero=3 with gpipe, 1f1b, interleaved or zb1p; "
+         "zero=0 or 1 with chimera", "replicas sum mid-step"),
     Rule("pp-zero3-tp", lambda p, f: p.pp > 1 and p.zero == 3 and p.tp > 1,
          lambda p, f: f"parallel.zero=3 with parallel.pp={p.pp} and parallel.tp={p.tp}",
          "FSDP over the dp dimension of the pipeline's (dp, pp, tp) mesh is not composed yet",
          "parallel.zero=1 with pp and tp (Megatron's 3-D), or zero=3 with pp alone", "not composed yet"),
-    Rule("pp-zero-async", lambda p, f: p.pp > 1 and p.zero == 1 and p.schedule in ASYNC,
-         lambda p, f: f"parallel.zero=1 with parallel.schedule={p.schedule}",
+    Rule("pp-zero-async", lambda p, f: p.pp > 1 and p.zero in (1, 3) and p.schedule in ASYNC,
+         lambda p, f: f"parallel.zero={p.zero} with parallel.schedule={p.schedule}",
          "the asynchronous schedules update inside the stream, between the reduce-scatter and all-gather "
-         "a sharded optimizer needs", "parallel.zero=0 with pipedream / pipedream-2bw", "async updates"),
+         "a sharded optimizer (or FSDP's sharded parameters) needs", "parallel.zero=0 with pipedream / pipedream-2bw",
+         "async updates"),
     Rule("pp-cp-ep", lambda p, f: p.pp > 1 and (p.cp > 1 or p.ep > 1),
          lambda p, f: f"parallel.pp={p.pp} with parallel.cp={p.cp} / parallel.ep={p.ep}",
          "context and expert parallelism inside pipeline stages are not composed yet", "parallel.tp with pp",

@@ -17,11 +17,13 @@ to cut and plan, so prediction and run agree by construction where they can:
    :func:`.pipeline.stage.stage_remat`);
 4. **data parallelism** — ZeRO's cost face (:mod:`.data_parallel.cost`): optimizer states (and their
    step transient) over the shard group from stage 1, gradients from stage 2, parameters from stage 3
-   (which then holds one gathered block at a time);
+   (which then holds one gathered block at a time; inside pipeline stages, :func:`_shard_stages`: the
+   whole stage during the step, its fp32 shards and states 1/dp);
 5. **traffic** — bytes received per rank per step in the ledger's ring convention: the mesh's
    (:func:`scaletrain.techniques.cost.mesh_predictions`) or, with a pipeline, its collectives (loss,
    tied weights, the data-parallel reduction or ZeRO-1's reduce-scatter and all-gather with the same
-   bucket padding as :class:`.data_parallel.zero.GradSync`, norms, TP inside the stages).
+   bucket padding as :class:`.data_parallel.zero.GradSync` or ZeRO-3's one all-gather and one fp32
+   reduce-scatter of FSDP2's padded shards per step, norms, TP inside the stages).
 
 Every rank's :class:`RankCost` holds bytes by category at its peak; :func:`heaviest` names the rank
 whose peak is largest (the one that decides whether the plan fits).
@@ -293,7 +295,8 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
     """One pipeline rank's collectives per step — the terms
     :meth:`.pipeline.strategy.PipelineStrategy.predicted_collectives` counts on the running layout:
     the loss all-reduce, the tied embedding's sum over its holders, the data-parallel all-reduce (or
-    ZeRO-1's reduce-scatter + all-gather of the padded buckets) and the norm all-reduces, and the TP
+    ZeRO-1's reduce-scatter + all-gather of the padded buckets, or ZeRO-3's one all-gather + one fp32
+    reduce-scatter of the padded FSDP2 shards) and the norm all-reduces, and the TP
     collectives of the rank's stages (:func:`.pipeline.tensor_parallel.stage_tp_bytes`)."""
     from scaletrain.chain import to_chain
     from scaletrain.techniques.pipeline.schedules import build
@@ -344,6 +347,8 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
     else:
         total += ring_ar(dp, nbytes(mine))
         total += ring_ar(plan.pp, 8.0) + (ring_ar(t, 8.0) if t > 1 else 0.0)
+    if plan.precision == "fp16":  # the loss scaler's found-inf all-reduce (one fp32) over the world
+        total += ring_ar(plan.pp * dp * t, 4.0)
     if t > 1:
         for st in stages:
             kinds = ["embed" if i == 0 else "head" if i == bounds[-1] - 1 else "layer"

@@ -22,7 +22,13 @@ stage's current parameters to all ranks of the replica; ``optimizer_state_dict``
 stage's optimizer state and renumbers it as the one-process optimizer (``build(model)``) would.
 So a pipeline checkpoint resumes at any ``parallel.pp`` (or on one process), and a one-process
 checkpoint loads into a pipeline. Optimizer states must be per-parameter (every optimizer of
-:mod:`scaletrain.techniques.optim`); ZeRO-sharded states are refused with one line.
+:mod:`scaletrain.techniques.optim`); a consolidated checkpoint's ZeRO-sharded (per-rank) states are refused
+with one line. ZeRO-1 / ZeRO-3 inside the stages gather their shards of every state into this layout.
+
+Data parallelism inside the stages: ``parallel.zero=1`` shards the optimizer states over the replicas
+(Megatron's distributed optimizer, :meth:`PipelineStrategy._shard_optimizer_states`); ``parallel.zero=3``
+shards parameters, gradients and states with FSDP2, each stage gathered once per step and
+reduce-scattered at the update (torchtitan's PP + FSDP, :mod:`.fsdp`).
 
 Asynchronous schedules (``pipedream``, ``pipedream-2bw``) run as *one* stream over the run's
 remaining steps (:meth:`.runtime.PipelineRuntime.stream`): a trainer step is one window of M
@@ -44,13 +50,13 @@ the point-to-point bytes); not with zb1p. Refused with TP: context and expert pa
 rematerialization, model dropout > 0 (per-rank masks would split a TP group's replicated
 activations).
 
-Supported: every schedule, fp32 and bf16;
+Supported: every schedule, fp32, bf16 and fp16 (synchronous schedules);
 ``memory.remat.method`` / ``memory.remat.budget`` run a rematerialization schedule inside every
 stage (:func:`.stage.stage_remat`; the budget is per stage and micro-batch) with the unsplit
 synchronous schedules. Refused with a one-line :class:`~scaletrain.errors.ConfigError` naming
-the key (see :func:`check_config`): fp16 (per-stage loss scaling would skip steps on some stages only),
-ZeRO > 0 and gradient compression, context/expert parallelism, rematerialization with
-zb1p or the asynchronous schedules, offloading and activation compression inside the stages.
+the key (the compatibility table, :mod:`scaletrain.techniques.compat`): ZeRO-2, ZeRO-3 with Chimera,
+the asynchronous schedules or TP, gradient compression, context/expert parallelism, rematerialization
+with zb1p or the asynchronous schedules, offloading inside the stages.
 """
 
 from __future__ import annotations
@@ -118,6 +124,7 @@ class PipelineStrategy(Strategy):
         self._last_norm = float("nan")
         self._tp_bytes = 0.0
         self._tp_predicted = float("nan")
+        self._scaled = False
         self.zero: Any = None
         """ZeRO-1 inside the stages (:meth:`_shard_optimizer_states`), or None."""
         self._proxy_entry: dict[int, Any] = {}
@@ -285,6 +292,7 @@ class PipelineStrategy(Strategy):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         # every stage unscales its own gradients; inf/NaN on any rank skips the step on every rank
+        self._scaled = True  # its found-inf flag (fp32) is all-reduced over the world at every unscale
         scaler = ShardedGradScaler(device.type, process_group=dist.group.WORLD)
         scaler.scale(torch.ones((), device=device))  # its scale exists on ranks that never scale a loss
         return scaler
@@ -549,6 +557,8 @@ class PipelineStrategy(Strategy):
                 total += ring_ar(rt.tp.tp, 8.0)  # ... and over the TP group
         if rt.tp is not None:
             total += self._tp_predicted
+        if self._scaled:  # fp16: the loss scaler's found-inf all-reduce (one fp32) over the world
+            total += ring_ar(self.world, 4.0)
         return {"predicted_comm_bytes": total}
 
     def describe(self) -> str:
