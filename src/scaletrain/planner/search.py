@@ -157,7 +157,8 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                     continue
                 zeros = [z for z in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if fx.get("zero", z) == z]
                 if not zeros:
-                    reject(region, "compat", f"zero={fx['zero']} is refused with pipelines (compat rule pp-zero23)")
+                    reject(region, "compat", f"zero={fx['zero']} is not searched with pipelines (zero=2: compat "
+                           f"rule pp-zero2; zero=3 runs, but the planner does not search it yet)")
                     continue
                 floor = _states_lower_bound(shape, tp, pp, dp, max(zeros), k, storage, offload) + opts.reserve_bytes
                 if floor > plat.device_memory_bytes:

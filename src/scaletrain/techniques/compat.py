@@ -212,17 +212,27 @@ RULES: list[Rule] = [
          lambda p, f: f"parallel.pp={p.pp} x {_virtual(p)} stage(s) per rank",
          lambda p, f: f"the model has {f.n_blocks} blocks", lambda p, f: f"parallel.pp <= {f.n_blocks // _virtual(p)}",
          "more stages than blocks"),
-    Rule("pp-zero23", lambda p, f: p.pp > 1 and p.zero in (2, 3),
-         lambda p, f: f"parallel.pp={p.pp} with parallel.zero={p.zero}",
+    Rule("pp-zero2", lambda p, f: p.pp > 1 and p.zero == 2,
+         lambda p, f: f"parallel.pp={p.pp} with parallel.zero=2",
          "a stage's gradients accumulate over micro-batches interleaved with other stages' work until its last "
-         "backward, so reduce-scattering them per micro-batch (ZeRO-2) saves nothing over ZeRO-1, and sharding "
-         "parameters (ZeRO-3) would all-gather every block once per micro-batch and pass (DeepSpeed and "
-         "Megatron-LM refuse both with pipelines too)",
-         "parallel.zero=1 with pipelines (Megatron's distributed optimizer), or 0", "use zero=1"),
-    Rule("pp-zero-async", lambda p, f: p.pp > 1 and p.zero == 1 and p.schedule in ASYNC,
-         lambda p, f: f"parallel.zero=1 with parallel.schedule={p.schedule}",
+         "backward, so reduce-scattering them per micro-batch (ZeRO-2) saves nothing over ZeRO-1 (DeepSpeed and "
+         "Megatron-LM refuse it with pipelines too)",
+         "parallel.zero=1 with pipelines (Megatron's distributed optimizer), 3 (FSDP inside the stages), or 0",
+         "use zero=1 or 3"),
+    Rule("pp-zero3-chimera", lambda p, f: p.pp > 1 and p.zero == 3 and p.schedule == "chimera",
+         "parallel.zero=3 with parallel.schedule=chimera",
+         "FSDP inside the stages reduce-scatters each stage's gradients once, at the step's update, but Chimera "
+         "sums a stage's two replicas' gradients mid-step", "parallel.zero=3 with gpipe, 1f1b, interleaved or zb1p; "
+         "zero=0 or 1 with chimera", "replicas sum mid-step"),
+    Rule("pp-zero3-tp", lambda p, f: p.pp > 1 and p.zero == 3 and p.tp > 1,
+         lambda p, f: f"parallel.zero=3 with parallel.pp={p.pp} and parallel.tp={p.tp}",
+         "FSDP over the dp dimension of the pipeline's (dp, pp, tp) mesh is not composed yet",
+         "parallel.zero=1 with pp and tp (Megatron's 3-D), or zero=3 with pp alone", "not composed yet"),
+    Rule("pp-zero-async", lambda p, f: p.pp > 1 and p.zero in (1, 3) and p.schedule in ASYNC,
+         lambda p, f: f"parallel.zero={p.zero} with parallel.schedule={p.schedule}",
          "the asynchronous schedules update inside the stream, between the reduce-scatter and all-gather "
-         "a sharded optimizer needs", "parallel.zero=0 with pipedream / pipedream-2bw", "async updates"),
+         "a sharded optimizer (or FSDP's sharded parameters) needs", "parallel.zero=0 with pipedream / pipedream-2bw",
+         "async updates"),
     Rule("pp-cp-ep", lambda p, f: p.pp > 1 and (p.cp > 1 or p.ep > 1),
          lambda p, f: f"parallel.pp={p.pp} with parallel.cp={p.cp} / parallel.ep={p.ep}",
          "context and expert parallelism inside pipeline stages are not composed yet", "parallel.tp with pp",

@@ -17,11 +17,13 @@ to cut and plan, so prediction and run agree by construction where they can:
    :func:`.pipeline.stage.stage_remat`);
 4. **data parallelism** — ZeRO's cost face (:mod:`.data_parallel.cost`): optimizer states (and their
    step transient) over the shard group from stage 1, gradients from stage 2, parameters from stage 3
-   (which then holds one gathered block at a time);
+   (which then holds one gathered block at a time; inside pipeline stages, :func:`_shard_stages`: the
+   whole stage during the step, its fp32 shards and states 1/dp);
 5. **traffic** — bytes received per rank per step in the ledger's ring convention: the mesh's
    (:func:`scaletrain.techniques.cost.mesh_predictions`) or, with a pipeline, its collectives (loss,
    tied weights, the data-parallel reduction or ZeRO-1's reduce-scatter and all-gather with the same
-   bucket padding as :class:`.data_parallel.zero.GradSync`, norms, TP inside the stages).
+   bucket padding as :class:`.data_parallel.zero.GradSync` or ZeRO-3's one all-gather and one fp32
+   reduce-scatter of FSDP2's padded shards per step, norms, TP inside the stages).
 
 Every rank's :class:`RankCost` holds bytes by category at its peak; :func:`heaviest` names the rank
 whose peak is largest (the one that decides whether the plan fits).
@@ -121,6 +123,12 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     remat = _remat(plan, chain, bounds, example, target)
     mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
                        precision=plan.precision, remat=remat)
+    if plan.pp > 1 and plan.zero == 3 and plan.precision in ("bf16", "fp16"):
+        # FSDP2 in the stages computes with 16-bit parameters: autocast saves no 16-bit weight copies
+        half = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
+                            precision=plan.precision, remat=remat, params_dtype=plan.precision)
+        for k in ("act_bytes", "fwd_temp_bytes", "bwd_temp_bytes"):
+            mem[k] = half[k]
     S = len(bounds) - 1
     cfg = getattr(model, "config", None)
     if (plan.tp > 1 or plan.cp > 1) and not hasattr(cfg, "n_embd"):  # e.g. HF Llama: trains under TP, not modelled
@@ -202,6 +210,9 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
     N = plan.hsdp or max(plan.dp, 1) * (plan.cp if plan.pp == 1 else 1)
     if plan.zero == 0 or N == 1:
         return
+    if plan.zero == 3 and plan.pp > 1:
+        _shard_stages(mem, plan, bounds, chain, N, gloo)
+        return
     for s in range(len(bounds) - 1):
         mem["state_bytes"][s] /= N
         # the step's transient: the optimizer's over the owned rows, or — ZeRO-1/2 — every bucket's
@@ -218,6 +229,32 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
             biggest = max((sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks),
                           default=0)
             mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + (4 if gloo else 3) * biggest
+
+
+def _padded_shard_elements(params: list, N: int) -> int:
+    """Elements of one rank's FSDP2 shards of ``params`` (dim 0 padded to a multiple of N)."""
+    return sum(-(-(p.shape[0] if p.dim() else 1) // N) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1))
+               for p in params)
+
+
+def _stage_params(chain: nn.Module, bounds: list[int], s: int) -> list:
+    return list({id(p): p for b in chain.blocks[bounds[s]:bounds[s + 1]] for p in b.parameters()}.values())
+
+
+def _shard_stages(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, N: int, gloo: bool) -> None:
+    """ZeRO-3 inside pipeline stages (:mod:`.pipeline.fsdp`, torchtitan's PP + FSDP): the fp32 shards and
+    optimizer states are 1/N; during the step each stage is gathered whole (compute dtype: 2 bytes under
+    bf16/fp16) and keeps its whole fp32 gradient, as ZeRO-1; at the update the reduce-scatter's fp32 input
+    takes the whole gradient's place (FSDP2 copies it in and drops the gradient; gloo all-reduces a second
+    copy) and its 1/N output lives beside it."""
+    half = plan.precision in ("bf16", "fp16")
+    for s in range(len(bounds) - 1):
+        w = mem["weight_bytes"][s]  # fp32, the whole stage
+        shard = 4.0 * _padded_shard_elements(_stage_params(chain, bounds, s), N)
+        mem["state_bytes"][s] /= N
+        mem["weight_bytes"][s] = shard + (w / 2 if half else w)
+        mem["grad_bytes"][s] = w
+        mem["opt_temp_bytes"][s] = max(mem["opt_temp_bytes"][s] / N + shard - w, (w if gloo else 0.0) + shard)
 
 
 def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, seq: int, M: int,
@@ -267,12 +304,15 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
     """One pipeline rank's collectives per step — the terms
     :meth:`.pipeline.strategy.PipelineStrategy.predicted_collectives` counts on the running layout:
     the loss all-reduce, the tied embedding's sum over its holders, the data-parallel all-reduce (or
-    ZeRO-1's reduce-scatter + all-gather of the padded buckets) and the norm all-reduces, and the TP
+    ZeRO-1's reduce-scatter + all-gather of the padded buckets, or ZeRO-3's one all-gather + one fp32
+    reduce-scatter of the padded FSDP2 shards) and the norm all-reduces, and the TP
     collectives of the rank's stages (:func:`.pipeline.tensor_parallel.stage_tp_bytes`)."""
     from scaletrain.chain import to_chain
     from scaletrain.techniques.pipeline.schedules import build
     from scaletrain.techniques.pipeline.tensor_parallel import stage_tp_bytes
     from scaletrain.techniques.remat.tree import recompute_counts, tree_of
+
+    from scaletrain.techniques.data_parallel.sharded import shard_rows
 
     chain = to_chain(model)
     v = (plan.virtual or (2 if plan.schedule == "interleaved" else 1))
@@ -292,13 +332,18 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
         return 2 * (n - 1) / n * x if n > 1 else 0.0
 
     def nbytes(ps: list) -> float:
+        if plan.zero == 3:  # the tied gradient is summed over its holders as this rank's FSDP2 shard (dp rank 0's)
+            return float(sum(math.prod(shard_rows(p.shape[0], dp, 0)[2:] + tuple(p.shape[1:])) * 4 for p in ps))
         return float(sum(math.prod(_tp_local_shape(names[id(p)], tuple(p.shape), t)) * 4 for p in ps))
 
     total = ring_ar(plan.pp * dp, 8.0)  # the window's mean loss (float64)
     shared = [p for p in mine if len(holders[id(p)]) > 1]
     if shared:
         total += ring_ar(len(holders[id(shared[0])]), nbytes(shared))
-    if plan.zero == 1:
+    if plan.zero == 3:  # FSDP2 in the stages: one all-gather (compute dtype) and one fp32 reduce-scatter per step
+        pb = 2 if plan.precision in ("bf16", "fp16") else 4
+        total += (dp - 1) * _padded_shard_elements(mine, dp) * (pb + 4)
+    elif plan.zero == 1:
         from scaletrain.techniques.data_parallel.zero import bucket_segments
 
         shapes = []
@@ -311,6 +356,8 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
     else:
         total += ring_ar(dp, nbytes(mine))
         total += ring_ar(plan.pp, 8.0) + (ring_ar(t, 8.0) if t > 1 else 0.0)
+    if plan.precision == "fp16":  # the loss scaler's found-inf all-reduce (one fp32) over the world
+        total += ring_ar(plan.pp * dp * t, 4.0)
     if t > 1:
         for st in stages:
             kinds = ["embed" if i == 0 else "head" if i == bounds[-1] - 1 else "layer"

@@ -7,7 +7,7 @@ Three families cover every runtime that can write sharded checkpoints:
 - :class:`~scaletrain.techniques.spmd.MeshRuntime` (ZeRO-1/2 owned rows, FSDP2 shards, TP / CP / EP
   DTensors and expert slices): the optimizer's proxies are the unit;
 - :class:`~scaletrain.techniques.pipeline.strategy.PipelineStrategy`: this rank's stages only (TP
-  shards inside them; ZeRO-1 owned rows for the optimizer).
+  shards inside them; ZeRO-1 owned rows for the optimizer; ZeRO-3's FSDP2 shards, DTensors like TP's).
 
 Runtimes whose state is not a set of parameter-shaped pieces (the offload runtime's host/disk
 states, 16-bit parameters with separate masters on one process, 8-bit or factored optimizer
@@ -128,7 +128,9 @@ def _pipeline(st: Any) -> Layout:
         v.transposed = False  # the pipeline's TP (native GPT-2) only permutes the fused QKV rows
         lay.values.append((v, local_of(p).detach()))
         e = st._param_entry.get(id(p)) if st.zero is not None else None
-        if e is not None:  # ZeRO-1: the optimizer updates the owned rows
+        if e is not None and st.zero.stage == 3:  # ZeRO-3 (FSDP2): the proxy is the local shard (the view's box)
+            lay.optim[id(e.proxy)] = (first[id(p)], v)
+        elif e is not None:  # ZeRO-1: the optimizer updates the owned rows
             lay.optim[id(e.proxy)] = (first[id(p)], v.rows(e.start, e.length))
         else:
             lay.optim[id(p)] = (first[id(p)], v)

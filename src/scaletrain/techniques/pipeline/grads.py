@@ -110,8 +110,8 @@ class ParamPlan:
         self.replica_ranks = tuple(sorted(self.global_rank(r) for r in range(self.pp)))
         self.dp_ranks = tuple(sorted(self.global_rank(pp_rank, d) for d in range(dp)))
         self.zero_sync: Any = None
-        """A :class:`~scaletrain.techniques.data_parallel.zero.GradSync` (ZeRO-1) that replaces the
-        data-parallel all-reduce, or None."""
+        """A :class:`~scaletrain.techniques.data_parallel.zero.GradSync` (ZeRO-1) or a
+        :class:`.fsdp.StageFSDP` (ZeRO-3) that replaces the data-parallel all-reduce, or None."""
         self._make_groups()
 
     def global_rank(self, pp_rank: int, dp_rank: int | None = None, ranks: Sequence[int] | None = None) -> int:
@@ -135,6 +135,19 @@ class ParamPlan:
         for g in wanted:
             if len(g) > 1:
                 self.group(g)
+
+    def rebind(self, new: dict[int, torch.Tensor]) -> None:
+        """Replace parameters by new objects (``id(old) -> new``: FSDP2's sharded DTensors), keeping
+        every holder set, group and order."""
+        def swap(ts: list) -> list:
+            return [new.get(id(t), t) for t in ts]
+
+        self.tensors = swap(self.tensors)
+        self.local_tensors = swap(self.local_tensors)
+        self.params = swap(self.params)
+        self.owned = swap(self.owned)
+        self.tied = [(h, swap(ts)) for h, ts in self.tied]
+        self.gradsync = {s: swap(ts) for s, ts in self.gradsync.items()}
 
     # ------------------------------------------------------------------ operations
     def broadcast_replicated(self) -> None:
@@ -160,12 +173,19 @@ class ParamPlan:
 
     def reduce(self) -> None:
         """Before an update: sum shared parameters' gradients over their holders, then average
-        every gradient over the data-parallel replicas."""
+        every gradient over the data-parallel replicas. ZeRO-3 (FSDP2 in the stages): the
+        reduce-scatter over the replicas comes first, then the shared parameters' sharded gradients
+        are summed over their holders (each holds the same rows of them)."""
+        fsdp = self.zero_sync is not None and self.zero_sync.stage == 3
+        if fsdp:
+            self.zero_sync.reduce()
         _materialise([p for p in self.params if p.grad is not None])  # TP: gradients in their parameter's layout
         for h, ts in self.tied:
             g = self.group([self.global_rank(r) for r in h])
             flat_collective(_materialise(ts), lambda f: self.transport.all_reduce(
                 f, g, f"shared-parameter gradient all-reduce over pipeline ranks {list(h)}"))
+        if fsdp:
+            return
         if self.zero_sync is not None:  # ZeRO-1: reduce-scatter into the owned rows (GradSync)
             self.zero_sync.reduce()
             return

@@ -62,7 +62,7 @@ def _bwd_temp(tr: Any) -> float:
 def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input: torch.Tensor, *,
                  target: torch.Tensor | None = None, loss_fn: Callable | None = None, optimizer: str = "adamw",
                  foreach: bool | None = None, precision: str = "fp32", remat: Sequence[Any] | None = None,
-                 **optimizer_kw: Any) -> dict[str, list[float]]:
+                 params_dtype: str = "fp32", **optimizer_kw: Any) -> dict[str, list[float]]:
     """Per-stage memory costs (bytes) for :class:`~.simulate.StageCosts` (see the module doc).
 
     ``bounds``: the S + 1 block boundaries of the stages; ``example_input`` / ``target``: one
@@ -73,7 +73,8 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
     ``fwd_temp_bytes``, ``bwd_temp_bytes``, ``boundary_bytes``. ``remat``: the stages'
     rematerialization schedules (:func:`.stage.stage_remat`) when the runtime runs them; the
     activation set and transients of each stage then come from replaying its schedule
-    (:func:`_remat_stage`).
+    (:func:`_remat_stage`). ``params_dtype``: the dtype the stages compute with (``bf16`` for FSDP2's
+    16-bit parameters under ZeRO-3: autocast then saves no 16-bit weight copies).
     """
     from scaletrain.measure import optimizers
     from scaletrain.measure.estimate import estimate_chain
@@ -81,7 +82,7 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
     chain = to_chain(chain)
     # accum=2: also trace each block's backward into existing gradients (later micro-batches)
     _, traces = estimate_chain(chain, example_input, target=target, loss_fn=loss_fn, precision=precision, accum=2,
-                               _return_traces=True)
+                               params_dtype=params_dtype, _return_traces=True)
     S = len(bounds) - 1
     graphs = None
     out: dict[str, list[float]] = {k: [] for k in ("weight_bytes", "grad_bytes", "state_bytes", "opt_temp_bytes",

@@ -22,7 +22,13 @@ stage's current parameters to all ranks of the replica; ``optimizer_state_dict``
 stage's optimizer state and renumbers it as the one-process optimizer (``build(model)``) would.
 So a pipeline checkpoint resumes at any ``parallel.pp`` (or on one process), and a one-process
 checkpoint loads into a pipeline. Optimizer states must be per-parameter (every optimizer of
-:mod:`scaletrain.techniques.optim`); ZeRO-sharded states are refused with one line.
+:mod:`scaletrain.techniques.optim`); a consolidated checkpoint's ZeRO-sharded (per-rank) states are refused
+with one line. ZeRO-1 / ZeRO-3 inside the stages gather their shards of every state into this layout.
+
+Data parallelism inside the stages: ``parallel.zero=1`` shards the optimizer states over the replicas
+(Megatron's distributed optimizer, :meth:`PipelineStrategy._shard_optimizer_states`); ``parallel.zero=3``
+shards parameters, gradients and states with FSDP2, each stage gathered once per step and
+reduce-scattered at the update (torchtitan's PP + FSDP, :mod:`.fsdp`).
 
 Asynchronous schedules (``pipedream``, ``pipedream-2bw``) run as *one* stream over the run's
 remaining steps (:meth:`.runtime.PipelineRuntime.stream`): a trainer step is one window of M
@@ -44,13 +50,13 @@ the point-to-point bytes); not with zb1p. Refused with TP: context and expert pa
 rematerialization, model dropout > 0 (per-rank masks would split a TP group's replicated
 activations).
 
-Supported: every schedule, fp32 and bf16;
+Supported: every schedule, fp32, bf16 and fp16 (synchronous schedules);
 ``memory.remat.method`` / ``memory.remat.budget`` run a rematerialization schedule inside every
 stage (:func:`.stage.stage_remat`; the budget is per stage and micro-batch) with the unsplit
 synchronous schedules. Refused with a one-line :class:`~scaletrain.errors.ConfigError` naming
-the key (see :func:`check_config`): fp16 (per-stage loss scaling would skip steps on some stages only),
-ZeRO > 0 and gradient compression, context/expert parallelism, rematerialization with
-zb1p or the asynchronous schedules, offloading and activation compression inside the stages.
+the key (the compatibility table, :mod:`scaletrain.techniques.compat`): ZeRO-2, ZeRO-3 with Chimera,
+the asynchronous schedules or TP, gradient compression, context/expert parallelism, rematerialization
+with zb1p or the asynchronous schedules, offloading inside the stages.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from .apply import default_virtual, example_input, pipeline_runtime
 from .runtime import PipelineRuntime
 
 from .simulate import simulate
+from .state import PipelineState
 from .tensor_parallel import tp_comm_counter
 
 
@@ -98,7 +105,7 @@ def _loss_scale(ctx: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return scale
 
 
-class PipelineStrategy(Strategy):
+class PipelineStrategy(PipelineState, Strategy):
     """The trainer's hooks over a :class:`PipelineRuntime` (see the module docstring)."""
 
     name = "pipeline"
@@ -118,23 +125,12 @@ class PipelineStrategy(Strategy):
         self._last_norm = float("nan")
         self._tp_bytes = 0.0
         self._tp_predicted = float("nan")
+        self._scaled = False
         self.zero: Any = None
         """ZeRO-1 inside the stages (:meth:`_shard_optimizer_states`), or None."""
         self._proxy_entry: dict[int, Any] = {}
         self._param_entry: dict[int, Any] = {}
-        # the one-process optimizer's parameter numbering (build(model) groups parameters by
-        # scaletrain.techniques.optim.registry.param_groups): the checkpoint layout
-        from scaletrain.techniques.optim.registry import param_groups
-
-        groups = param_groups(model, None)
-        self._full_index: dict[int, int] = {}
-        self._full_group: dict[int, int] = {}
-        for g, group in enumerate(groups):
-            for p in group["params"]:
-                self._full_group[len(self._full_index)] = g
-                self._full_index[id(p)] = len(self._full_index)
-        self._full_groups = len(groups)
-        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._index_parameters()
 
     @classmethod
     def build(cls, model: nn.Module, plan: Any, ctx: Any) -> "PipelineStrategy":
@@ -178,6 +174,8 @@ class PipelineStrategy(Strategy):
         strategy = cls(model, rt, ctx.rank, ctx.world)
         if p.zero == 1:
             strategy._shard_optimizer_states()
+        elif p.zero == 3:
+            strategy._shard_parameters(ctx.precision)
         if rt.tp is not None:
             from .tensor_parallel import predicted_tp_bytes
 
@@ -256,12 +254,30 @@ class PipelineStrategy(Strategy):
         self._param_entry = {id(e.param): e for e in self.zero.entries}
         plan.zero_sync = self.zero
 
+    def _shard_parameters(self, precision: str) -> None:
+        """ZeRO-3 inside the stages (torchtitan's PP + FSDP, :mod:`.fsdp`): every stage FSDP2-sharded
+        over its data-parallel replicas, gathered once per step, reduce-scattered at the update."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .fsdp import StageFSDP
+
+        rt = self.runtime
+        # the runtime's layout: pipeline rank r of replica d is global rank r * dp + d (pp outermost)
+        mesh = init_device_mesh(rt.device.type, (rt.pp, rt.dp), mesh_dim_names=("pp", "dp"))
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.zero = StageFSDP(self.model, rt, mesh["dp"], param_dtype=half)
+        rt.plan.zero_sync = self.zero
+        self._proxy_entry = {id(e.proxy): e for e in self.zero.entries}
+        self._param_entry = {id(e.param): e for e in self.zero.entries}
+        self._index_parameters()
+
     def make_scaler(self, device: torch.device, enabled: bool) -> torch.amp.GradScaler:
         if not enabled:
             return torch.amp.GradScaler(device.type, enabled=False)
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         # every stage unscales its own gradients; inf/NaN on any rank skips the step on every rank
+        self._scaled = True  # its found-inf flag (fp32) is all-reduced over the world at every unscale
         scaler = ShardedGradScaler(device.type, process_group=dist.group.WORLD)
         scaler.scale(torch.ones((), device=device))  # its scale exists on ranks that never scale a loss
         return scaler
@@ -301,25 +317,6 @@ class PipelineStrategy(Strategy):
             return norm
         return self.runtime.clip_grad_norm_(max_norm)
 
-    def _param_of(self, t: torch.Tensor) -> torch.Tensor:
-        """The model parameter an optimizer parameter stands for (itself, or the one a proxy shares rows of)."""
-        e = self._proxy_entry.get(id(t)) if self.zero is not None else None
-        return e.param if e is not None else t
-
-    def _state_in_param_layout(self, t: torch.Tensor, v: Any) -> Any:
-        """A proxy's state tensor as the parameter's (its rows gathered over the data-parallel group, a
-        DTensor with the parameter's layout under TP). Collective over the data-parallel group."""
-        e = self._proxy_entry.get(id(t)) if self.zero is not None else None
-        if e is None or not torch.is_tensor(v) or tuple(v.shape) != e.local_shape():
-            return v
-        local = self.zero.gather_rows(e, v)  # type: ignore[union-attr]
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(e.param, DTensor):
-            return DTensor.from_local(local, e.param.device_mesh, e.param.placements, run_check=False,
-                                      shape=e.param.shape, stride=e.param.stride())
-        return local
-
     def _dp_reduce(self, values: list[float], average: bool) -> list[float]:
         rt = self.runtime
         if rt.dp == 1:
@@ -358,8 +355,9 @@ class PipelineStrategy(Strategy):
                 h = rt.transport.recv(torch.Size((x.shape[0], *spec.shape[1:])), spec.dtype,
                                       rt._global(sched.rank_of(s - 1, 0)), _eval_tag(s),
                                       f"evaluation activation into stage {s}")
-            with ctx.autocast():
-                h = rt.replicas[(0, s)].module(h)
+            rep = rt.replicas[(0, s)]
+            with ctx.autocast():  # (without grad a remat tree is the plain forward; under ZeRO-3 the FSDP root)
+                h = (rep.remat if rep.remat is not None else rep.module)(h)
             if s == S - 1:
                 loss = float(rt.loss_fn(h, y)) * len(y)  # vocabulary-parallel under TP
                 correct = int((h.argmax(-1) == y).sum()) if ctx.task != "lm" else 0
@@ -371,6 +369,8 @@ class PipelineStrategy(Strategy):
                     rt.transport.send(h, rt._global(nxt), _eval_tag(s + 1), f"evaluation activation of stage {s}")
                     sent.append(_eval_tag(s + 1))
         rt.transport.release(sent)  # not drain(): a paused asynchronous stream may have sends in flight
+        if self.zero is not None and self.zero.stage == 3:
+            self.zero.reshard()  # the forward left the stages gathered (reshard_after_forward=False)
         self._sent_before = rt.transport.bytes_sent  # p2p_bytes counts training traffic only
         if rt.pp > 1:
             with LEDGER.paused():
@@ -379,98 +379,6 @@ class PipelineStrategy(Strategy):
                                        "broadcast of the evaluation loss from the last stage")
         loss, correct, n = result.tolist()
         return loss, int(correct), int(n)
-
-    # ------------------------------------------------------------------ state
-    def model_state_dict(self) -> dict[str, Any]:
-        """The whole model (single-process layout), current on every rank. Collective."""
-        rt = self.runtime  # each rank holds its stages only: one rank per stage shares them (TP: gathered first)
-        from .tensor_parallel import gather_model_state
-
-        return gather_model_state(self.model, rt.plan.local_tensors,
-                                  (rt.tp is None or rt.tp.tp_rank == 0) and rt.dp_rank == 0)
-
-    def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        from .tensor_parallel import load_full_state  # this rank's stages (their TP shards)
-
-        load_full_state(self.model, state, self.runtime.plan.local_tensors)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Every stage's states renumbered as the one-process optimizer's, on every rank. Collective."""
-        rt = self.runtime
-        mine: dict[str, Any] | None = None
-        sd = optimizer.state_dict()
-        local = [p for g in optimizer.param_groups for p in g["params"]]
-        if self.zero is not None:  # ZeRO-1: each rank's rows of every state, gathered (every dp rank takes part)
-            sd = {"state": {i: {k: self._state_in_param_layout(local[i], v) for k, v in st.items()}
-                            for i, st in sorted(sd["state"].items())}, "param_groups": sd["param_groups"]}
-            local = [self._param_of(p) for p in local]
-        if rt.dp_rank == 0:  # replicas hold equal states: one copy per stage suffices
-            from .tensor_parallel import gather_full
-
-            # TP: DTensor states gathered to full tensors (collective over the TP group)
-            state = {self._full_index[id(local[i])]: {k: gather_full(self.model, self._names[id(local[i])], v).cpu()
-                                                      if torch.is_tensor(v) else v for k, v in st.items()}
-                     for i, st in sd["state"].items()}
-            hyper = {self._full_group[self._full_index[id(self._param_of(g["params"][0]))]]:
-                     {k: v for k, v in gsd.items() if k != "params"}
-                     for g, gsd in zip(optimizer.param_groups, sd["param_groups"]) if g["params"]}
-            mine = {"state": state, "hyper": hyper} if rt.tp is None or rt.tp.tp_rank == 0 else None
-        parts: list[Any] = [None] * self.world
-        with LEDGER.paused():
-            dist.all_gather_object(parts, mine)
-        state, hyper = {}, {}
-        for part in parts:
-            if part is not None:
-                state.update(part["state"])
-                hyper.update(part["hyper"])
-        members: list[list[int]] = [[] for _ in range(self._full_groups)]
-        for i in range(len(self._full_index)):
-            members[self._full_group[i]].append(i)
-        return {"state": dict(sorted(state.items())),
-                "param_groups": [{**hyper[g], "params": members[g]} for g in range(self._full_groups)]}
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Load a single-process-layout optimizer state (from a pipeline run at any pp, or one process)."""
-        if state.get("sharded"):
-            super().load_optimizer_state_dict(optimizer, state)  # raises its one-line ConfigError
-        groups = state["param_groups"]
-        n = sum(len(g["params"]) for g in groups)
-        if n != len(self._full_index):
-            raise ConfigError(f"the checkpoint's optimizer has {n} parameters, this model {len(self._full_index)}; "
-                              f"resume with the same model and optimizer")
-        group_of = {i: g for g in groups for i in g["params"]}
-        sd = optimizer.state_dict()
-        new_state: dict[int, Any] = {}
-        new_groups = []
-        for g, gsd in zip(optimizer.param_groups, sd["param_groups"]):
-            params = [self._param_of(p) for p in g["params"]]
-            full = [self._full_index[id(p)] for p in params]
-            src = group_of[full[0]] if full else {}
-            new_groups.append({**{k: v for k, v in src.items() if k != "params"}, "params": gsd["params"]})
-            for li, fi, p in zip(gsd["params"], full, params):
-                if fi in state["state"]:  # TP: full parameter-shaped states sharded as the parameter
-                    new_state[li] = {k: self._owned_rows(p, self._shard_state(p, v))
-                                     for k, v in state["state"][fi].items()}
-        optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
-
-    def _owned_rows(self, p: torch.Tensor, v: Any) -> Any:
-        """ZeRO-1: this rank's rows of a (TP-local) parameter-shaped state."""
-        e = self._param_entry.get(id(p)) if self.zero is not None else None
-        if e is None or not torch.is_tensor(v):
-            return v
-        v = v.to_local() if hasattr(v, "to_local") else v
-        if tuple(v.shape) != tuple(e.local.shape):
-            return v
-        return self.zero.owned_rows(e, v.to(e.local.device)).clone()  # type: ignore[union-attr]
-
-    def _shard_state(self, p: torch.Tensor, v: Any) -> Any:
-        from torch.distributed.tensor import DTensor
-
-        if not isinstance(p, DTensor) or not torch.is_tensor(v) or tuple(v.shape) != tuple(p.shape):
-            return v
-        from .tensor_parallel import shard_full
-
-        return shard_full(self.model, self._names[id(p)], p, v)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict[str, Any]:
@@ -508,7 +416,11 @@ class PipelineStrategy(Strategy):
             total += ring_ar(len(h), nbytes(ts))
         for ts in plan.gradsync.values():  # Chimera: a stage's two replicas
             total += ring_ar(2, nbytes(ts))
-        if self.zero is not None:
+        if self.zero is not None and self.zero.stage == 3:  # one all-gather (compute dtype) + one fp32 reduce-scatter
+            dp, n = rt.dp, self.zero.padded_shard_elements()
+            pb = torch.empty(0, dtype=self.zero.param_dtype or torch.float32).element_size()
+            total += (dp - 1) * n * (pb + 4)
+        elif self.zero is not None:
             dp = rt.dp
             per = sum(dp * b.seg * self.zero.entries[b.entries[0]].local.element_size() for b in self.zero.buckets)
             total += 2 * (dp - 1) / dp * per  # reduce-scatter of the padded buckets, then their all-gather
@@ -519,6 +431,8 @@ class PipelineStrategy(Strategy):
                 total += ring_ar(rt.tp.tp, 8.0)  # ... and over the TP group
         if rt.tp is not None:
             total += self._tp_predicted
+        if self._scaled:  # fp16: the loss scaler's found-inf all-reduce (one fp32) over the world
+            total += ring_ar(self.world, 4.0)
         return {"predicted_comm_bytes": total}
 
     def describe(self) -> str:
