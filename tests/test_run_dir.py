@@ -132,3 +132,12 @@ def test_several_ranks_give_one_line(tmp_path, monkeypatch, capsys):
                                   {"rank": 1, "exitcode": -9, "signal": "SIGKILL"})
     assert line == "rank 1 died (SIGKILL)" and restartable
     os.environ.pop("RANK", None)
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys):
+    """--resume of a run already at train.steps trains nothing, says so in one line and exits 0."""
+    out = str(tmp_path / "run")
+    assert _cli(capsys, "--out", out, "train.steps=2", *TINY)[0] == 0
+    code = main(["train", "--out", out, "--resume", "train.steps=2", *TINY])
+    cap = capsys.readouterr()
+    assert code == 0 and "nothing to train: the run is already at step 2" in cap.out + cap.err

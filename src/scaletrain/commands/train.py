@@ -161,7 +161,10 @@ def _train(args: argparse.Namespace, cfg, trainer, out: Path, log) -> int:
         extra, line = trainer.auto.summary(trainer.tracked, result.comm_bytes_per_step)
         summary.update(extra)
         log(line)
-    if trainer.data_name == "shakespeare":
+    if result.val_loss is None and args.resume:  # resumed at train.steps: no step ran, nothing validated
+        log(f"nothing to train: the run is already at step {result.steps} = train.steps; raise train.steps to "
+            f"continue it")
+    elif trainer.data_name == "shakespeare":
         from scaletrain.data.text import byte_unigram_entropy
 
         h = byte_unigram_entropy("val")
