@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.set)
     kw = dict(precision=args.precision, optimizer=args.optimizer, accum=args.accum,
               params_dtype=args.params_dtype, device=args.device)
-    plat = _platform(args.platform, args.precision) if args.platform else None
+    plat = _platform(args.platform, args.precision, (args.model, overrides)) if args.platform else None
     est = estimate_step(args.model, args.batch, args.seq, flops_per_s=args.flops_per_s, platform=plat,
                         **kw, **overrides)
     if args.simulate:
@@ -170,7 +170,7 @@ def _plan(args: argparse.Namespace, overrides: dict, plat: Any = None) -> dict:
                                                         microbatches=M))
     priced, why = plat, ""
     if plat is None and world == 1:
-        priced = _platform("local", args.precision)
+        priced = _platform("local", args.precision, (args.model, overrides))
     elif plat is None:
         why = (f"the step time of {world} processes needs --platform (a preset, a platform JSON file; this machine's "
                f"for {world} processes: python -m torch.distributed.run --nproc-per-node {world} -m "
@@ -190,13 +190,14 @@ def _plan(args: argparse.Namespace, overrides: dict, plat: Any = None) -> dict:
     return out
 
 
-def _platform(name: str, precision: str) -> Any:
+def _platform(name: str, precision: str, model: tuple[str, dict]) -> Any:
     """A preset, a platform JSON file (as ``scaletrain plan --platform``) or ``local``: this machine for one
-    process, measured in-process (:func:`scaletrain.planner.local.measure`, what ``plan=auto`` uses)."""
+    process, measured in-process (:func:`scaletrain.planner.local.measure`, what ``plan=auto`` uses; the
+    fixed cost per kernel from ``model`` when it is a GPT-2 shape)."""
     if name.lower() == "local":
         from scaletrain.planner import local
 
-        return local.measure(1, precision)
+        return local.measure(1, precision, model)
     from scaletrain.commands.plan import _platform as load
 
     return load(name)

@@ -117,6 +117,20 @@ def collective_seconds(nbytes: float, steps: float, bytes_per_s: float, latency_
     return nbytes / bytes_per_s + steps * latency_s
 
 
+def tp_ring_steps(bounds: list[int], stage: int, rec: list[int], t: int, sp: bool) -> float:
+    """Ring steps of one micro-batch's TP collectives on a stage of the GPT-2 layout (as the TP cost face
+    counts them): the embedding's all-reduce in the forward, 2 per layer in the forward and 2 in the
+    backward, the head's in the backward and the vocabulary-parallel loss's 3; a recomputed forward
+    replays its forward ones. 2(t - 1) steps each; under SP each is a reduce-scatter + all-gather pair
+    (the same steps) and the backward re-gathers add half as many again."""
+    n = bounds[-1]
+    steps = 0
+    for i in range(bounds[stage], bounds[stage + 1]):
+        fwd = 1 if i == 0 else (0 if i == n - 1 else 2)
+        steps += fwd * (1 + rec[i]) + (0 if i == 0 else 2 if i < n - 1 else 4)
+    return steps * 2 * (t - 1) * (1.5 if sp else 1.0)
+
+
 def link(plat: Platform, stride: int, n: int) -> tuple[float, float]:
     """(achieved bytes/s, α) of a group of ``n`` ranks ``stride`` apart (placement in the module doc)."""
     if stride * n > max(plat.devices_per_node, 1):
@@ -126,7 +140,7 @@ def link(plat: Platform, stride: int, n: int) -> tuple[float, float]:
 
 def _comm(plan: Any, model: nn.Module, cfg: Any, plat: Platform, *, b: int, seq: int, M: int, world: int,
           total: float, bounds: list[int], rank: int, remat: list | None, rank_param_bytes: float,
-          n_blocks: int) -> dict[str, float]:
+          n_blocks: int, tp_steps: float) -> dict[str, float]:
     """Seconds of each collective kind on one pipeline rank (its bytes from the cost faces)."""
     t, cp, dp, pp = plan.tp, plan.cp, max(plan.dp, 1), plan.pp
     if world == 1:
@@ -150,12 +164,7 @@ def _comm(plan: Any, model: nn.Module, cfg: Any, plat: Platform, *, b: int, seq:
     out: dict[str, float] = {}
     D = dp * cp
     if kinds.get("tp"):
-        from scaletrain.techniques.tensor_parallel import tp_comm_bytes_per_step
-
-        full = tp_comm_bytes_per_step(cfg, t, b, seq // cp, sequence_parallel=plan.sp, micro_batches=M)
-        steps = sum(v["count"] * (2 if k == "all_reduce" else 1) * (t - 1) for k, v in full["kinds"].items())
-        steps *= kinds["tp"] / full["wire_bytes"] if full["wire_bytes"] else 0.0  # a stage's share, recompute's
-        out["tp"] = collective_seconds(kinds["tp"], steps, *link(plat, 1, t))
+        out["tp"] = collective_seconds(kinds["tp"], tp_steps, *link(plat, 1, t))
     if kinds.get("cp"):  # ring attention: cp - 1 exchanges per layer in the forward, twice that in the backward
         out["cp"] = collective_seconds(kinds["cp"], 3 * cfg.n_layer * (cp - 1) * M, *link(plat, t, cp))
     if kinds.get("ep"):  # two all-to-alls per MoE layer each way
@@ -202,7 +211,8 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
               for r in range(P)]
     n_blocks = [sum(bounds[s + 1] - bounds[s] for s in stages_of[r]) for r in range(P)]
     comm_s = [_comm(plan, model, cfg, plat, b=b, seq=seq, M=M, world=world, total=comm[min(r, len(comm) - 1)],
-                    bounds=bounds, rank=r, remat=remat, rank_param_bytes=parts[r]["params"], n_blocks=n_blocks[r])
+                    bounds=bounds, rank=r, remat=remat, rank_param_bytes=parts[r]["params"], n_blocks=n_blocks[r],
+                    tp_steps=sum(passes[r][s] * tp_ring_steps(bounds, s, rec, plan.tp, plan.sp) for s in stages_of[r]))
               for r in range(P)]
     # the collectives inside the layers run in the passes: each stage pass carries its share, half each way
     inner = [sum(c.get(k, 0.0) for k in ("tp", "cp", "ep")) for c in comm_s]
