@@ -119,3 +119,15 @@ def test_bad_platform_is_one_line_exit_2(bad, says, tmp_path, monkeypatch, capsy
     assert main(["estimate", "--model", "gpt2-tiny", "--seq", "16", "--dp", "2", "--platform", bad]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1
+
+
+def test_optimizer_offload_copies_at_the_platform_rates() -> None:
+    from scaletrain.plan import OffloadPlan
+
+    plat = FLOPS_ONLY.with_(h2d_bytes_per_s=2e9, d2h_bytes_per_s=1e9, cpu_adam_params_per_s=1e8)
+    (c,) = _costs(Plan(dp=1, offload=OffloadPlan(optimizer="host")), plat=plat)
+    p = c.bytes["params"]  # fp32: one rank's gradients down and its parameters up, Adam on the host
+    t = c.time_s
+    assert t.copies_s == {"d2h": pytest.approx(p / 1e9), "h2d": pytest.approx(p / 2e9),
+                          "cpu_update": pytest.approx(p / 4 / 1e8)}
+    assert t.copies_exposed_s == t.copies_s and t.optimizer == 0.0

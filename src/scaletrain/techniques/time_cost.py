@@ -248,15 +248,15 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
         t.comm_s = dict(comm_s[r])
         window = {0: sum(stage_b[s] for s in mine), 2: M * sum(stage_b[s] for s in mine),
                   3: M * sum(stage_f[s] + stage_b[s] for s in mine)}.get(plan.zero, 0.0) if plan.pp == 1 else 0.0
-        t.comm_exposed_s = {k: _exposed(k, v, plat, plan, window, parts[r]["params"]) for k, v in comm_s[r].items()}
+        t.comm_exposed_s = {k: _exposed(k, v, plat, plan, window, parts[r]["params"], M, n_blocks[r])
+                            for k, v in comm_s[r].items()}
         if plan.pp > 1:
             t.comm_s["p2p"] = p2p_total[r]
             t.comm_exposed_s["p2p"] = makespan - bare.makespan_s
         opt_params = parts[r]["params"] / (_shards(plan) if plan.zero in (1, 2) else 1)
         tensors = sum(1 for s in mine for blk in chain.blocks[bounds[s]:bounds[s + 1]] for _ in blk.parameters())
         t.optimizer = _optimizer_seconds(plat, opt_params, parts[r]["optimizer"], tensors)
-        _offload(t, plan, plat, mem=mem, stages=mine, M=M, params=opt_params, grads=parts[r]["grads"],
-                 states=parts[r]["optimizer"])
+        _offload(t, plan, plat, mem=mem, stages=mine, M=M, params=opt_params, states=parts[r]["optimizer"])
         out.append(t)
     return out
 
@@ -266,12 +266,14 @@ def _shards(plan: Any) -> int:
     return plan.hsdp or max(plan.dp, 1) * (plan.cp if plan.pp == 1 else 1)
 
 
-def _exposed(kind: str, seconds: float, plat: Platform, plan: Any, window: float, param_bytes: float) -> float:
+def _exposed(kind: str, seconds: float, plat: Platform, plan: Any, window: float, param_bytes: float, M: int,
+             n_blocks: int) -> float:
     """Seconds of a collective kind the step waits for (the overlap rules of the module docstring)."""
     if kind != "dp" or not plat.copy_overlaps_compute or plan.pp > 1 or plan.zero == 1:
         return seconds
     buckets = max(1, math.ceil(param_bytes / (plan.bucket_mb * 2**20)))
-    last = seconds / buckets if plan.zero != 3 else 0.0  # the last bucket starts when the backward ends
+    issued = {0: buckets, 2: (M + 1) * buckets, 3: 3 * n_blocks * M}[plan.zero]
+    last = seconds / issued  # the last collective starts when the backward ends
     return seconds - min(seconds - last, window)
 
 
@@ -283,13 +285,13 @@ def _optimizer_seconds(plat: Platform, params: float, states: float, tensors: in
 
 
 def _offload(t: StepSeconds, plan: Any, plat: Platform, *, mem: dict, stages: list[int], M: int, params: float,
-             grads: float, states: float) -> None:
+             states: float) -> None:
     """Host and disk copies of the plan's offloading into ``t`` (module docstring)."""
     o = plan.offload
     copies: dict[str, float] = {}
     hideable: dict[str, float] = {}
     if o.optimizer in ("host", "disk"):
-        copies["d2h"] = plat.d2h_time(grads)
+        copies["d2h"] = plat.d2h_time(params)  # each rank its own shard: fp32 gradients down, parameters up
         copies["h2d"] = plat.h2d_time(params)
         copies["cpu_update"] = params / 4 / plat.cpu_adam_params_per_s
         t.optimizer = 0.0  # the update runs on the host
