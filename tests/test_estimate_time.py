@@ -109,6 +109,11 @@ def test_estimate_cli_time_table_and_json(capsys) -> None:
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "time per optimizer step on h100" in out and "step time:" in out and "by kind: " in out
+    # several processes and no platform: no time, and the line says how to get one (this machine's needs N at once)
+    assert main(["estimate", "--model", "gpt2-tiny", "--batch", "2", "--seq", "32", "--dp", "2", "--json"]) == 0
+    pl = json.loads(capsys.readouterr().out)["meta"]["plan"]
+    assert pl["step_time_s"] is None and "--platform" in pl["time_note"]
+    assert all(r["time_s"] is None for r in pl["ranks"])
 
 
 @pytest.mark.parametrize("bad, says", [("nosuch", "unknown platform 'nosuch'"), ("missing.json", "no such file"),

@@ -137,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
                   f"per step in collectives")
         print(f"heaviest: {pl['heaviest']['rank']}, peak {int(pl['heaviest']['peak_bytes'])} B")
         print_times(pl)
+    else:
+        print("step seconds by phase: add --platform (a preset, a platform JSON file, or local)")
     print_blocks(profile_to_rows(est.profile), measured=False)
     return 0
 
