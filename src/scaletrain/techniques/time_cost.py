@@ -93,6 +93,7 @@ def attention_seconds(ops: BlockOps, plat: Platform, *, tp: int = 1, cp: int = 1
 def recompute_counts(plan: Any, bounds: list[int], remat: list | None) -> list[int]:
     """Extra forwards of each block per micro-batch under the plan's remat (stages' schedules, or
     ``remat.blocks`` checkpointed whole)."""
+    from scaletrain.techniques.remat.schedule import FORWARD_KINDS
     from scaletrain.techniques.remat.tree import blocks_tree, recompute_counts as counts_of, tree_of
 
     n = bounds[-1]
@@ -100,7 +101,11 @@ def recompute_counts(plan: Any, bounds: list[int], remat: list | None) -> list[i
     if remat:
         for s, sched in enumerate(remat):
             k = bounds[s + 1] - bounds[s]
-            c = counts_of(tree_of(sched), max(k, sched.n_nodes))[:k]
+            try:  # nested checkpoints, as the runtime applies them
+                c = counts_of(tree_of(sched), max(k, sched.n_nodes))[:k]
+            except UserError:  # a schedule only the executor runs: its forwards beyond the first, per block
+                c = [max(sum(1 for o in sched.ops if o.kind in FORWARD_KINDS and o.index == i) - 1, 0)
+                     for i in range(k)]
             out[bounds[s]:bounds[s + 1]] = c
     elif plan.remat.blocks != "none":
         out = counts_of(blocks_tree(n, plan.remat.blocks), n)
