@@ -128,3 +128,11 @@ def test_default_run_beats_unigram_entropy(tmp_path):
     h = byte_unigram_entropy("val")
     assert 3.0 < h < 3.6
     assert val < 0.80 * h, (val, h)
+
+
+def test_checkpoint_format_none_writes_no_checkpoint(tmp_path):
+    """Benchmark runs (train.checkpoint_format=none) train and log but never write a checkpoint."""
+    r = _run(tmp_path, ["train.steps=3", "train.eval_every=0", "train.checkpoint_every=1",
+                        "train.checkpoint_format=none"])
+    assert r.steps == 3 and len(_rows(tmp_path / "run")) >= 3
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())

@@ -14,15 +14,11 @@ Writes ``benchmarks/results/planner_megatron_table1.json``; run from the reposit
 
 from __future__ import annotations
 
-import json
-import platform as host
 import sys
 import time
-from pathlib import Path
 
-import torch
+from on_paper import write_result
 
-from scaletrain import __version__
 from scaletrain import platform as platforms
 from scaletrain.plan import Plan, RematPlan
 from scaletrain.planner import Options, Shape, plan_cost, search
@@ -104,17 +100,11 @@ def main() -> int:
              "best": res.ranked[0].plan.describe() if res.ranked else None}
     print(f"planning GPT-3 175B on 1024 A100: {speed['seconds']:.1f} s, {speed['plans_priced']} plans priced")
     errs = [abs(r["error"]) for r in rows]
-    out = {"benchmark": "Megatron-LM SC21 Table 1, on paper", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "machine": {"host": host.node(), "cpu": host.processor() or host.machine(), "python": sys.version.split()[0],
-                       "torch": torch.__version__, "scaletrain": __version__},
-           "platform": plat.to_dict(), "options": MEGATRON.__dict__, "rows": rows,
-           "summary": {"rows_within_15pct": sum(r["within_15pct"] for r in rows), "rows": len(rows),
-                       "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs)},
-           "planner_speed": speed}
-    path = Path("benchmarks/results/planner_megatron_table1.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1, default=str), encoding="utf-8")
-    print(f"wrote {path}")
+    write_result("planner_megatron_table1", "Megatron-LM SC21 Table 1, on paper", {
+        "platform": plat.to_dict(), "options": MEGATRON.__dict__, "rows": rows,
+        "summary": {"rows_within_15pct": sum(r["within_15pct"] for r in rows), "rows": len(rows),
+                    "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs)},
+        "planner_speed": speed})
     return 0
 
 

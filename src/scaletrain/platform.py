@@ -77,6 +77,13 @@ class Platform:
     0.1) scaled so that its top row is the *measured* best A100 SXM bf16 matmul, 267.9 of 312 TFLOP/s
     = 0.86 (Bekman, ml-engineering "Maximum Achievable Matmul FLOPS"); Calculon's 0.95 is not reached.
     H100 / H200 presets scale it to 792.1 / 989 = 0.80 the same way."""
+    unaligned_matmul_fraction: float = 0.0
+    """Achieved fraction of ``flops_bf16`` for a 16-bit matmul with a dimension that is not a multiple of
+    8 (a GPT-2 head over its 50,257-word vocabulary): cuBLAS runs it on alignment-1 kernels without the
+    tensor-core fast paths. 0 = no such penalty (CPUs, and GPU presets where it was never measured).
+    H100/H200: 0.115, measured on one H200 (``benchmarks/results/planner_gpu_h200_profile.json``: the
+    gpt2-medium head's three GEMMs, 5.06 TFLOP per step, took 44.2 ms on ``cutlass_75_*_align1``
+    kernels, while the aligned GEMMs of the same step ran above 0.8)."""
     mem_efficiency: tuple = ((100.0, 0.9), (10.0, 0.75), (1.0, 0.6), (0.0, 0.3))
     """Achieved fraction of ``device_mem_bytes_per_s`` for a memory-bound kernel moving at least that
     many MB (same source, "mem1" ``MB_efficiency``)."""
@@ -92,6 +99,12 @@ class Platform:
     """Fixed seconds per kernel the planner prices (dispatch, autograd bookkeeping, launch), on top of its
     roofline time. 0 on the GPU presets (not modelled there); measured by :mod:`scaletrain.planner.local`
     on a CPU, where eager PyTorch's per-operator cost dominates a small model's small kernels."""
+    price_per_device_hour: float = 0.0
+    """What renting one device for one hour costs, in USD per device per hour (on-demand; the node's
+    share of host, network and storage included if the provider bills it per GPU). 0 = unknown: the
+    presets carry none, because a price depends on the provider, the term and the month; give it in a
+    platform file or with ``scaletrain plan --price NAME=USD``. ``scaletrain plan --objective cost``
+    multiplies it by devices × hours."""
     source: str = ""
     """Where the figures come from (data sheet, calibration date)."""
     meta: dict = field(default_factory=dict, compare=False, hash=False)
@@ -222,7 +235,8 @@ PRESETS["a100-40g"] = PRESETS["a100"].with_(
     source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 40GB); DGX A100 320GB data sheet; host/disk/CPU "
            "rates assumed")
 # H100 SXM's best measured bf16 matmul: 792.1 of 989 TFLOP/s = 0.80 (ml-engineering MAMF table)
-PRESETS["h100"] = PRESETS["h100"].with_(matmul_efficiency=((128.0, 0.80), (16.0, 0.76), (1.0, 0.51), (0.0, 0.08)))
+PRESETS["h100"] = PRESETS["h100"].with_(matmul_efficiency=((128.0, 0.80), (16.0, 0.76), (1.0, 0.51), (0.0, 0.08)),
+                                        unaligned_matmul_fraction=0.115)  # same SMs as the H200 it was measured on
 PRESETS["h200"] = PRESETS["h100"].with_(
     name="h200",
     device_memory_bytes=140 * GiB,           # data sheet: 141 GB HBM3e; nvidia-smi reports ~140 GiB usable

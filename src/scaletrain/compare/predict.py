@@ -8,16 +8,12 @@
   (:func:`scaletrain.planner.local.measure`, what ``plan=auto`` uses), one calibration per device
   count, kept in ``platform_<N>.json`` of the study's directory so a resumed study reuses it.
 
-Run as ``python -m torch.distributed.run --nproc-per-node N -m scaletrain.compare.predict OUT MODEL``
-for the calibration (rank 0 writes the Platform as JSON). Units: seconds, bytes.
+The calibration runs ``python -m torch.distributed.run --nproc-per-node N -m scaletrain.planner.local OUT MODEL``
+(rank 0 writes the Platform as JSON). Units: seconds, bytes.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +25,9 @@ from scaletrain.platform import Platform
 
 def calibrate(devices: int, model: str, directory: Path, timeout_s: float = 300.0) -> Platform | None:
     """This machine for one of ``devices`` processes (cached in ``directory``); None if it failed."""
-    path = directory / f"platform_{devices}.json"
-    if not path.is_file():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}",
-               "-m", "scaletrain.compare.predict", str(path), model]
-        try:
-            subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=child_env())
-        except subprocess.TimeoutExpired:
-            return None
-    try:
-        return Platform.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, UserError):
-        return None
+    from scaletrain.planner.local import calibrate_to_file
+
+    return calibrate_to_file(devices, directory / f"platform_{devices}.json", model, "fp32", timeout_s, child_env())
 
 
 def predict(cell: Cell, platform: Platform | None) -> dict[str, Any]:
@@ -85,27 +72,3 @@ def predict(cell: Cell, platform: Platform | None) -> dict[str, Any]:
     if notes:
         out["predicted_note"] = "; ".join(notes)
     return out
-
-
-def _main(argv: list[str]) -> int:
-    """Under torchrun: every rank measures at once, rank 0 writes ``argv[0]`` (the Platform's JSON)."""
-    import torch.distributed as dist
-
-    from scaletrain.planner import local
-
-    path, model = Path(argv[0]), argv[1]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("gloo")
-    plat = local.measure(world, "fp32", (model, {}))
-    if int(os.environ.get("RANK", "0")) == 0:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(plat.to_dict()))
-        os.replace(tmp, path)
-    if world > 1:
-        dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover - the calibration subprocess
-    sys.exit(_main(sys.argv[1:]))

@@ -27,6 +27,16 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   and every pipeline synchronise after the flush, fully exposed.
 * **optimizer step**: memory-bound, 12 + 2K bytes per (sharded) parameter: read p, g, write p, read and write
   its K bytes of states (Adam: 28).
+* **offload** (ZeRO-Offload, Ren et al. ATC'21: the plan's ``offload.optimizer=host``): no optimizer step on
+  the device; each micro-batch's gradients go device -> host behind the backward, then the CPU Adam update
+  and the parameters' upload, exposed unless DPU overlaps them with the next step (:func:`offload_time`).
+  The device keeps the parameters and one block's gradients; the host (shared by a node's ranks) the
+  fp32 masters, gradients and states, and a plan fits only if both do.
+* **shapes**: each matmul of the layer in forward order (:meth:`Shape.matmuls`: GPT-2's fused QKV and GELU
+  MLP, or Llama's wq, wk, wv (GQA), wo and SwiGLU's w1, w3, w2); the memory-bound kernels follow it
+  (SwiGLU's silu and product, rotary on q and k). Selective recompute is Megatron's (the attention core)
+  or torchtitan's op-level policy (:class:`Options` ``selective``: every other matmul and every memory-bound
+  kernel again in the backward).
 
 Memory: :mod:`.memory` (model states by ZeRO stage, Korthikanti activations × in-flight micro-batches,
 autocast's 16-bit weight copies held per micro-batch until its backward, the logits and loss in fp32
@@ -40,6 +50,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from scaletrain.measure.model_states import ModelStateBytes
 from scaletrain.plan import Plan
 from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
@@ -54,6 +65,25 @@ def optim_state_bytes(name: str, hidden: int) -> float:
     return float(state_bytes_per_param(name.lower(), (hidden, hidden)))
 
 
+# Bytes each fp32 parameter moves in torch's foreach AdamW step (scaletrain's default, foreach=True),
+# one term per _foreach kernel as torch/optim/adamw.py runs them: lerp_ m<-g (r8 w4), mul_ v (r4 w4),
+# addcmul_ v<-g,g (r8 w4), decoupled decay mul_ p (r4 w4), sqrt v -> d (r4 w4), div_ d (r4 w4),
+# add_ eps (r4 w4), addcdiv_ p<-m,d (r12 w4) = 80; plus clipping (train.grad_clip, on by default):
+# the norm reads g (4), the scale reads and writes g (8). 92 B at 4.3 TB/s for gpt2-medium = 7.6 ms;
+# measured on one H200: 8.8 ms of multi_tensor_apply kernels per step (planner_gpu_h200_profile.json).
+ADAM_FOREACH_BYTES = 80.0
+CLIP_BYTES = 12.0
+
+
+def optimizer_step_bytes(name: str, state_bytes: float) -> float:
+    """Bytes moved per parameter by one optimizer step with gradient clipping: Adam/AdamW as torch's
+    foreach kernels run it (:data:`ADAM_FOREACH_BYTES`); any other optimizer read p, g and write p (12 B)
+    and read + write its ``state_bytes`` once — a lower bound where its kernels are not counted."""
+    if name.lower() in ("adam", "adamw"):
+        return ADAM_FOREACH_BYTES + CLIP_BYTES
+    return 12 + 2 * state_bytes + CLIP_BYTES
+
+
 @dataclass(frozen=True)
 class Options:
     """How the priced system runs, where it is not in the plan."""
@@ -65,6 +95,10 @@ class Options:
     """Megatron's scatter/gather (SC21 §4.1): each TP rank sends 1/t of a stage boundary."""
     reserve_bytes: float = 2 * GiB
     """Per device, never planned: CUDA context (~0.5 GiB), NCCL buffers, allocator fragmentation."""
+    selective: str = "attention"
+    """What selective recompute recomputes: attention (Megatron, Korthikanti et al. 2022: the attention
+    core; nothing to redo under flash attention) or op (torchtitan's op-level policy: keep every other
+    matmul's output and the attention output, recompute the rest of the layer in the backward)."""
 
 
 @dataclass
@@ -90,6 +124,9 @@ class PlanCost:
     """One micro-batch on one rank, per block and pass: layer_fwd, layer_bwd, layer_recompute,
     layer_tp_comm, layer_weight_traffic (each per layer), embedding, head (logits + loss, fwd + bwd)."""
     heaviest_rank: str = "first"
+    host_bytes: float = 0.0
+    """Host memory the plan needs on one node (offloaded optimizer: masters, gradients, states of every
+    rank there); fits only if it is within the platform's host memory too."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,16 +137,28 @@ class PlanCost:
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
     """The plan fields ``scaletrain plan --json`` shows (the issue's schema) plus the rest that matter."""
-    remat = "full" if plan.remat.blocks == "all" else ("selective" if plan.remat.selective != "none" else "none")
+    full = plan.remat.blocks == "all" or plan.offload.recompute == "all"  # offload's own recompute key
+    remat = "full" if full else ("selective" if plan.remat.selective != "none" else "none")
     return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "zero": plan.zero,
             "micro_batch": plan.micro_batch, "schedule": plan.schedule if plan.pp > 1 else "none",
             "virtual": max(plan.virtual, 1), "microbatches": plan.microbatches, "sp": plan.sp, "remat": remat,
-            "offload": "none" if not plan.offload.active else "on", "precision": plan.precision,
+            "offload": offload_kind(plan), "precision": plan.precision,
             "optimizer": plan.optimizer}
 
 
 def remat_kind(plan: Plan) -> str:
     return plan_summary(plan)["remat"]
+
+
+def offload_kind(plan: Plan) -> str:
+    """none; optimizer (ZeRO-Offload: fp32 masters, gradients and Adam on the host, with or without the
+    offload runtime's block recompute and DPU) — what the planner prices; or other (not priced)."""
+    o = plan.offload
+    if not o.active:
+        return "none"
+    if o.optimizer == "host" and o.params == "device" and o.activations == "none" and o.recompute in ("none", "all"):
+        return "optimizer"
+    return "other"
 
 
 def allreduce_time(nbytes: float, n: int, bytes_per_s: float, latency_s: float) -> float:
@@ -124,7 +173,10 @@ def _mm(plat: Platform, precision: str, m: float, n: float, k: float, batch: flo
     achieved fraction for its size and its bytes (both operands read, the output written) at HBM's."""
     e = 4 if precision == "fp32" else 2
     flops = 2 * m * n * k * batch
-    compute = flops / (plat.flops(precision) * plat.matmul_fraction(flops)) + plat.kernel_overhead_s
+    fraction = plat.matmul_fraction(flops)
+    if e == 2 and plat.unaligned_matmul_fraction and any(float(d) % 8 for d in (m, n, k)):
+        fraction = min(fraction, plat.unaligned_matmul_fraction)  # alignment-1 kernels (Platform docstring)
+    compute = flops / (plat.flops(precision) * fraction) + plat.kernel_overhead_s
     return max(compute, _mb(plat, e * (m * k + k * n + m * n) * batch))
 
 
@@ -144,9 +196,12 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
     e = 4 if precision == "fp32" else 2
     sbh = s * b * h
     bs = b * s
-    # QKV, projection, fc1, fc2 on [b·s, ·]; QK^T and AV batched over b·a/t heads of width h/a
-    fwd_mm = (_mm(plat, precision, bs, 3 * h / t, h) + _mm(plat, precision, bs, h, h / t)
-              + _mm(plat, precision, bs, f / t, h) + _mm(plat, precision, bs, h, f / t))
+    # the layer's matmuls on [b·s, ·] in forward order (GPT-2: QKV, projection, fc1, fc2; Llama: wq, wk,
+    # wv, wo, w1, w3, w2), column-parallel ones split on their output, row-parallel on their input;
+    # QK^T and AV batched over b·a/t heads of width h/a (GQA shares K and V: the same FLOPs)
+    mms = [_mm(plat, precision, bs, o / t, i) if kind == "col" else _mm(plat, precision, bs, o, i / t)
+           for _, o, i, kind in shape.matmuls()]
+    fwd_mm = sum(mms)
     heads = b * a / t
     attn = (_mm(plat, precision, s, s, h / a, heads) + _mm(plat, precision, s, h / a, s, heads))
     rep = t if sp else 1  # what TP replicates, SP splits
@@ -154,6 +209,10 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
     # LayerNorm x2 (read + write), bias-GELU on f (read + write), bias-dropout-add x2 (2 reads, 1 write, mask)
     elementwise = [2 * sbh * e / rep, 2 * sbh * e / rep, 2 * s * b * f * e / t,
                    (3 * e + drop) * sbh / rep, (3 * e + drop) * sbh / rep]
+    if shape.gated:  # SwiGLU: silu(w1 x) (read f, write f) then the product with w3 x (read 2f, write f)
+        elementwise[2:3] = [2 * s * b * f * e / t, 3 * s * b * f * e / t]
+    if shape.rotary:  # rotary on q and k: read and write each
+        elementwise.append(2 * s * b * (h + shape.kv_width) * e / t)
     ew = sum(_mb(plat, x) for x in elementwise)
     if opts.attention == "materialized":
         n2 = b * a * s * s / t
@@ -164,8 +223,11 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
     # latency: per layer 4 ring collectives' worth of (t-1) steps each way, 6 backward with SP's regathers
     tp_fwd = tp["fwd"] / bw + 4 * (t - 1) * alpha if t > 1 else 0.0
     tp_bwd = tp["bwd"] / bw + (6 if sp else 4) * (t - 1) * alpha if t > 1 else 0.0
-    return {"fwd": fwd, "bwd": 2 * fwd, "attn_core": attn, "tp_fwd": tp_fwd, "tp_bwd": tp_bwd,
-            "tp_stage": tp["stage"] / bw if t > 1 else 0.0}
+    # torchtitan's op-level selective recompute redoes every other matmul (the 2nd, 4th, ...) and every
+    # memory-bound kernel of the layer; the attention and the other matmuls' outputs are kept
+    op_recompute = sum(mms[1::2]) + ew
+    return {"fwd": fwd, "bwd": 2 * fwd, "attn_core": attn, "op_recompute": op_recompute, "tp_fwd": tp_fwd,
+            "tp_bwd": tp_bwd, "tp_stage": tp["stage"] / bw if t > 1 else 0.0}
 
 
 def tp_wire_bytes(shape: Shape, t: int, b: int, s: int, sp: bool, elem: int) -> dict[str, float]:
@@ -178,7 +240,7 @@ def tp_wire_bytes(shape: Shape, t: int, b: int, s: int, sp: bool, elem: int) -> 
     from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
 
     def cfg(l: int) -> SimpleNamespace:
-        return SimpleNamespace(n_embd=shape.hidden, n_layer=l, n_positions=shape.positions)
+        return SimpleNamespace(n_embd=shape.hidden, n_layer=l, n_positions=shape.position_rows)
 
     if t == 1:
         return {"fwd": 0.0, "bwd": 0.0, "stage": 0.0}
@@ -201,7 +263,8 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     remat = remat_kind(plan)
     lt = layer_times(shape, plat, seq=seq, b=b, tp=tp, sp=plan.sp, precision=plan.precision, opts=opts)
     L = shape.layers / pp
-    recompute = lt["fwd"] + lt["tp_fwd"] if remat == "full" else (lt["attn_core"] if remat == "selective" else 0.0)
+    selective = lt["attn_core"] if opts.selective == "attention" else lt["op_recompute"]
+    recompute = lt["fwd"] + lt["tp_fwd"] if remat == "full" else (selective if remat == "selective" else 0.0)
     tp_layer = lt["tp_fwd"] + lt["tp_bwd"]
     layer = lt["fwd"] + lt["bwd"] + recompute + tp_layer
     # per micro-batch and parameter, memory-bound: the 16-bit weight gradient written, read back and
@@ -252,8 +315,12 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
         dp_exposed = dp_time
     k = optim_state_bytes(plan.optimizer, shape.hidden)
     opt_params = n_rank / (dp if plan.zero >= 1 else 1)
-    optimizer = _mb(plat, opt_params * (12 + 2 * k))  # read p, g; write p (12 B); read + write the states
-    step = pipeline + dp_exposed + optimizer
+    offloaded = offload_kind(plan) == "optimizer"
+    # the update's bytes per (sharded) parameter (optimizer_step_bytes) — on the device unless offloaded
+    optimizer = 0.0 if offloaded else _mb(plat, opt_params * optimizer_step_bytes(plan.optimizer, k))
+    host = offload_time(shape, plan, plat, n_rank=n_rank, opt_params=opt_params, m=m, tp=tp,
+                        backward_s=L * lt["bwd"], compute_s=pipeline) if offloaded else {"s": 0.0, "host_bytes": 0.0}
+    step = pipeline + dp_exposed + optimizer + host["s"]
     tokens = global_batch * seq
     hw_flops = shape.flops_per_iteration(global_batch, seq, recompute=remat == "full")
     model_flops = shape.flops_per_iteration(global_batch, seq, recompute=False)
@@ -261,18 +328,22 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     slots_compute = m * (t_mb - L * (recompute + tp_layer))
     phases = {"compute": slots_compute, "recompute": m * L * recompute,
               "tp_comm": m * L * tp_layer, "pipeline_bubble": (pp - 1) / v * per_mb if pp > 1 else 0.0,
-              "p2p": m * 2 * v * p2p_msg, "dp_comm": dp_exposed, "optimizer": optimizer}
-    peak, which = _peak(shape, plan, plat, seq=seq, m=m, v=v, e=e, remat=remat, k=k, opts=opts)
+              "p2p": m * 2 * v * p2p_msg, "dp_comm": dp_exposed, "optimizer": optimizer, "offload": host["s"]}
+    peak, which = _peak(shape, plan, plat, seq=seq, m=m, v=v, e=e, remat=remat, k=k, opts=opts, offloaded=offloaded)
+    host_bytes = host["host_bytes"] * min(world, plat.devices_per_node)  # the ranks of one node share its host
     return PlanCost(plan=plan, step_time_s=step, tokens_per_s=tokens / step,
                     tflops_per_device=hw_flops / step / world / 1e12,
                     mfu=model_flops / step / world / plat.flops(plan.precision),
                     peak_bytes=peak, device_bytes=float(plat.device_memory_bytes),
-                    fits=peak["total"] + opts.reserve_bytes <= plat.device_memory_bytes,
+                    fits=peak["total"] + opts.reserve_bytes <= plat.device_memory_bytes
+                    and host_bytes <= plat.host_memory_bytes, host_bytes=host_bytes,
                     bubble_fraction=bubble, exposed_comm_s=phases["tp_comm"] + phases["p2p"] + dp_exposed,
                     phases_s=phases, heaviest_rank=which,
                     blocks_s={"layer_fwd": lt["fwd"], "layer_bwd": lt["bwd"], "layer_recompute": recompute,
                               "layer_tp_comm": tp_layer, "layer_weight_traffic": weight_traffic,
-                              "embedding": embed, "head": head})
+                              "embedding": embed, "head": head},
+                    notes=["offload keys other than optimizer=host (with recompute none or all, DPU) are not priced"]
+                    if offload_kind(plan) == "other" else [])
 
 
 def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int, *,
@@ -302,8 +373,38 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     return intra + inter, intra
 
 
+def offload_time(shape: Shape, plan: Plan, plat: Platform, *, n_rank: float, opt_params: float, m: int, tp: int,
+                 backward_s: float, compute_s: float) -> dict[str, float]:
+    """Seconds a step spends on ZeRO-Offload's host side beyond the device's work, and the host bytes of
+    one rank (Ren et al., ATC'21, §4–5; bytes and update time from the offload runtime's cost face,
+    :func:`~scaletrain.techniques.offload.optimizer.predict_optimizer`).
+
+    * every micro-batch, each gradient goes device -> host as the backward produces it (its shard's
+      ``opt_params`` after ZeRO's reduce-scatter with dp ranks): overlapped with the backward on a copy
+      engine, except what the backward outlasts and the last block's gradients (the embedding's or a
+      layer's), copied after it ends;
+    * once a step, the CPU Adam update of ``opt_params`` (``Platform.cpu_adam_params_per_s``), then the
+      updated parameters host -> device; both wait for the backward, unless the plan asks for DPU (one
+      step stale: they overlap the next step's ``compute_s``).
+    """
+    from scaletrain.techniques.offload.optimizer import predict_optimizer
+
+    ep = 4 if plan.params_dtype == "fp32" else 2
+    oc = predict_optimizer([int(opt_params)], plat.cpu_adam_params_per_s, resident_params=True,
+                           dpu=plan.offload.dpu, element_size=ep)
+    d2h = oc.d2h_bytes_per_microbatch / plat.d2h_bytes_per_s
+    if plat.copy_overlaps_compute:
+        tail = ep * max(shape.layer_params(), shape.vocab * shape.hidden) / tp * opt_params / n_rank
+        d2h = max(0.0, d2h - backward_s) + tail / plat.d2h_bytes_per_s
+    update = oc.update_time_s + oc.h2d_bytes_per_step / plat.h2d_bytes_per_s
+    if plan.offload.dpu:
+        update = max(0.0, update - compute_s)
+    return {"s": m * d2h + update, "host_bytes": float(oc.host_bytes), "d2h_s": d2h,
+            "update_s": oc.update_time_s, "h2d_s": oc.h2d_bytes_per_step / plat.h2d_bytes_per_s}
+
+
 def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int, e: int, remat: str, k: float,
-          opts: Options) -> tuple[dict[str, float], str]:
+          opts: Options, offloaded: bool = False) -> tuple[dict[str, float], str]:
     """The heaviest pipeline rank's bytes by category (first or last stage) and which it is."""
     tp, pp, dp, b = plan.tp, plan.pp, max(plan.dp, 1), plan.micro_batch
     flash = opts.attention == "flash"
@@ -312,18 +413,22 @@ def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int,
     for which, first, last in (("first", True, pp == 1), ("last", pp == 1, True)):
         n = mem.rank_params(shape, tp=tp, pp=pp, first=first, last=last)
         ms = zero_cost.model_state_bytes(n, plan.zero, dp, precision=storage, optim_state_bytes=k)
+        if offloaded:  # ZeRO-Offload: parameters stay; gradients leave block by block; no states here
+            block_grads = max(shape.layer_params() / tp, shape.vocab * shape.hidden / tp if first else 0)
+            ms = ModelStateBytes(ms.params, ms.params / n * block_grads, 0.0)
         live = mem.inflight(plan.schedule, pp, m, v, last=last and not first)
         L = shape.layers / pp
         act = live * L * mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat=remat, elem=e,
-                                                    flash=flash)
+                                                    flash=flash, selective=opts.selective)
         casts = 0.0
         if plan.precision != "fp32" and plan.params_dtype == "fp32" and plan.zero != 3:  # autocast's, per forward
             casts = 2 * n * (1 if remat == "full" else live)
         transient = 0.0
         if plan.zero == 3:  # FSDP2: this block and the prefetched one gathered (16-bit), one block's gradients
-            block = max(shape.layer_params() / tp, (shape.vocab / tp + shape.positions) * shape.hidden if first else 0)
+            outer = (shape.vocab / tp * (1 if shape.tied else 2) + shape.position_rows) * shape.hidden
+            block = max(shape.layer_params() / tp, outer if first else 0)  # FSDP's root: embedding (+ head)
             transient += 3 * e * block
-        if remat == "full":  # one layer rematerialised during its backward
+        if remat == "full" or (remat == "selective" and opts.selective == "op"):  # one layer rematerialised
             transient += mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat="none", elem=e,
                                                    flash=flash)
         if last:  # logits (16-bit), their fp32 copy and its gradient

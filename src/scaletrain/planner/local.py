@@ -35,6 +35,7 @@ pool in host memory). Units: FLOP/s, bytes/s, seconds, bytes.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -195,3 +196,54 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
             pass
     plat.meta["seconds"] = time.perf_counter() - t0
     return plat
+
+
+def calibrate_to_file(devices: int, path: Path, model: str = "gpt2-mini", precision: str = "fp32",
+                      timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Platform | None:
+    """This machine for one of ``devices`` processes, measured by ``devices`` processes at once under
+    ``torch.distributed.run`` (rank 0 writes the Platform's JSON to ``path``; an existing file is reused).
+    None if the measurement failed or timed out. ``scaletrain calibrate`` and ``scaletrain compare`` use it."""
+    import json
+    import subprocess
+    import sys
+
+    from scaletrain.errors import UserError
+
+    if not path.is_file():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}",
+               "-m", "scaletrain.planner.local", str(path), model, precision]
+        try:
+            subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
+        except subprocess.TimeoutExpired:
+            return None
+    try:
+        return Platform.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, UserError):
+        return None
+
+
+def _main(argv: list[str]) -> int:
+    """Under torchrun: every rank measures at once, rank 0 writes ``argv[0]`` (the Platform's JSON);
+    ``argv[1]`` the model whose kernels set the fixed cost per kernel, ``argv[2]`` the precision."""
+    import json
+    import os
+
+    path, model = Path(argv[0]), argv[1]
+    precision = argv[2] if len(argv) > 2 else "fp32"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    plat = measure(world, precision, (model, {}))
+    if int(os.environ.get("RANK", "0")) == 0:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(plat.to_dict()))
+        os.replace(tmp, path)
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - the calibration subprocess
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))

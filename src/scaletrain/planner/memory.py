@@ -16,6 +16,14 @@ arXiv 2205.05198, §4, 16-bit, derived again here for an element size ``e`` and 
   input only, 2sbh (/t with SP).
 * flash attention (``F.scaled_dot_product_attention`` on GPUs, what scaletrain's GPT-2 runs) saves
   no s² tensor: its output is the projection input, already counted.
+* Llama (GQA, SwiGLU, RMSNorm, rotary): the same count with K and V kv = kv_heads·h/a wide (Q, K, V
+  and the projection input: (2h + 2kv)/h instead of 4) and the SwiGLU's 4f (w1's and w3's outputs,
+  silu's output, the product fed to w2) instead of GELU's 2f; RMSNorm keeps its input as LayerNorm
+  does; rotary keeps nothing (a rotation by constants). The fp32 temporaries eager RMSNorm and
+  rotary make are not counted.
+* torchtitan's op-level selective checkpointing (``selective="op"``: save the output of every other
+  matmul and of the attention, recompute the rest): block input h (/t with SP), the saved matmul
+  outputs and the attention output (/t) per token; flash's logsumexp (a·s fp32) is left out.
 
 In-flight micro-batches on pipeline rank 0: GPipe m; 1F1B min(p, m) (Narayanan et al. 2021);
 interleaved 1F1B with v chunks per rank: Megatron's warm-up runs 2(p − 1) + (v − 1)p forward chunks
@@ -30,23 +38,37 @@ from scaletrain.planner.shape import Shape
 
 
 def layer_activation_bytes(shape: Shape, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
-                           remat: str = "none", elem: int = 2, flash: bool = True) -> float:
+                           remat: str = "none", elem: int = 2, flash: bool = True,
+                           selective: str = "attention") -> float:
     """Bytes one transformer layer keeps for backward per micro-batch on one TP rank (module docstring).
 
-    ``remat``: none, selective (attention core recomputed) or full (layer input only).
+    ``remat``: none, selective or full (layer input only). ``selective``: what selective recompute
+    drops — ``attention`` (Megatron: the attention core, i.e. the s² terms) or ``op`` (torchtitan's
+    op-level policy: only the block input, every other matmul's output and the attention output stay).
     ``elem``: bytes of an activation element (2 under bf16/fp16 autocast, 4 in fp32).
     """
     s, b, h, a, t = seq, micro_batch, shape.hidden, shape.heads, tp
     sbh = s * b * h
     if remat == "full":
         return elem * sbh / (t if sp else 1)
+    if remat == "selective" and selective == "op":
+        return elem * s * b * (h / (t if sp else 1) + (op_saved_width(shape) + h) / t)
     masks = 2.0 if shape.dropout > 0 else 0.0
     replicated = 4 * elem + masks
-    split = 4 * elem + 2 * (shape.ffn_width / h) * elem
+    # Q, K, V and the projection's input (GQA: K and V kv wide); the MLP keeps GELU's input and fc2's
+    # (2f), SwiGLU w1's and w3's outputs, silu's and the product fed to w2 (4f)
+    qkvo = (2 * h + 2 * shape.kv_width) / h
+    split = qkvo * elem + (4 if shape.gated else 2) * (shape.ffn_width / h) * elem
     quad = 0.0
     if remat != "selective" and not flash:
         quad = ((2 * elem + 1) if shape.dropout > 0 else elem) * a * s / h
     return sbh * ((replicated / t if sp else replicated) + split / t + quad / t)
+
+
+def op_saved_width(shape: Shape) -> int:
+    """Elements per token of the matmul outputs torchtitan's op-level selective checkpointing keeps:
+    every odd-numbered matmul of the layer's forward (1st, 3rd, ...; the 2nd, 4th, ... are recomputed)."""
+    return sum(o for i, (_, o, _, _) in enumerate(shape.matmuls()) if i % 2 == 0)
 
 
 def inflight(schedule: str, pp: int, microbatches: int, virtual: int = 1, last: bool = False) -> float:
@@ -64,12 +86,13 @@ def inflight(schedule: str, pp: int, microbatches: int, virtual: int = 1, last: 
 
 def rank_params(shape: Shape, *, tp: int, pp: int, first: bool, last: bool) -> float:
     """Parameter elements one rank holds: its l/pp layers split over tp (Megatron's split: the
-    replicated biases and norms are few), the vocabulary-parallel embedding (V/t rows) and positions
-    on the first stage, the tied head's copy of the embedding and the final norm on the last."""
+    replicated biases and norms are few), the vocabulary-parallel embedding (V/t rows) and learned
+    positions on the first stage, the final norm and the head on the last (the tied head's copy of the
+    embedding when the last stage is not the first; an untied head always)."""
     h = shape.hidden
     n = shape.layers / pp * shape.layer_params() / tp
     if first:
-        n += shape.vocab * h / tp + shape.positions * h
+        n += shape.vocab * h / tp + shape.position_rows * h
     if last:
-        n += 2 * h + (shape.vocab * h / tp if not first else 0)
+        n += shape.norm_params + (shape.vocab * h / tp if not (first and shape.tied) else 0)
     return n

@@ -177,10 +177,19 @@ def _remat(plan: Plan, chain: nn.Module, bounds: list[int], x: torch.Tensor, y: 
 
         return stage_remat(chain, bounds, x, r.method, r.budget or None, target=y, loss_fn=_loss,
                            precision=plan.precision)
-    from scaletrain.techniques.remat.tree import plan_remat
+    from scaletrain.techniques.remat.tree import Segment, plan_remat, tree_ops
 
     choice = plan_remat(chain, r, x, y, _loss, plan.precision)
-    return [choice.schedule] if choice.schedule is not None else None
+    if choice.schedule is not None:
+        return [choice.schedule]
+    if choice.tree is None or not any(isinstance(it, Segment) for it in choice.tree):
+        return None
+    # explicit blocks (memory.remat.blocks): their schedule on the fake-tensor graph, as the solvers' are
+    from scaletrain.techniques.remat.fromtrace import estimate_graph
+    from scaletrain.techniques.remat.simulate import make_schedule
+
+    graph, _ = estimate_graph(chain, x, target=y, loss_fn=_loss, precision=plan.precision)
+    return [make_schedule("blocks", graph, tree_ops(choice.tree), None)]
 
 
 def _shrink_model_parallel(mem: dict, plan: Plan, cfg: Any, bounds: list[int], b: int, seq: int) -> None:

@@ -91,7 +91,8 @@ class TrainConfig:
     keep_checkpoints: int = opt(2, "checkpoints kept on disk (oldest deleted first)", "files", min=1)
     checkpoint_format: str = opt("auto", "checkpoint layout: sharded (every rank writes only its own shards, in "
                                  "parallel; loads under any other layout), consolidated (one file gathered on rank 0), "
-                                 "auto (sharded with several processes)", choices=("auto", "consolidated", "sharded"))
+                                 "auto (sharded with several processes), none (never written: benchmark runs, nothing "
+                                 "to resume)", choices=("auto", "consolidated", "sharded", "none"))
     checkpoint_async: bool = opt(False, "sharded checkpoints: copy this rank's shards, then write them in a background "
                                  "thread while training goes on (the last one is written before the run ends)")
     seed: int = opt(0, "seed of model init, data order and dropout", min=0, max=2**32 - 1)

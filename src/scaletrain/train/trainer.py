@@ -312,8 +312,11 @@ class Trainer:
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     def save_checkpoint(self) -> Path | None:
-        """Collective: sharded (each rank its shards) or consolidated (rank 0), :mod:`.checkpoint_io`."""
-        return checkpoint_io.save(self) if self.out_dir is not None else None
+        """Collective: sharded (each rank its shards) or consolidated (rank 0), :mod:`.checkpoint_io`;
+        nothing with ``train.checkpoint_format=none``."""
+        if self.out_dir is None or self.cfg.train.checkpoint_format == "none":
+            return None
+        return checkpoint_io.save(self)
 
     def close(self) -> None:
         """Release DDP/FSDP objects, then leave the process group if this trainer joined it.

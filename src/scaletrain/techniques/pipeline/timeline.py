@@ -45,11 +45,14 @@ def _normalise(events: Iterable[Sequence]) -> list[tuple]:
 
 
 def draw(events: Iterable[Sequence], path: str | Path, title: str | None = None, n_ranks: int | None = None,
-         time_unit: str | None = None) -> Path:
+         time_unit: str | None = None, styles: dict[str, tuple[str, str]] | None = None,
+         row_label: str = "rank") -> Path:
     """Write a PNG timeline of ``events`` to ``path`` and return the path.
 
     ``time_unit``: "s", "ms", "us", or "unit" (dimensionless simulated costs); chosen from the
-    span when omitted (spans below 1e-3 assume seconds → "us", below 1 → "ms").
+    span when omitted (spans below 1e-3 assume seconds → "us", below 1 → "ms"). ``styles``: more
+    kinds to colour, ``{kind: (colour, legend label)}`` (the planner's step adds recompute,
+    communication and bubble segments); ``row_label`` names the rows ("rank", "stage").
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -73,29 +76,36 @@ def draw(events: Iterable[Sequence], path: str | Path, title: str | None = None,
     ax = fig.add_subplot(1, 1, 1)
     for r in range(P):  # idle background for each rank
         ax.broken_barh([(0, span * scale)], (r - 0.4, 0.8), facecolors=IDLE)
-    busy_kinds = set(COLOURS)
+    colours = {**COLOURS, **{k: c for k, (c, _) in (styles or {}).items()}}
+    labels = {**LABELS, **{k: lab for k, (_, lab) in (styles or {}).items()}}
+    busy_kinds = set(colours)
     min_label = span * scale / (width * 9)  # boxes narrower than ~1/9 inch get no number
+    # one broken_barh per (row, kind, pipe, chunk): a step of thousands of passes draws in a second
+    bars: dict[tuple[int, str, bool, int], list[tuple[float, float]]] = {}
     for rank, kind, mb, start, end, pipe, stage in evs:
         if kind not in busy_kinds:
             continue
         x, w = (start - t0) * scale, (end - start) * scale
         chunk = stage // P if stage >= 0 else 0  # interleaved: model chunk, drawn lighter as it grows
-        ax.broken_barh([(x, w)], (rank - 0.4, 0.8), facecolors=COLOURS[kind], edgecolor="white",
-                       linewidth=0.5, hatch="//" if pipe else None, alpha=1.0 - 0.25 * (chunk % 3))
+        bars.setdefault((rank, kind, bool(pipe), chunk % 3), []).append((x, w))
         if w >= min_label and mb >= 0 and kind not in ("OPT", "GRAD_SYNC"):
             ax.text(x + w / 2, rank, str(mb), ha="center", va="center", fontsize=7, color="white")
+    for (rank, kind, pipe, shade), xs in bars.items():
+        ax.broken_barh(xs, (rank - 0.4, 0.8), facecolors=colours[kind], edgecolor="white", linewidth=0.5,
+                       hatch="//" if pipe else None, alpha=1.0 - 0.25 * shade)
     ax.set_ylim(P - 0.5, -0.5)
     ax.set_yticks(range(P))
-    ax.set_yticklabels([f"rank {r}" for r in range(P)])
+    ax.set_yticklabels([f"{row_label} {r}" for r in range(P)])
     ax.set_xlim(0, span * scale)
     ax.set_xlabel("time" if time_unit == "unit" else f"time ({time_unit})")
-    present = [k for k in COLOURS if any(e[1] == k and e[4] > e[3] for e in evs)]
-    handles = [Patch(facecolor=COLOURS[k], label=LABELS[k]) for k in present] + [Patch(facecolor=IDLE, label="idle")]
+    present = [k for k in colours if any(e[1] == k and e[4] > e[3] for e in evs)]
+    handles = [Patch(facecolor=colours[k], label=labels[k]) for k in present] + [Patch(facecolor=IDLE, label="idle")]
     if any(e[6] >= P for e in evs):
         handles.append(Patch(facecolor=COLOURS["F"], alpha=0.75, label="later chunk"))
     if any(e[5] for e in evs):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="up pipe"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+    fig.set_size_inches(width, max(0.9 + 0.55 * P, 0.8 + 0.2 * len(handles)))  # tall enough for the legend
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()

@@ -102,6 +102,26 @@ def schedule_tree(ops: Sequence[Op], n: int) -> tuple[Item, ...]:
     return tuple(tree)
 
 
+def tree_ops(tree: Sequence[Item]) -> list[Op]:
+    """The chain schedule of a flat tree (blocks or single-level segments), the inverse of
+    :func:`schedule_tree` there: a segment's first block keeps its input (``Fc``), its other blocks
+    nothing (``Fn``), a plain block its whole tape (``Fe``); backward in reverse, each segment
+    recomputed (``Fe``) just before its blocks' backward."""
+    fwd: list[Op] = []
+    bwd: list[Op] = []
+    for it in tree:
+        if isinstance(it, Segment):
+            if any(isinstance(x, Segment) for x in it.inner):
+                raise UserError("tree_ops takes single-level segments only")
+            blocks = it.blocks
+            fwd += [Op("Fc", blocks[0])] + [Op("Fn", i) for i in blocks[1:]]
+            bwd.append([Op("Fe", i) for i in blocks] + [Op("B", i) for i in reversed(blocks)])
+        else:
+            fwd.append(Op("Fe", it))
+            bwd.append([Op("B", it)])
+    return fwd + [op for part in reversed(bwd) for op in part]
+
+
 def blocks_tree(n: int, spec: str) -> tuple[Item, ...]:
     """Each listed block checkpointed alone (``memory.remat.blocks``: none, all, or '0,3,5')."""
     chosen = parse_block_list(spec, n, "memory.remat.blocks")
