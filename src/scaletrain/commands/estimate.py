@@ -25,7 +25,7 @@ of the block profile on the platform's roofline, collectives alpha-beta on its l
 the pipeline simulator (scaletrain.techniques.time_cost). Without --platform a one-process plan is
 priced on this machine, measured in-process (scaletrain.planner.local, about 3 s); a multi-process
 plan needs --platform: this machine's figures for N processes come from N processes measuring at
-once (python -m torch.distributed.run --nproc-per-node N -m scaletrain.compare.predict FILE.json MODEL).
+once (scaletrain calibrate --nproc-per-node N --out FILE.json, then --platform FILE.json).
 
 examples:
   scaletrain estimate --model gpt2-xl --batch 16 --seq 1024 --precision bf16 --optimizer adamw
@@ -175,8 +175,7 @@ def _plan(args: argparse.Namespace, overrides: dict, plat: Any = None) -> dict:
         priced = _platform("local", args.precision, (args.model, overrides))
     elif plat is None:
         why = (f"the step time of {world} processes needs --platform (a preset, a platform JSON file; this machine's "
-               f"for {world} processes: python -m torch.distributed.run --nproc-per-node {world} -m "
-               f"scaletrain.compare.predict platform.json {args.model})")
+               f"for {world} processes: scaletrain calibrate --nproc-per-node {world} --out platform.json)")
     costs = plan_costs(plan, model, world=world, global_batch=gb, seq=seq, micro_batch=micro, device=args.device,
                        platform=priced)
     top = heaviest(costs)

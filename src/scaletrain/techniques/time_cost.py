@@ -42,10 +42,9 @@ GPT shapes on paper). Units: seconds, bytes, FLOPs.
   the states read and written at the disk rates. Activation offload: each micro-batch's activation
   set down and back up; streamed weights: the stage's parameters up for every forward and backward;
   both hidden behind compute where copies overlap it.
-* **optimizer** — memory-bound: read the parameters and gradients, write the parameters (3 × the
-  updated parameters' bytes), read and write the states (2 × their bytes); plus 8 kernels per
-  parameter tensor (torch's single-tensor Adam: ~6, gradient clipping: 2) at the platform's fixed
-  cost per kernel.
+* **optimizer** — memory-bound, the planner's bytes per updated parameter
+  (:func:`scaletrain.planner.cost.optimizer_step_bytes`: torch's foreach AdamW kernels and clipping)
+  at HBM bandwidth (``_mb``, one fixed cost per kernel as the planner prices it).
 """
 
 from __future__ import annotations
@@ -59,10 +58,6 @@ from scaletrain.errors import UserError
 from scaletrain.measure.census import BlockOps, Op
 from scaletrain.platform import Platform
 from scaletrain.techniques.cost import StepSeconds
-
-OPT_KERNELS_PER_TENSOR = 8
-"""Kernels per parameter tensor of one optimizer step (single-tensor Adam ~6, clipping's norm and scale 2)."""
-
 
 def op_seconds(op: Op, plat: Platform, *, work_split: float = 1.0, mem_split: float = 1.0) -> float:
     """Seconds of one operator on ``plat`` (module docstring); ``work_split`` divides an operator with
@@ -259,8 +254,7 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
             t.comm_s["p2p"] = p2p_total[r]
             t.comm_exposed_s["p2p"] = makespan - bare.makespan_s
         opt_params = parts[r]["params"] / (_shards(plan) if plan.zero in (1, 2) else 1)
-        tensors = sum(1 for s in mine for blk in chain.blocks[bounds[s]:bounds[s + 1]] for _ in blk.parameters())
-        t.optimizer = _optimizer_seconds(plat, opt_params, parts[r]["optimizer"], tensors)
+        t.optimizer = _optimizer_seconds(plat, plan, opt_params, parts[r]["optimizer"])
         _offload(t, plan, plat, mem=mem, stages=mine, M=M, params=opt_params, states=parts[r]["optimizer"])
         out.append(t)
     return out
@@ -282,11 +276,13 @@ def _exposed(kind: str, seconds: float, plat: Platform, plan: Any, window: float
     return seconds - min(seconds - last, window)
 
 
-def _optimizer_seconds(plat: Platform, params: float, states: float, tensors: int) -> float:
-    """The device optimizer step: 3 x parameter bytes + 2 x state bytes, memory-bound, plus its kernels."""
-    from scaletrain.planner.cost import _mb
+def _optimizer_seconds(plat: Platform, plan: Any, params: float, states: float) -> float:
+    """The device optimizer step over ``params`` bytes of parameters holding ``states`` bytes of states
+    (masters included): the planner's bytes per parameter, memory-bound."""
+    from scaletrain.planner.cost import _mb, optimizer_step_bytes
 
-    return _mb(plat, 3 * params + 2 * states) + OPT_KERNELS_PER_TENSOR * tensors * plat.kernel_overhead_s
+    n = params / (4 if plan.params_dtype == "fp32" else 2)  # parameters updated
+    return _mb(plat, n * optimizer_step_bytes(plan.optimizer, states / n if n else 0.0)) if n else 0.0
 
 
 def _offload(t: StepSeconds, plan: Any, plat: Platform, *, mem: dict, stages: list[int], M: int, params: float,
