@@ -95,3 +95,12 @@ def test_training_flops_formula() -> None:
     prof = estimate_chain(to_chain(m), x)
     total = sum(bp.flops_fwd + bp.flops_bwd for bp in prof.blocks)
     assert total == fc.get_total_flops()
+
+
+def test_grouped_query_attention_flops_count_the_repeated_heads():
+    """GQA (2 KV heads for 8 query heads) costs what 8 full heads cost; unequal heads never raise."""
+    from scaletrain.measure.blocks import _sdpa_cpu_bwd_flop, _sdpa_cpu_flop
+
+    q, kv = (2, 8, 64, 16), (2, 2, 64, 16)
+    assert _sdpa_cpu_flop(q, kv, kv) == _sdpa_cpu_flop(q, q, q) == 4 * 2 * 8 * 64 * 64 * 16
+    assert _sdpa_cpu_bwd_flop(q, q, kv, kv) == _sdpa_cpu_bwd_flop(q, q, q, q)

@@ -48,7 +48,13 @@ PLANS = [
     ("gpt2-large", 16, 1024, 8, "none", "bf16"),
     ("gpt2-xl", 16, 1024, 8, "full", "bf16"),
 ]
-QUICK_PLANS = [("gpt2-tiny", 4, 64, 4, "none", "bf16"), ("gpt2-tiny", 4, 64, 2, "full", "bf16"),
+# a Llama-3.1-8B layer (SwiGLU 14336, GQA 32/8 heads, 128,256-word untied head) cut to 4 layers: the
+# planner's Llama shape checked on the device
+LLAMA = {"num_hidden_layers": 4, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192}
+LLAMA_PLANS = [("hf:llama", 4, 4096, 1, "none", "bf16"), ("hf:llama", 4, 4096, 2, "none", "bf16"),
+               ("hf:llama", 4, 4096, 4, "full", "bf16")]
+QUICK_PLANS = [("gpt2-tiny", 4, 64, 4, "none", "bf16"), ("hf:llama", 4, 64, 2, "full", "bf16"),
                ("gpt2-tiny", 4, 64, 4, "selective", "fp32")]
 
 
@@ -112,11 +118,13 @@ def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
 def run_plan(spec: tuple, platform: str, out: Path, steps: int, device: str) -> dict:
     """Plan one configuration on paper, then train it here; predicted next to measured."""
     model, gb, seq, mb, remat, precision = spec
-    name = f"{model}_mb{mb}_{remat}_{precision}"
+    overrides = LLAMA if model == "hf:llama" and seq > 256 else {}
+    sets = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
+    name = f"{model.replace(':', '-')}_mb{mb}_{remat}_{precision}"
     row: dict = {"name": name, "model": model, "global_batch": gb, "seq": seq, "micro_batch": mb,
                  "remat": remat, "precision": precision}
     plan_file = out / f"{name}.toml"
-    p = _cli("plan", "--model", model, "--platform", platform, "--nodes", "1", "--gpus-per-node", "1",
+    p = _cli("plan", "--model", model, *sets, "--platform", platform, "--nodes", "1", "--gpus-per-node", "1",
              "--global-batch", str(gb), "--seq", str(seq), "--fix", "dp=1", "--fix", f"micro_batch={mb}",
              "--fix", f"remat={remat}", "--fix", "zero=0", "--precision", precision, "--json", "--out",
              str(plan_file), timeout=300)
@@ -127,7 +135,7 @@ def run_plan(spec: tuple, platform: str, out: Path, steps: int, device: str) -> 
                predicted_peak_by_category=best["peak_bytes_by_category"], predicted_phases_s=best["phases_s"],
                fits=best["fits"], describe=best["describe"])
     # the second predictor: scaletrain estimate (fake tensors of the real model, the plan's remat)
-    e = _cli("estimate", "--model", model, "--plan", str(plan_file), "--seq", str(seq), "--global-batch", str(gb),
+    e = _cli("estimate", "--model", model, *sets, "--plan", str(plan_file), "--seq", str(seq), "--global-batch", str(gb),
              "--batch", str(mb), "--precision", precision, "--device", device, "--json", timeout=300)
     if e.returncode == 0:
         row["estimate_peak_bytes"] = json.loads(e.stdout)["bytes"]["peak"]
@@ -136,7 +144,8 @@ def run_plan(spec: tuple, platform: str, out: Path, steps: int, device: str) -> 
     run_dir = out / "runs" / name
     t0 = time.perf_counter()
     try:
-        r = _cli("train", "--plan", str(plan_file), f"model.name={model}", f"train.global_batch={gb}",
+        r = _cli("train", "--plan", str(plan_file), f"model.name={model}",
+                 *[f"model.overrides.{k}={v}" for k, v in overrides.items()], f"train.global_batch={gb}",
                  f"data.seq_len={seq}", f"train.steps={steps}", "train.log_every=1", "train.eval_every=0",
                  "train.eval_batches=1", "train.progress=off", "train.checkpoint_format=none",
                  f"train.device={device}", "--out", str(run_dir), timeout=180)
@@ -165,6 +174,7 @@ def main() -> None:
     ap.add_argument("--platform", default="h200")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to rehearse on a CPU")
+    ap.add_argument("--plans", choices=("gpt2", "llama"), default="gpt2", help="which plans to run")
     ap.add_argument("--only", default="", help="comma-separated sections: matmul,bandwidth,plans")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -184,7 +194,7 @@ def main() -> None:
 
     if "plans" in sections:
         result["plans"] = []
-        for spec in (QUICK_PLANS if args.quick else PLANS):
+        for spec in (QUICK_PLANS if args.quick else LLAMA_PLANS if args.plans == "llama" else PLANS):
             row = run_plan(spec, args.platform, args.out, args.steps, device)
             result["plans"].append(row)
             save()

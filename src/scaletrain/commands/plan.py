@@ -32,7 +32,8 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a gpt2-* reference model (shape; see `scaletrain models`)")
+    p.add_argument("--model", required=True, help="a gpt2-* reference model, llama3.1-8b, or hf:llama / hf:mistral with --set (the shape priced; "
+                        "see `scaletrain models`)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="model config override, e.g. --set n_layer=96 (repeatable)")
     p.add_argument("--platform", action="append", default=None,
@@ -43,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: the model's n_positions)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
-                   help="pin a dimension: dp, tp, pp, zero, micro_batch, schedule, virtual, remat, sp (repeatable)")
+                   help="pin a dimension: dp, tp, pp, zero, micro_batch, schedule, virtual, remat, sp, offload "
+                        "(none|optimizer) (repeatable)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute precision")
     p.add_argument("--optimizer", default="adamw", help="optimizer (default adamw)")
     p.add_argument("--tokens", metavar="N", help="the training run: tokens in total, e.g. 300e9")

@@ -37,12 +37,20 @@ if TYPE_CHECKING:
 aten = torch.ops.aten
 
 
+def _gqa(query_shape, *shapes) -> list:
+    """Key/value shapes with the query's head count: under grouped-query attention (``enable_gqa``, fewer
+    KV heads) each KV head serves h_q / h_kv query heads, so the FLOPs are those of the repeated heads —
+    and some torch versions' ``sdpa_flop_count`` refuses unequal heads outright (torch 2.11 did on a
+    Llama on CUDA)."""
+    return [tuple(s[:-3]) + (query_shape[-3],) + tuple(s[-2:]) if len(s) >= 3 else s for s in shapes]
+
+
 def _sdpa_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
+    return sdpa_flop_count(query_shape, *_gqa(query_shape, key_shape, value_shape))
 
 
 def _sdpa_cpu_bwd_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, *_gqa(query_shape, key_shape, value_shape))
 
 
 # torch.utils.flop_counter knows the CUDA attention kernels but not the CPU flash kernel.
