@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from scaletrain.measure.report import add_step_arguments, check_step_args, parse_overrides
 
@@ -14,11 +15,22 @@ py:... (`scaletrain models`), in seconds.
 
 Bytes per category (the largest during the step): parameters, gradients, optimizer states,
 activations (saved for backward) and the step's peak, with where it happens and its breakdown.
-Times are FLOPs / --flops-per-s, or the --platform's data-sheet FLOP/s (lower bounds), else a
-nominal figure (see scaletrain.measure.estimate).
+Times in the per-block table are FLOPs / --flops-per-s, or the --platform's data-sheet FLOP/s (lower
+bounds), else a nominal figure (see scaletrain.measure.estimate).
+
+With --platform (a preset, a platform JSON file, or `local`) the plan's ranks also get the seconds of
+one optimizer step by phase — compute, recompute, communication per collective kind (all and exposed),
+pipeline bubble, host/disk copies, optimizer — and the step time (the slowest rank's): every operator
+of the block profile on the platform's roofline, collectives alpha-beta on its links, the bubble from
+the pipeline simulator (scaletrain.techniques.time_cost). Without --platform a one-process plan is
+priced on this machine, measured in-process (scaletrain.planner.local, about 3 s); a multi-process
+plan needs --platform: this machine's figures for N processes come from N processes measuring at
+once (scaletrain calibrate --nproc-per-node N --out FILE.json, then --platform FILE.json).
 
 examples:
   scaletrain estimate --model gpt2-xl --batch 16 --seq 1024 --precision bf16 --optimizer adamw
+  scaletrain estimate --model gpt2-xl --batch 4 --seq 1024 --precision bf16 --tp 2 --pp 2 --microbatches 8 \
+      --platform h100
   scaletrain estimate --model hf:llama --set num_hidden_layers=8 --set hidden_size=512 --batch 4 --seq 256
   scaletrain estimate --model gpt2-small --set n_layer=96 --set n_embd=12288 --set n_head=96 \\
       --set n_positions=2048 --seq 2048 --params-dtype bf16 --precision bf16 --json
@@ -31,8 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="device the step would run on: on CUDA storages take whole 512-byte blocks and "
                         "Adam's step counters stay on the host (default cpu)")
     p.add_argument("--platform", default=None,
-                   help="a scaletrain.platform preset (h100, a100, v100): its device, data-sheet FLOP/s "
-                        "and memory; says whether the step fits")
+                   help="a scaletrain.platform preset (h100, h200, a100-80g, a100-40g, v100), a platform JSON file, "
+                        "or local (this machine, one process): its device, FLOP/s and memory; says whether the "
+                        "step fits and prices the plan's step time by phase")
     p.add_argument("--flops-per-s", type=float, default=None, help="FLOP/s to turn FLOPs into times")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks: adds per-rank model-state bytes and "
                                                      "bytes communicated per step (default 1)")
@@ -68,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.set)
     kw = dict(precision=args.precision, optimizer=args.optimizer, accum=args.accum,
               params_dtype=args.params_dtype, device=args.device)
-    est = estimate_step(args.model, args.batch, args.seq, flops_per_s=args.flops_per_s, platform=args.platform,
+    plat = _platform(args.platform, args.precision, (args.model, overrides)) if args.platform else None
+    est = estimate_step(args.model, args.batch, args.seq, flops_per_s=args.flops_per_s, platform=plat,
                         **kw, **overrides)
     if args.simulate:
         sim = simulate_step(args.model, args.batch, args.seq, **kw, **overrides)
@@ -82,8 +96,11 @@ def run(args: argparse.Namespace) -> int:
                       xlabel="replayed allocation/free event")
     if args.dp > 1 or args.zero:
         est.meta["data_parallel"] = _data_parallel(est, args)
-    if args.plan or args.dp > 1 or args.tp > 1 or args.cp > 1 or args.ep > 1 or args.pp > 1 or args.remat != "none":
-        est.meta["plan"] = _plan(args, overrides)
+    if (args.plan or args.dp > 1 or args.tp > 1 or args.cp > 1 or args.ep > 1 or args.pp > 1 or args.remat != "none"
+            or plat is not None):
+        est.meta["plan"] = _plan(args, overrides, plat)
+        if est.meta["plan"].get("step_time_s") is not None:
+            est.meta["step_time_s"] = est.meta["plan"]["step_time_s"]
     one_peak = est.bytes["peak"]
     if "plan" in est.meta:  # JSON's bytes.peak is the heaviest rank's, not one process's
         est.meta["one_process_peak_bytes"] = one_peak
@@ -119,12 +136,16 @@ def run(args: argparse.Namespace) -> int:
                   f"{b['activations_and_transients'] / 2**20:.2f}); receives {r['comm_bytes'] / 2**20:.3f} MiB "
                   f"per step in collectives")
         print(f"heaviest: {pl['heaviest']['rank']}, peak {int(pl['heaviest']['peak_bytes'])} B")
+        print_times(pl)
+    else:
+        print("step seconds by phase: add --platform (a preset, a platform JSON file, or local)")
     print_blocks(profile_to_rows(est.profile), measured=False)
     return 0
 
 
-def _plan(args: argparse.Namespace, overrides: dict) -> dict:
-    """The whole plan, rank by rank (scaletrain.techniques.plan_cost), refused as `train` would refuse it."""
+def _plan(args: argparse.Namespace, overrides: dict, plat: Any = None) -> dict:
+    """The whole plan, rank by rank (scaletrain.techniques.plan_cost), refused as `train` would refuse it;
+    with a platform (or, for one process, this machine measured in-process) each rank's seconds by phase."""
     from scaletrain import models
     from scaletrain.plan import Plan, load_plan_overrides
     from scaletrain.techniques import compat
@@ -149,11 +170,58 @@ def _plan(args: argparse.Namespace, overrides: dict) -> dict:
     M = plan.microbatches if plan.pp > 1 and plan.microbatches else gb // max(micro * max(plan.dp, 1), 1)
     compat.check(plan.resolved(world), compat.Facts.of(model, world=world, device=args.device, seq_len=seq,
                                                         microbatches=M))
-    costs = plan_costs(plan, model, world=world, global_batch=gb, seq=seq, micro_batch=micro, device=args.device)
+    priced, why = plat, ""
+    if plat is None and world == 1:
+        priced = _platform("local", args.precision, (args.model, overrides))
+    elif plat is None:
+        why = (f"the step time of {world} processes needs --platform (a preset, a platform JSON file; this machine's "
+               f"for {world} processes: scaletrain calibrate --nproc-per-node {world} --out platform.json)")
+    costs = plan_costs(plan, model, world=world, global_batch=gb, seq=seq, micro_batch=micro, device=args.device,
+                       platform=priced)
     top = heaviest(costs)
-    return {"describe": plan.resolved(world).describe(), "world": world, "global_batch": gb,
-            "plan": plan.resolved(world).to_dict(), "ranks": [c.to_dict() for c in costs], "heaviest": top.to_dict(),
-            "comm_bytes_per_step": top.comm_bytes}
+    out = {"describe": plan.resolved(world).describe(), "world": world, "global_batch": gb,
+           "plan": plan.resolved(world).to_dict(), "ranks": [c.to_dict() for c in costs], "heaviest": top.to_dict(),
+           "comm_bytes_per_step": top.comm_bytes, "step_time_s": None}
+    if priced is not None:
+        slow = max(costs, key=lambda c: c.step_time_s or 0.0)
+        out.update(step_time_s=slow.step_time_s, slowest=slow.rank, platform=priced.name,
+                   platform_source=priced.source)
+    else:
+        out["time_note"] = why
+    return out
+
+
+def _platform(name: str, precision: str, model: tuple[str, dict]) -> Any:
+    """A preset, a platform JSON file (as ``scaletrain plan --platform``) or ``local``: this machine for one
+    process, measured in-process (:func:`scaletrain.planner.local.measure`, what ``plan=auto`` uses; the
+    fixed cost per kernel from ``model`` when it is a GPT-2 shape)."""
+    if name.lower() == "local":
+        from scaletrain.planner import local
+
+        return local.measure(1, precision, model)
+    from scaletrain.commands.plan import _platform as load
+
+    return load(name)
+
+
+def print_times(pl: dict) -> None:
+    """The ranks' seconds by phase (milliseconds), one row per pipeline rank, or why there are none."""
+    if pl.get("step_time_s") is None:
+        print(f"time: {pl.get('time_note', 'no platform')}")
+        return
+    print(f"time per optimizer step on {pl['platform']} (ms; communication exposed / all, by kind):")
+    print(f"  {'rank':<28} {'compute':>9} {'recompute':>9} {'comm':>15} {'bubble':>8} {'copies':>15} "
+          f"{'optimizer':>9} {'step':>9}")
+    for r in pl["ranks"]:
+        t = r["time_s"]
+        comm = f"{sum(t['comm_exposed'].values()) * 1e3:.3f}/{sum(t['comm'].values()) * 1e3:.3f}"
+        copies = f"{sum(t['copies_exposed'].values()) * 1e3:.3f}/{sum(t['copies'].values()) * 1e3:.3f}"
+        print(f"  {r['rank']:<28} {t['compute'] * 1e3:>9.3f} {t['recompute'] * 1e3:>9.3f} {comm:>15} "
+              f"{t['bubble'] * 1e3:>8.3f} {copies:>15} {t['optimizer'] * 1e3:>9.3f} {t['step'] * 1e3:>9.3f}")
+        kinds = ", ".join(f"{k} {t['comm_exposed'][k] * 1e3:.3f}/{v * 1e3:.3f}" for k, v in t["comm"].items() if v)
+        if kinds:
+            print(f"  {'':<28} by kind: {kinds}")
+    print(f"step time: {pl['step_time_s'] * 1e3:.3f} ms (the slowest rank: {pl['slowest']})")
 
 
 def _data_parallel(est, args: argparse.Namespace) -> dict:

@@ -1,4 +1,4 @@
-"""Cost faces composed for a plan.
+"""Cost faces composed for a plan, and the seconds of a step by phase (:class:`StepSeconds`).
 
 :func:`mesh_predictions` — bytes received per rank per optimizer step and per-rank model-state
 bytes of a run on a model-parallel mesh (TP / CP / EP x DP with ZeRO 0-2), from the families'
@@ -8,11 +8,49 @@ ZeRO's ``comm_bytes_per_step`` / ``model_state_bytes`` on the local parameter co
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from scaletrain.techniques.mesh import has_moe
+
+
+@dataclass
+class StepSeconds:
+    """One rank's seconds of one optimizer step, by phase: the time half of a rank's cost
+    (:class:`scaletrain.techniques.plan_cost.RankCost` holds it beside the bytes), priced by
+    :mod:`scaletrain.techniques.time_cost`. Every field is seconds per optimizer step;
+    :attr:`step_s` is the sum of the exposed phases."""
+
+    compute: float = 0.0
+    """Forward and backward of every micro-batch on the rank's blocks (the loss included on the last stage)."""
+    recompute: float = 0.0
+    """Forwards replayed by rematerialization (whole blocks, or the attention core under selective recompute)."""
+    comm_s: dict[str, float] = field(default_factory=dict)
+    """Every collective kind's whole time (alpha-beta), hidden or not: tp, cp, ep, dp, norm, p2p."""
+    comm_exposed_s: dict[str, float] = field(default_factory=dict)
+    """The part of each kind the step waits for (the overlap rules of :mod:`.time_cost`)."""
+    bubble: float = 0.0
+    """Pipeline idle time (the schedule simulator's makespan minus this rank's busy time)."""
+    copies_s: dict[str, float] = field(default_factory=dict)
+    """Offload copies' whole time: h2d, d2h, disk_read, disk_write, cpu_update."""
+    copies_exposed_s: dict[str, float] = field(default_factory=dict)
+    """The part of each copy the step waits for."""
+    optimizer: float = 0.0
+    """The device optimizer step over the rank's (sharded) parameters."""
+
+    @property
+    def step_s(self) -> float:
+        """Seconds of the rank's step: compute + recompute + exposed communication + bubble + exposed
+        copies + optimizer."""
+        return (self.compute + self.recompute + sum(self.comm_exposed_s.values()) + self.bubble
+                + sum(self.copies_exposed_s.values()) + self.optimizer)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compute": self.compute, "recompute": self.recompute, "comm": dict(self.comm_s),
+                "comm_exposed": dict(self.comm_exposed_s), "bubble": self.bubble, "copies": dict(self.copies_s),
+                "copies_exposed": dict(self.copies_exposed_s), "optimizer": self.optimizer, "step": self.step_s}
 
 
 
@@ -62,7 +100,7 @@ def mesh_predictions(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: 
     tensor-parallel collectives are replayed in the backward."""
     from scaletrain.techniques.data_parallel import cost as zero_mod
 
-    intra = 0.0
+    kinds = {"tp": 0.0, "cp": 0.0, "ep": 0.0}  # the intra-layer bytes by collective family
     if il.tp > 1:
         from scaletrain.techniques.tensor_parallel import tp_comm_bytes_per_step
         from scaletrain.techniques.tensor_parallel.cost import tp_forward_bytes_per_block
@@ -70,17 +108,17 @@ def mesh_predictions(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: 
         s_tp = seq // il.cp  # under CP each rank holds seq / cp tokens
         every = getattr(cfg, "moe_every", 0)
         moe = frozenset(i for i in range(cfg.n_layer) if every and (i + 1) % every == 0)
-        intra += tp_comm_bytes_per_step(cfg, il.tp, micro_batch, s_tp, sequence_parallel=il.sequence_parallel,
+        kinds["tp"] += tp_comm_bytes_per_step(cfg, il.tp, micro_batch, s_tp, sequence_parallel=il.sequence_parallel,
                                         act_bytes=act_bytes, micro_batches=accum, moe_layers=len(moe))["wire_bytes"]
         if recomputes:
             fwd = tp_forward_bytes_per_block(cfg, il.tp, micro_batch, s_tp, sequence_parallel=il.sequence_parallel,
                                              act_bytes=act_bytes, moe_blocks=moe)
-            intra += accum * sum(k * b for k, b in zip(recomputes, fwd))
+            kinds["tp"] += accum * sum(k * b for k, b in zip(recomputes, fwd))
     if il.cp > 1:
         from scaletrain.techniques.context_parallel import cp_comm_bytes_per_step
 
         # under TP the ring carries this rank's n_head / tp heads' keys and values: 1 / tp of the bytes
-        intra += cp_comm_bytes_per_step(cfg, il.cp, micro_batch, seq, act_bytes=act_bytes,
+        kinds["cp"] += cp_comm_bytes_per_step(cfg, il.cp, micro_batch, seq, act_bytes=act_bytes,
                                         micro_batches=accum)["total"] / il.tp
     n_moe = cfg.n_layer // cfg.moe_every if hasattr(cfg, "moe_every") else 0
     if n_moe and (il.ep > 1 or il.cp > 1):
@@ -90,12 +128,14 @@ def mesh_predictions(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: 
                                    cfg.capacity_factor, il.ep, act_bytes=act_bytes)
         a2a = (il.ep - 1) / il.ep * e["all_to_all"]["payload_bytes"]
         G = il.dp * il.cp  # the load-balancing statistics are shared by all dp x cp ranks
-        intra += accum * (a2a + 2 * (G - 1) / G * e["all_reduce"]["payload_bytes"])
+        kinds["ep"] += accum * (a2a + 2 * (G - 1) / G * e["all_reduce"]["payload_bytes"])
     D, E = il.dp * il.cp, il.dp // il.ep * il.cp
     grads = (zero_mod.comm_bytes_per_step(counts["dense"], stage, D, accum=accum)
              + (zero_mod.comm_bytes_per_step(counts["expert"], stage, E, accum=accum) if counts["expert"] else 0.0))
     norm = 2 * (world - 1) / world * 8 if grad_clip else 0.0
-    out = {"predicted_comm_bytes": intra + grads + norm, "predicted_comm_bytes_intra_layer": intra,
+    intra = kinds["tp"] + kinds["cp"] + kinds["ep"]
+    out: dict[str, Any] = {"comm_bytes_by_kind": {**kinds, "dp": grads, "norm": norm},  # not a metric
+           "predicted_comm_bytes": intra + grads + norm, "predicted_comm_bytes_intra_layer": intra,
            "predicted_comm_bytes_gradients": grads}
     if optim is not None:
         from scaletrain.techniques.optim import state_bytes

@@ -42,6 +42,7 @@ from torch import nn
 from scaletrain.errors import UserError
 from scaletrain.models.adapters import adapt
 from scaletrain.plan import Plan
+from scaletrain.techniques.cost import StepSeconds
 
 
 @dataclass
@@ -55,9 +56,18 @@ class RankCost:
     """params, grads, optimizer (states + masters), activations (the in-flight micro-batches), transient."""
     comm_bytes: float = 0.0
     """Bytes received per optimizer step in collectives (ring convention of the ledger)."""
+    time_s: StepSeconds | None = None
+    """Seconds of the step by phase on the platform given to :func:`plan_costs` (None without one)."""
+
+    @property
+    def step_time_s(self) -> float | None:
+        return self.time_s.step_s if self.time_s is not None else None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["time_s"] = self.time_s.to_dict() if self.time_s is not None else None
+        d["step_time_s"] = self.step_time_s
+        return d
 
 
 def heaviest(costs: list[RankCost]) -> RankCost:
@@ -92,10 +102,11 @@ def _full_params(cfg: Any, n_blocks: int) -> list[float]:
 
 def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, seq: int,
                micro_batch: int = 0, example: torch.Tensor | None = None, target: torch.Tensor | None = None,
-               device: str = "cpu") -> list[RankCost]:
+               device: str = "cpu", platform: Any = None) -> list[RankCost]:
     """Every pipeline rank's predicted peak and traffic for ``plan`` on ``world`` processes (see the
     module docstring). ``model`` may live on the meta device; the compatibility table is the
-    caller's."""
+    caller's. With a ``platform`` (:class:`scaletrain.platform.Platform`) each rank's ``time_s`` holds
+    its step's seconds by phase (:func:`_add_times`)."""
     from scaletrain.chain import to_chain
     from scaletrain.techniques.pipeline.apply import default_virtual, stage_bounds
     from scaletrain.techniques.pipeline.memory import stage_memory
@@ -149,7 +160,20 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
         parts["activations_and_transients"] = max(0.0, peak - sum(parts.values()))
         name = f"pipeline rank {r} (stages {stages})" if plan.pp > 1 else "every rank"
         out.append(RankCost(name, float(peak), parts, comm[r] if r < len(comm) else comm[-1]))
+    if platform is not None:
+        _add_times(out, plan, model, platform, chain=chain, bounds=bounds, example=example, target=target, b=b,
+                   M=M, seq=seq, world=world, sched=sched, remat=remat, mem=mem, comm=comm)
     return out
+
+
+def _add_times(costs: list[RankCost], plan: Plan, model: nn.Module, platform: Any, **kw: Any) -> None:
+    """Each rank's seconds by phase (:func:`scaletrain.techniques.time_cost.rank_seconds`) on the same
+    stages, schedule, remat and traffic as its bytes."""
+    from scaletrain.techniques.time_cost import rank_seconds
+
+    times = rank_seconds(plan, model, platform, loss_fn=_loss, parts=[c.bytes for c in costs], **kw)
+    for c, t in zip(costs, times):
+        c.time_s = t
 
 
 def _remat(plan: Plan, chain: nn.Module, bounds: list[int], x: torch.Tensor, y: torch.Tensor) -> list | None:
@@ -309,8 +333,6 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
     collectives of the rank's stages (:func:`.pipeline.tensor_parallel.stage_tp_bytes`)."""
     from scaletrain.chain import to_chain
     from scaletrain.techniques.pipeline.schedules import build
-    from scaletrain.techniques.pipeline.tensor_parallel import stage_tp_bytes
-    from scaletrain.techniques.remat.tree import recompute_counts, tree_of
 
     from scaletrain.techniques.data_parallel.sharded import shard_rows
 
@@ -318,7 +340,6 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
     v = (plan.virtual or (2 if plan.schedule == "interleaved" else 1))
     sched = build(plan.schedule, plan.pp, M, v)
     S = len(bounds) - 1
-    stages = sorted({a.stage for a in sched.actions[rank] if a.kind == "F"})
     names = {id(p): n for n, p in model.named_parameters()}
     holders: dict[int, set[int]] = {}
     for st in range(S):
@@ -359,11 +380,23 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
     if plan.precision == "fp16":  # the loss scaler's found-inf all-reduce (one fp32) over the world
         total += ring_ar(plan.pp * dp * t, 4.0)
     if t > 1:
-        for st in stages:
-            kinds = ["embed" if i == 0 else "head" if i == bounds[-1] - 1 else "layer"
-                     for i in range(bounds[st], bounds[st + 1])]
-            forwards = sum(1 for a in sched.actions[rank] if a.kind == "F" and a.stage == st)
-            rec = recompute_counts(tree_of(remat[st]), len(kinds)) if remat else None
-            total += stage_tp_bytes(cfg, t, b, seq, kinds, forwards=forwards, recomputes=rec,
-                                    sequence_parallel=plan.sp, precision=plan.precision)
+        total += rank_tp_bytes(plan, cfg, bounds, b, seq, sched, rank, remat)
+    return total
+
+
+def rank_tp_bytes(plan: Plan, cfg: Any, bounds: list[int], b: int, seq: int, sched: Any, rank: int,
+                  remat: list | None) -> float:
+    """The TP collectives' bytes of one pipeline rank's stages per step
+    (:func:`.pipeline.tensor_parallel.stage_tp_bytes`, recomputed forwards included)."""
+    from scaletrain.techniques.pipeline.tensor_parallel import stage_tp_bytes
+    from scaletrain.techniques.remat.tree import recompute_counts, tree_of
+
+    total = 0.0
+    for st in sorted({a.stage for a in sched.actions[rank] if a.kind == "F"}):
+        kinds = ["embed" if i == 0 else "head" if i == bounds[-1] - 1 else "layer"
+                 for i in range(bounds[st], bounds[st + 1])]
+        forwards = sum(1 for a in sched.actions[rank] if a.kind == "F" and a.stage == st)
+        rec = recompute_counts(tree_of(remat[st]), len(kinds)) if remat else None
+        total += stage_tp_bytes(cfg, plan.tp, b, seq, kinds, forwards=forwards, recomputes=rec,
+                                sequence_parallel=plan.sp, precision=plan.precision)
     return total
