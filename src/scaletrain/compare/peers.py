@@ -344,15 +344,13 @@ def main(argv: list[str]) -> int:
     except UserError as e:
         print(f"scaletrain: error: rank {os.environ.get('RANK', '0')}: {one_line(e)}", file=sys.stderr)
         return 2
-    if argv[0].startswith("deepspeed"):
-        # Everything is written and the group is gone. DeepSpeed's CPU shared-memory comm op leaves a
-        # joinable C++ thread behind; its destructor at interpreter exit aborted one rank of a finished
-        # 2-process vgg-mini ZeRO-3 run (SIGABRT, "terminate called without an active exception"), which
-        # would mark a complete cell failed. Leave without running those destructors.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
+    # Everything is written and the group is gone. Twice in the full study a finished 2-process vgg-mini peer
+    # run (DeepSpeed ZeRO-3; plain fully_shard with the profiled step) then had a rank abort in a C++
+    # destructor at interpreter exit (SIGABRT, "terminate called without an active exception": a joinable
+    # thread left behind), which marks a complete cell failed. Leave without running those destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":  # pragma: no cover - the peer's subprocess (module docstring)
