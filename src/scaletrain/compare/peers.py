@@ -344,6 +344,13 @@ def main(argv: list[str]) -> int:
     except UserError as e:
         print(f"scaletrain: error: rank {os.environ.get('RANK', '0')}: {one_line(e)}", file=sys.stderr)
         return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - the peer's subprocess (module docstring)
+    code = main(sys.argv[1:])
+    if code:
+        sys.exit(code)
     # Everything is written and the group is gone. Twice in the full study a finished 2-process vgg-mini peer
     # run (DeepSpeed ZeRO-3; plain fully_shard with the profiled step) then had a rank abort in a C++
     # destructor at interpreter exit (SIGABRT, "terminate called without an active exception": a joinable
@@ -351,7 +358,3 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-if __name__ == "__main__":  # pragma: no cover - the peer's subprocess (module docstring)
-    sys.exit(main(sys.argv[1:]))
