@@ -295,8 +295,13 @@ def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, 
 
             return [comm_bytes_per_step(counts["dense"], 0, world)]  # (DDP's replicas clip alike: no norm all-reduce)
         mp = _MeshShape(plan)
+        recomputes = None
+        if remat:  # the recomputed forwards' TP collectives are replayed in the backward, as the runtime predicts
+            from scaletrain.techniques.remat.tree import recompute_counts, tree_of
+
+            recomputes = recompute_counts(tree_of(remat[0]), bounds[-1] - bounds[0])
         return [mesh_predictions(cfg, mp, stage=plan.zero, micro_batch=b, accum=M, seq=seq, counts=counts,
-                                 grad_clip=True, world=world)["predicted_comm_bytes"]]
+                                 grad_clip=True, world=world, recomputes=recomputes)["predicted_comm_bytes"]]
     return [_pipeline_traffic(plan, model, cfg, bounds, b, seq, M, r, remat) for r in range(plan.pp)]
 
 
