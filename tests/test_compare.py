@@ -193,3 +193,19 @@ def test_prediction_of_a_gpt2_cell_has_time_phases_and_peak() -> None:
     assert sum(phases.values()) <= got["predicted_step_time_s"] * 1.0001
     none = predict(cell, None)  # no calibration: the peak still, the step time with its reason
     assert none["predicted_step_time_s"] is None and "no calibration" in none["predicted_note"]
+
+
+def test_resnet_layouts_run_on_digits_and_on_224_pixel_noise() -> None:
+    """The survey's ResNet as a layout: ``resnet-mini`` on digits, and ``resnet-mini-224`` (the same model with the
+    ImageNet stem on 224 x 224 synthetic images, for throughput) — its keys reach the run, the compatibility
+    table and the cost model (a peak predicted on the meta device)."""
+    from scaletrain.compare import matrix, predict, runner
+
+    cell = matrix.build(("resnet-mini-224",), ("zero3",), (2,))[0]
+    keys = cell.train_overrides()
+    assert "model.name=resnet-mini" in keys and "data.name=synthetic-images" in keys
+    assert "model.overrides.image_size=224" in keys
+    assert runner.blocked(cell) is None
+    small = predict.predict(matrix.build(("resnet-mini",), ("zero3",), (2,))[0], None)["predicted_peak_bytes"]
+    big = predict.predict(cell, None)["predicted_peak_bytes"]
+    assert small and big and big > small  # 224 x 224 activations outweigh the larger batch of 32 x 32 ones

@@ -95,18 +95,28 @@ class ModelSettings:
     """Validation every this many steps (and at the end) [steps]."""
     microbatches: int = 4
     """Pipeline micro-batches per step (pipelines only; the others take one micro-batch per device)."""
+    extra: tuple[str, ...] = ()
+    """More ``scaletrain train`` keys of this entry (model overrides, data set, image size)."""
 
     def overrides(self) -> list[str]:
         """The ``scaletrain train`` keys that fix these settings."""
         seq = [f"data.seq_len={self.seq_len}"] if self.seq_len else []
         return [f"model.name={self.name}", f"train.global_batch={self.global_batch}", f"train.steps={self.steps}",
                 f"optim.lr={self.lr}", f"optim.warmup_steps={self.warmup}", f"train.eval_every={self.eval_every}",
-                "train.eval_batches=2", *seq]
+                "train.eval_batches=2", *seq, *self.extra]
+
 
 
 MODELS: dict[str, ModelSettings] = {
     "gpt2-mini": ModelSettings("gpt2-mini", global_batch=8, seq_len=128, steps=16, metric="val_loss"),
     "vgg-mini": ModelSettings("vgg-mini", global_batch=32, steps=16, metric="val_loss", lr=3e-3),
+    # the survey's ResNet-50 as a layout: bottleneck blocks with batch norm, on digits (32 x 32) ...
+    "resnet-mini": ModelSettings("resnet-mini", global_batch=32, steps=16, metric="val_loss", lr=3e-3),
+    # ... and on 224 x 224 noise images with the ImageNet stem, for throughput only (nothing to learn)
+    "resnet-mini-224": ModelSettings("resnet-mini", global_batch=16, steps=8, metric="val_loss", lr=3e-3,
+                                     eval_every=8, extra=("data.name=synthetic-images",
+                                                          "model.overrides.image_size=224",
+                                                          "model.overrides.imagenet_stem=true")),
 }
 QUICK_STEPS = 12
 """Steps per run under ``--quick`` (2 warm-up, 1 profiled, 1 memory-tracked: 8 timed)."""

@@ -57,7 +57,7 @@ def predict(cell: Cell, platform: Platform | None) -> dict[str, Any]:
     cfg = load_config(None, cell.train_overrides())
     plan = Plan.from_config(cfg).resolved(cell.devices)
     try:
-        model = models.get(s.name, device="meta")
+        model = models.get(cfg.model.name, device="meta", **cfg.model.overrides)
         costs = plan_costs(plan, model, world=cell.devices, global_batch=s.global_batch, seq=s.seq_len or 1,
                            device="cpu")
         out["predicted_peak_bytes"] = float(heaviest(costs).peak_bytes)

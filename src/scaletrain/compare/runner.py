@@ -54,7 +54,7 @@ def blocked(cell: Cell) -> tuple[str, str] | None:
         from scaletrain.planner.shape import Shape
 
         try:
-            Shape.of(cell.model)
+            Shape.of(cell.settings.name)
         except UserError as e:
             return "not applicable", f"plan=auto: {one_line(e)}"
     elif cell.devices < strategy.min_devices:
@@ -68,7 +68,7 @@ def blocked(cell: Cell) -> tuple[str, str] | None:
 
     try:
         cfg = load_config(None, cell.train_overrides())
-        model = models.get(cell.model, device="meta")
+        model = models.get(cfg.model.name, device="meta", **cfg.model.overrides)
         compat.check_config(cfg, model, world=cell.devices, microbatches=cfg.parallel.microbatches)
     except UserError as e:
         return "not applicable", one_line(e)
