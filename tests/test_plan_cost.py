@@ -77,7 +77,7 @@ def test_tp_remat_traffic_replays_the_recomputed_forwards():
     gpt2-tiny tp=2 with every block checkpointed, 2026-11-26)."""
     from scaletrain import models
     from scaletrain.techniques.cost import local_param_counts, mesh_predictions
-    from scaletrain.techniques.plan_cost import _MeshShape
+    from scaletrain.techniques.cost import MeshShape
 
     plain = _predict(["parallel.tp=2"], world=2)[0].comm_bytes
     remat = _predict(["parallel.tp=2", "memory.remat.blocks=all"], world=2)[0].comm_bytes
@@ -88,7 +88,7 @@ def test_tp_remat_traffic_replays_the_recomputed_forwards():
     from scaletrain.chain import to_chain
 
     n = len(to_chain(model).blocks)  # memory.remat.blocks=all: every Chain block recomputed once
-    runtime = mesh_predictions(model.config, _MeshShape(Plan.from_config(cfg)), stage=0, micro_batch=16, accum=1,
+    runtime = mesh_predictions(model.config, MeshShape(Plan.from_config(cfg)), stage=0, micro_batch=16, accum=1,
                                seq=64, counts=local_param_counts(model, tp=2, ep=1), grad_clip=True, world=2,
                                recomputes=[1] * n)["predicted_comm_bytes"]
     assert remat > plain and remat == runtime

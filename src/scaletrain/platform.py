@@ -121,6 +121,13 @@ class Platform:
         """Achieved fraction of HBM bandwidth for a kernel moving ``nbytes`` (:attr:`mem_efficiency`)."""
         return _lookup(self.mem_efficiency, nbytes / 1e6)
 
+    def memory_bound_seconds(self, nbytes: float) -> float:
+        """Seconds of one memory-bound kernel moving ``nbytes`` on this device: the bytes at HBM speed times
+        :meth:`mem_fraction`, plus :attr:`kernel_overhead_s` (the planner's and the estimate's roofline)."""
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / (self.device_mem_bytes_per_s * self.mem_fraction(nbytes)) + self.kernel_overhead_s
+
     def h2d_time(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` host -> device."""
         return nbytes / self.h2d_bytes_per_s

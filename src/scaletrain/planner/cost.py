@@ -56,6 +56,7 @@ from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
 from scaletrain.techniques.data_parallel import cost as zero_cost
+from scaletrain.techniques.optim.registry import optimizer_step_bytes  # noqa: F401  (priced here, defined there)
 
 def optim_state_bytes(name: str, hidden: int) -> float:
     """Optimizer-state bytes per fp32 parameter K, from the optimizer registry's cost face on an h x h
@@ -63,25 +64,6 @@ def optim_state_bytes(name: str, hidden: int) -> float:
     from scaletrain.techniques.optim.registry import state_bytes_per_param
 
     return float(state_bytes_per_param(name.lower(), (hidden, hidden)))
-
-
-# Bytes each fp32 parameter moves in torch's foreach AdamW step (scaletrain's default, foreach=True),
-# one term per _foreach kernel as torch/optim/adamw.py runs them: lerp_ m<-g (r8 w4), mul_ v (r4 w4),
-# addcmul_ v<-g,g (r8 w4), decoupled decay mul_ p (r4 w4), sqrt v -> d (r4 w4), div_ d (r4 w4),
-# add_ eps (r4 w4), addcdiv_ p<-m,d (r12 w4) = 80; plus clipping (train.grad_clip, on by default):
-# the norm reads g (4), the scale reads and writes g (8). 92 B at 4.3 TB/s for gpt2-medium = 7.6 ms;
-# measured on one H200: 8.8 ms of multi_tensor_apply kernels per step (planner_gpu_h200_profile.json).
-ADAM_FOREACH_BYTES = 80.0
-CLIP_BYTES = 12.0
-
-
-def optimizer_step_bytes(name: str, state_bytes: float) -> float:
-    """Bytes moved per parameter by one optimizer step with gradient clipping: Adam/AdamW as torch's
-    foreach kernels run it (:data:`ADAM_FOREACH_BYTES`); any other optimizer read p, g and write p (12 B)
-    and read + write its ``state_bytes`` once — a lower bound where its kernels are not counted."""
-    if name.lower() in ("adam", "adamw"):
-        return ADAM_FOREACH_BYTES + CLIP_BYTES
-    return 12 + 2 * state_bytes + CLIP_BYTES
 
 
 @dataclass(frozen=True)
@@ -181,10 +163,8 @@ def _mm(plat: Platform, precision: str, m: float, n: float, k: float, batch: flo
 
 
 def _mb(plat: Platform, nbytes: float) -> float:
-    """Seconds of one memory-bound kernel moving ``nbytes`` (plus the platform's fixed cost per kernel)."""
-    if nbytes <= 0:
-        return 0.0
-    return nbytes / (plat.device_mem_bytes_per_s * plat.mem_fraction(nbytes)) + plat.kernel_overhead_s
+    """Seconds of one memory-bound kernel moving ``nbytes`` (:meth:`Platform.memory_bound_seconds`)."""
+    return plat.memory_bound_seconds(nbytes)
 
 
 def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: bool, precision: str,

@@ -146,3 +146,14 @@ def mesh_predictions(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: 
         opt = float(state_bytes(name, shapes, **hyper))
         out["predicted_model_state_bytes"] = ms_d.params + ms_d.grads + ms_e.params + ms_e.grads + opt
     return out
+
+
+@dataclass
+class MeshShape:
+    """What :func:`mesh_predictions` reads of a mesh (the plan's degrees)."""
+
+    plan: Any
+
+    def __getattr__(self, k: str) -> Any:
+        p = object.__getattribute__(self, "plan")
+        return {"dp": max(p.dp, 1), "tp": p.tp, "cp": p.cp, "ep": p.ep, "sequence_parallel": p.sp}[k]

@@ -287,14 +287,14 @@ def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, 
     if plan.pp == 1:
         if world == 1:
             return [0.0]
-        from scaletrain.techniques.cost import local_param_counts, mesh_predictions
+        from scaletrain.techniques.cost import MeshShape, local_param_counts, mesh_predictions
 
         counts = local_param_counts(model, tp=plan.tp, ep=plan.ep)
         if plan.zero == 0 and plan.tp == plan.cp == plan.ep == 1:  # torch DDP: one all-reduce of the gradients
             from scaletrain.techniques.data_parallel.cost import comm_bytes_per_step
 
             return [comm_bytes_per_step(counts["dense"], 0, world)]  # (DDP's replicas clip alike: no norm all-reduce)
-        mp = _MeshShape(plan)
+        mp = MeshShape(plan)
         recomputes = None
         if remat:  # the recomputed forwards' TP collectives are replayed in the backward, as the runtime predicts
             from scaletrain.techniques.remat.tree import recompute_counts, tree_of
@@ -303,17 +303,6 @@ def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, 
         return [mesh_predictions(cfg, mp, stage=plan.zero, micro_batch=b, accum=M, seq=seq, counts=counts,
                                  grad_clip=True, world=world, recomputes=recomputes)["predicted_comm_bytes"]]
     return [_pipeline_traffic(plan, model, cfg, bounds, b, seq, M, r, remat) for r in range(plan.pp)]
-
-
-@dataclass
-class _MeshShape:
-    """What :func:`mesh_predictions` reads of a mesh (the plan's degrees)."""
-
-    plan: Plan
-
-    def __getattr__(self, k: str) -> Any:
-        p = object.__getattribute__(self, "plan")
-        return {"dp": max(p.dp, 1), "tp": p.tp, "cp": p.cp, "ep": p.ep, "sequence_parallel": p.sp}[k]
 
 
 def _tp_local_shape(name: str, shape: tuple[int, ...], t: int) -> tuple[int, ...]:
@@ -385,23 +374,7 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
     if plan.precision == "fp16":  # the loss scaler's found-inf all-reduce (one fp32) over the world
         total += ring_ar(plan.pp * dp * t, 4.0)
     if t > 1:
+        from scaletrain.techniques.pipeline.tensor_parallel import rank_tp_bytes
+
         total += rank_tp_bytes(plan, cfg, bounds, b, seq, sched, rank, remat)
-    return total
-
-
-def rank_tp_bytes(plan: Plan, cfg: Any, bounds: list[int], b: int, seq: int, sched: Any, rank: int,
-                  remat: list | None) -> float:
-    """The TP collectives' bytes of one pipeline rank's stages per step
-    (:func:`.pipeline.tensor_parallel.stage_tp_bytes`, recomputed forwards included)."""
-    from scaletrain.techniques.pipeline.tensor_parallel import stage_tp_bytes
-    from scaletrain.techniques.remat.tree import recompute_counts, tree_of
-
-    total = 0.0
-    for st in sorted({a.stage for a in sched.actions[rank] if a.kind == "F"}):
-        kinds = ["embed" if i == 0 else "head" if i == bounds[-1] - 1 else "layer"
-                 for i in range(bounds[st], bounds[st + 1])]
-        forwards = sum(1 for a in sched.actions[rank] if a.kind == "F" and a.stage == st)
-        rec = recompute_counts(tree_of(remat[st]), len(kinds)) if remat else None
-        total += stage_tp_bytes(cfg, plan.tp, b, seq, kinds, forwards=forwards, recomputes=rec,
-                                sequence_parallel=plan.sp, precision=plan.precision)
     return total

@@ -9,7 +9,7 @@ GPT shapes on paper). Units: seconds, bytes, FLOPs.
   tensors, one micro-batch) on a roofline: an operator with FLOPs costs
   ``max(FLOPs / (peak × matmul_fraction(FLOPs)) + kernel_overhead, bytes / (HBM × mem_fraction(bytes))
   + kernel_overhead)`` (the planner's ``_mm``, with the bytes the operator really moves), any other
-  ``bytes / (HBM × mem_fraction(bytes)) + kernel_overhead`` (the planner's ``_mb``, imported). Peak is
+  ``bytes / (HBM × mem_fraction(bytes)) + kernel_overhead`` (``Platform.memory_bound_seconds``, as the planner prices it). Peak is
   the platform's bf16 figure for an operator writing 16 bits, its fp32 one otherwise. Under tensor
   parallelism every operator with FLOPs (Megatron splits all of a layer's matmuls, the attention
   heads and the vocabulary) does 1/t of the work, memory-bound ones 1/t under sequence parallelism
@@ -43,8 +43,8 @@ GPT shapes on paper). Units: seconds, bytes, FLOPs.
   set down and back up; streamed weights: the stage's parameters up for every forward and backward;
   both hidden behind compute where copies overlap it.
 * **optimizer** — memory-bound, the planner's bytes per updated parameter
-  (:func:`scaletrain.planner.cost.optimizer_step_bytes`: torch's foreach AdamW kernels and clipping)
-  at HBM bandwidth (``_mb``, one fixed cost per kernel as the planner prices it).
+  (:func:`scaletrain.techniques.optim.registry.optimizer_step_bytes`: torch's foreach AdamW kernels and clipping)
+  at HBM bandwidth (``Platform.memory_bound_seconds``, one fixed cost per kernel).
 """
 
 from __future__ import annotations
@@ -62,13 +62,12 @@ from scaletrain.techniques.cost import StepSeconds
 def op_seconds(op: Op, plat: Platform, *, work_split: float = 1.0, mem_split: float = 1.0) -> float:
     """Seconds of one operator on ``plat`` (module docstring); ``work_split`` divides an operator with
     FLOPs (its FLOPs and bytes), ``mem_split`` a memory-bound one."""
-    from scaletrain.planner.cost import _mb  # the planner's memory-bound kernel: bytes at HBM x mem_fraction
 
     if op.flops > 0:
         f = op.flops / work_split
         peak = plat.flops("bf16" if op.half else "fp32")
-        return max(f / (peak * plat.matmul_fraction(f)) + plat.kernel_overhead_s, _mb(plat, op.nbytes / work_split))
-    return _mb(plat, op.nbytes / mem_split)
+        return max(f / (peak * plat.matmul_fraction(f)) + plat.kernel_overhead_s, plat.memory_bound_seconds(op.nbytes / work_split))
+    return plat.memory_bound_seconds(op.nbytes / mem_split)
 
 
 def block_seconds(ops: list[BlockOps], plat: Platform, *, tp: int = 1, sp: bool = False,
@@ -148,15 +147,14 @@ def _comm(plan: Any, model: nn.Module, cfg: Any, plat: Platform, *, b: int, seq:
     if pp == 1 and plan.zero == 0 and t == cp == plan.ep == 1:
         kinds = {"dp": total}
     elif pp == 1:
-        from scaletrain.techniques.cost import local_param_counts, mesh_predictions
-        from scaletrain.techniques.plan_cost import _MeshShape
+        from scaletrain.techniques.cost import MeshShape, local_param_counts, mesh_predictions
 
-        kinds = mesh_predictions(cfg, _MeshShape(plan), stage=plan.zero, micro_batch=b, accum=M, seq=seq,
+        kinds = mesh_predictions(cfg, MeshShape(plan), stage=plan.zero, micro_batch=b, accum=M, seq=seq,
                                  counts=local_param_counts(model, tp=t, ep=plan.ep), grad_clip=True,
                                  world=world)["comm_bytes_by_kind"]
     else:  # the pipeline rank's TP bytes from the stage cost face; the rest (gradients, tied, loss, norms) is dp
         from scaletrain.techniques.pipeline.schedules import build
-        from scaletrain.techniques.plan_cost import rank_tp_bytes
+        from scaletrain.techniques.pipeline.tensor_parallel import rank_tp_bytes
 
         sched = build(plan.schedule, pp, M, plan.virtual or (2 if plan.schedule == "interleaved" else 1))
         kinds = {"tp": rank_tp_bytes(plan, cfg, bounds, b, seq, sched, rank, remat) if t > 1 else 0.0}
@@ -279,10 +277,10 @@ def _exposed(kind: str, seconds: float, plat: Platform, plan: Any, window: float
 def _optimizer_seconds(plat: Platform, plan: Any, params: float, states: float) -> float:
     """The device optimizer step over ``params`` bytes of parameters holding ``states`` bytes of states
     (masters included): the planner's bytes per parameter, memory-bound."""
-    from scaletrain.planner.cost import _mb, optimizer_step_bytes
+    from scaletrain.techniques.optim.registry import optimizer_step_bytes
 
     n = params / (4 if plan.params_dtype == "fp32" else 2)  # parameters updated
-    return _mb(plat, n * optimizer_step_bytes(plan.optimizer, states / n if n else 0.0)) if n else 0.0
+    return plat.memory_bound_seconds(n * optimizer_step_bytes(plan.optimizer, states / n if n else 0.0)) if n else 0.0
 
 
 def _offload(t: StepSeconds, plan: Any, plat: Platform, *, mem: dict, stages: list[int], M: int, params: float,

@@ -270,3 +270,20 @@ def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], local_tens
         if tuple(full.shape) != tuple(t.shape):
             raise RuntimeError(f"size mismatch for {name}: checkpoint {tuple(full.shape)}, model {tuple(t.shape)}")
         local(t).copy_(local(shard_full(model, name, t, full.to(t.dtype))))
+
+
+def rank_tp_bytes(plan: Any, cfg: Any, bounds: list[int], b: int, seq: int, sched: Any, rank: int,
+                  remat: list | None) -> float:
+    """The TP collectives' bytes of one pipeline rank's stages per step
+    (:func:`.pipeline.tensor_parallel.stage_tp_bytes`, recomputed forwards included)."""
+    from scaletrain.techniques.remat.tree import recompute_counts, tree_of
+
+    total = 0.0
+    for st in sorted({a.stage for a in sched.actions[rank] if a.kind == "F"}):
+        kinds = ["embed" if i == 0 else "head" if i == bounds[-1] - 1 else "layer"
+                 for i in range(bounds[st], bounds[st + 1])]
+        forwards = sum(1 for a in sched.actions[rank] if a.kind == "F" and a.stage == st)
+        rec = recompute_counts(tree_of(remat[st]), len(kinds)) if remat else None
+        total += stage_tp_bytes(cfg, plan.tp, b, seq, kinds, forwards=forwards, recomputes=rec,
+                                sequence_parallel=plan.sp, precision=plan.precision)
+    return total
