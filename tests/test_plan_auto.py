@@ -133,3 +133,15 @@ def test_two_processes_run_the_choice_with_its_traffic_and_peak(tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert all(x["comm_bytes"] == x["predicted_comm_bytes"] for x in rows)
     assert rows[-1]["tracked_peak_bytes_max"] == pytest.approx(rows[-1]["predicted_peak_bytes"], rel=0.02)
+
+
+def test_plan_auto_on_a_gpu_points_to_scaletrain_plan():
+    """plan=auto measures CPU kernels; on a CUDA device it refuses in one line, before measuring anything, and
+    names the on-paper route (scaletrain plan --platform ... --out, then train --plan)."""
+    from scaletrain.train.config import load_config
+
+    cfg = load_config(None, ["plan=auto", "model.name=gpt2-mini"])
+    with pytest.raises(ConfigError) as e:
+        auto.choose(cfg, 2, 0, torch.device("cuda", 0))
+    msg = str(e.value)
+    assert "\n" not in msg and "scaletrain plan --model gpt2-mini" in msg and "--gpus-per-node 2" in msg

@@ -119,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
         s = est.meta["simulated"]
         print(f"cross-check, whole step simulated on fake tensors: peak {s['peak'] / 2**30:.3f} GiB "
               f"({s['seconds']:.2f} s)")
-    if "data_parallel" in est.meta:
+    plan_dims = est.meta.get("plan", {}).get("plan", {})
+    model_parallel = any(int(plan_dims.get(k, 1) or 1) > 1 for k in ("tp", "pp", "cp", "ep"))
+    if "data_parallel" in est.meta and not model_parallel:  # ZeRO's formula alone; the plan's ranks say more
         d = est.meta["data_parallel"]
         m = d["model_state_bytes_per_rank"]
         print(f"data parallel dp={d['dp']} zero={d['zero']}" + (f" hsdp={d['hsdp']}" if d["hsdp"] else "")

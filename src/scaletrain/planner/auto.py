@@ -154,6 +154,11 @@ def choose(cfg: Any, world: int, rank: int, device: torch.device) -> AutoPlan:
     from scaletrain.planner import local
 
     fixed = check(cfg)
+    if device.type != "cpu":  # local.measure times this host's CPU kernels: its figures would mislead a GPU's search
+        raise ConfigError(f"plan=auto calibrates CPU processes only, not {device.type} devices; plan on paper "
+                          f"instead: scaletrain plan --model {cfg.model.name} --platform h100|h200|a100-80g|FILE.json "
+                          f"--nodes 1 --gpus-per-node {world} --global-batch {cfg.train.global_batch} --out plan.toml, "
+                          f"then scaletrain train --plan plan.toml")
     plat = local.measure(world, cfg.train.precision, (cfg.model.name, dict(cfg.model.overrides)))  # all ranks at once
     payload: list[Any] = [None]
     if rank == 0:
