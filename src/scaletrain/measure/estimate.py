@@ -126,8 +126,8 @@ def estimate_chain(chain: Chain | nn.Module, example_input: torch.Tensor, *, tar
             traces = trace_chain(fchain, x, target, loss_fn, precision=precision, accum=accum, dedupe=True,
                                  granularity=512 if torch.device(device).type == "cuda" else None)
         except _DATA_DEPENDENT as e:
-            raise UserError(f"{name or type(chain).__name__} runs data-dependent operations (e.g. mixture-of-experts "
-                            f"routing: {type(e).__name__}) that fake tensors cannot estimate; measure it with "
+            raise UserError(f"{name or type(chain).__name__} runs data-dependent operations (e.g. boolean-mask "
+                            f"indexing: {type(e).__name__}) that fake tensors cannot estimate; measure it with "
                             "`scaletrain profile` instead") from None
     prof = profile_from_traces(chain, traces, model=name or type(getattr(chain, "source", None) or chain).__name__,
                                batch=int(example_input.shape[0]), seq=_seq(example_input), precision=precision,

@@ -74,7 +74,9 @@ def assign_slots(idx: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
 
 def load_balance_stats(idx: torch.Tensor, probs: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(f [E]: fraction of choices per expert, no gradient; P [E]: mean router probability)."""
-    counts = torch.bincount(idx.reshape(-1), minlength=n_experts).float()
+    flat = idx.reshape(-1)  # scatter_add, not bincount: the output shape must not depend on the values
+    counts = torch.zeros(n_experts, dtype=torch.float32, device=idx.device).scatter_add_(
+        0, flat, torch.ones(flat.shape, dtype=torch.float32, device=idx.device))
     return counts / idx.numel(), probs.mean(0)
 
 
@@ -83,25 +85,40 @@ def switch_aux_loss(f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return f.numel() * torch.sum(f * p)
 
 
+def moe_aux_loss(module: nn.Module, coef: float) -> torch.Tensor | None:
+    """``coef`` x the summed load-balancing loss of the last forward of every MoE layer inside
+    ``module`` (a whole model or any part of it, e.g. one pipeline stage); None when it has none."""
+    losses = [m.aux_loss for m in module.modules() if isinstance(m, MoEFeedForward) and m.aux_loss is not None]
+    return coef * torch.stack(losses).sum() if losses else None
+
+
+# Every (token, choice) is moved, a dropped one to (or from) one spare row past the E·cap slots, so
+# every shape is static (meta / fake tensors, compile) and the kept values are bitwise those of a
+# masked gather: each slot receives exactly one token, and a dropped choice adds 0 · value.
+
+
+def _flat_slots(idx: torch.Tensor, slots: torch.Tensor, cap: int, spare: int) -> torch.Tensor:
+    """Row of each (token, choice) in the flat [E·cap] buffer, ``spare`` for a dropped one: [T·k]."""
+    return torch.where(slots >= 0, idx * cap + slots, torch.full_like(slots, spare)).reshape(-1)
+
+
 def dispatch(x: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
     """Tokens x [T, h] into expert buffers [E, cap, h] (empty slots are zeros)."""
     T, k = idx.shape
-    keep = slots >= 0
-    tok = torch.arange(T, device=x.device).unsqueeze(1).expand(T, k)[keep]
-    dest = idx[keep] * cap + slots[keep]
-    buf = x.new_zeros(n_experts * cap, x.shape[-1]).index_add(0, dest, x[tok])
-    return buf.view(n_experts, cap, x.shape[-1])
+    dest = _flat_slots(idx, slots, cap, n_experts * cap)
+    src = x.repeat_interleave(k, dim=0)  # row t·k + j is token t (its choice j)
+    buf = x.new_zeros(n_experts * cap + 1, x.shape[-1]).index_add(0, dest, src)
+    return buf[:-1].view(n_experts, cap, x.shape[-1])
 
 
 def combine(buf: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor, T: int) -> torch.Tensor:
     """Expert outputs [E, cap, h] back to tokens [T, h], weighted by the gates."""
     E, cap, h = buf.shape
     k = idx.shape[1]
-    keep = slots >= 0
-    tok = torch.arange(T, device=buf.device).unsqueeze(1).expand(T, k)[keep]
-    src = idx[keep] * cap + slots[keep]
-    vals = buf.reshape(E * cap, h)[src] * gates[keep].unsqueeze(1).to(buf.dtype)
-    return buf.new_zeros(T, h).index_add(0, tok, vals)
+    src = _flat_slots(idx, slots, cap, 0)  # a dropped choice reads row 0, weighted 0
+    w = torch.where(slots >= 0, gates, torch.zeros_like(gates)).reshape(-1, 1).to(buf.dtype)
+    tok = torch.arange(T, device=buf.device).repeat_interleave(k)
+    return buf.new_zeros(T, h).index_add(0, tok, buf.reshape(E * cap, h)[src] * w)
 
 
 # --------------------------------------------------------------------------- modules
@@ -138,7 +155,19 @@ class MoEFeedForward(nn.Module):
         self.experts = Experts(cfg.n_experts, cfg.n_embd, 4 * cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.aux_loss: torch.Tensor | None = None
-        self.dropped = 0
+        self._dropped: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict:
+        """Copies (``copy.deepcopy``, the estimator's fake copy, pickling) drop the last forward's
+        loss and count: the loss is a non-leaf tensor, which torch refuses to deep-copy."""
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        return {**state, "aux_loss": None, "_dropped": None}
+
+    @property
+    def dropped(self) -> int:
+        """(token, choice) pairs of the last forward dropped for capacity (kept as a tensor until
+        asked, so a meta / fake forward never needs its value)."""
+        return 0 if self._dropped is None else int(self._dropped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -146,7 +175,7 @@ class MoEFeedForward(nn.Module):
         idx, gates, probs = top_k_route(self.router(xf), self.top_k)
         cap = capacity(b * s, self.n_experts, self.top_k, self.capacity_factor)
         slots = assign_slots(idx, self.n_experts, cap)
-        self.dropped = int((slots < 0).sum())
+        self._dropped = (slots < 0).sum()
         self.aux_loss = switch_aux_loss(*load_balance_stats(idx, probs, self.n_experts))
         out = self.experts(dispatch(xf, idx, slots, self.n_experts, cap))  # [E, cap, h]
         return self.drop(combine(out, idx, slots, gates, b * s).view(b, s, h))
@@ -168,9 +197,9 @@ class GPT2MoE(GPT2):
     def moe_layers(self) -> list[MoEFeedForward]:
         return [b.mlp for b in self.h if isinstance(b.mlp, MoEFeedForward)]
 
-    def aux_loss(self) -> torch.Tensor:
-        """``aux_loss_coef`` x the summed load-balancing loss of the last forward (add to the loss)."""
-        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
-        if not losses:
-            return torch.zeros(())
-        return self.config.aux_loss_coef * torch.stack(losses).sum()
+    def aux_loss(self, part: nn.Module | None = None) -> torch.Tensor | None:
+        """``aux_loss_coef`` x the summed load-balancing loss of the last forward (add to the loss):
+        of the whole model (zero when no MoE layer ran), or of the MoE layers inside ``part`` — a
+        piece of this model, e.g. one pipeline stage's blocks — None when it holds none."""
+        aux = moe_aux_loss(self if part is None else part, self.config.aux_loss_coef)
+        return torch.zeros(()) if aux is None and part is None else aux

@@ -233,12 +233,19 @@ RULES: list[Rule] = [
          "the asynchronous schedules update inside the stream, between the reduce-scatter and all-gather "
          "a sharded optimizer (or FSDP's sharded parameters) needs", "parallel.zero=0 with pipedream / pipedream-2bw",
          "async updates"),
-    Rule("pp-cp-ep", lambda p, f: p.pp > 1 and (p.cp > 1 or p.ep > 1),
-         lambda p, f: f"parallel.pp={p.pp} with parallel.cp={p.cp} / parallel.ep={p.ep}",
-         "context and expert parallelism inside pipeline stages are not composed yet", "parallel.tp with pp",
+    Rule("pp-cp", lambda p, f: p.pp > 1 and p.cp > 1,
+         lambda p, f: f"parallel.pp={p.pp} with parallel.cp={p.cp}",
+         "context parallelism inside pipeline stages is not composed yet (its ring attention would run per stage "
+         "and micro-batch over a group the pipeline's layout does not build)", "parallel.tp with pp",
          "not composed yet"),
-    Rule("pp-moe", lambda p, f: p.pp > 1 and f.moe, lambda p, f: f"parallel.pp={p.pp} on a mixture-of-experts model",
-         "its load-balancing loss spans all stages", "parallel.pp=1", "aux loss spans stages"),
+    Rule("pp-ep", lambda p, f: p.pp > 1 and p.ep > 1 and (p.zero != 0 or p.tp > 1 or p.schedule == "chimera"
+                                                          or p.schedule in ASYNC or p.remat.active),
+         lambda p, f: f"parallel.ep={p.ep} with parallel.pp={p.pp}, zero={p.zero}, tp={p.tp}, "
+                      f"schedule={p.schedule}, remat={p.remat.method if p.remat.active else 'none'}",
+         "expert parallelism inside the stages reduces expert gradients over its own groups with the plain "
+         "all-reduce; ZeRO's shards, TP's (dp, pp, tp) mesh, Chimera's replica sums, the asynchronous updates "
+         "and recomputed all-to-alls are not composed with it yet",
+         "ep with pp and zero=0, tp=1, schedule gpipe, 1f1b, interleaved or zb1p, no remat", "zero 0 / sync only"),
     Rule("pp-virtual", lambda p, f: p.pp > 1 and p.virtual > 1 and p.schedule != "interleaved",
          lambda p, f: f"parallel.virtual={p.virtual} with parallel.schedule={p.schedule}",
          "virtual stages only apply to the interleaved schedule", "parallel.virtual=0 or 1", "interleaved only"),

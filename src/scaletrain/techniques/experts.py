@@ -99,13 +99,16 @@ def _ep_moe_forward(self: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
     idx, gates, probs = top_k_route(self.router(xf), self.top_k)
     cap = capacity(T, E, self.top_k, self.capacity_factor)
     slots = assign_slots(idx, E, cap)
-    self.dropped = int((slots < 0).sum())
+    self._dropped = (slots < 0).sum()
     f, p = load_balance_stats(idx, probs, E)
     f = f.clone()
     aux_group = self._aux_group
-    n_aux = dist.get_world_size(aux_group)
-    dist.all_reduce(f, group=aux_group)  # no gradient flows through f (Switch: it counts choices)
-    self.aux_loss = switch_aux_loss(f / n_aux, _AllReduceSum.apply(p, aux_group) / n_aux)
+    if aux_group is None:  # this rank's tokens only (per micro-batch, as Megatron's default)
+        self.aux_loss = switch_aux_loss(f, p)
+    else:
+        n_aux = dist.get_world_size(aux_group)
+        dist.all_reduce(f, group=aux_group)  # no gradient flows through f (Switch: it counts choices)
+        self.aux_loss = switch_aux_loss(f / n_aux, _AllReduceSum.apply(p, aux_group) / n_aux)
     buf = dispatch(xf, idx, slots, E, cap).view(ep, E // ep, cap, h)  # [dest rank, local expert, cap, h]
     recv = all_to_all(buf, group)  # [source rank, my experts, cap, h]
     out = self.experts(recv.transpose(0, 1).reshape(E // ep, ep * cap, h))
@@ -124,12 +127,21 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, aux_group: dist
     exactly as on one device — 2·E floats per MoE layer, negligible). With ep = 1 this still
     applies (no experts move; only the statistics are shared), e.g. under context parallelism.
     """
+    group = ep_mesh.get_group()
+    return shard_experts(model, group, rank=ep_mesh.get_local_rank(), size=ep_mesh.size(),
+                         aux_group=aux_group if aux_group is not None else group)
+
+
+def shard_experts(model: nn.Module, group: dist.ProcessGroup | None, *, rank: int, size: int,
+                  aux_group: dist.ProcessGroup | None) -> nn.Module:
+    """:func:`apply_expert_parallel` over a process group: rank ``rank`` of ``size`` keeps experts
+    rank·E/size ... (rank+1)·E/size - 1. ``aux_group`` None: each rank's load-balancing loss from
+    its own tokens (a pipeline's per-micro-batch loss)."""
     layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
     if not layers:
         raise UserError(f"parallel.ep needs a model with mixture-of-experts layers (e.g. gpt2-moe); "
                         f"{type(model).__name__} has none")
-    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    group = ep_mesh.get_group()
+    ep = size
     for moe in layers:
         if moe.n_experts % ep:
             raise UserError(f"parallel.ep={ep} must divide the number of experts ({moe.n_experts})")
@@ -139,7 +151,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, aux_group: dist
             setattr(local, _EXPERT_FLAG, True)
             moe.experts.register_parameter(name, local)
         moe._ep_group, moe._ep_size, moe._ep_rank = group, ep, rank
-        moe._aux_group = aux_group if aux_group is not None else group
+        moe._aux_group = aux_group
         moe.forward = types.MethodType(_ep_moe_forward, moe)
     return model
 
@@ -203,17 +215,19 @@ def gather_expert_state(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, torc
 
 
 def ep_comm_bytes_per_step(n_moe_layers: int, tokens: int, n_embd: int, n_experts: int, top_k: int,
-                           capacity_factor: float, ep: int, *, act_bytes: int = 4) -> dict[str, Any]:
+                           capacity_factor: float, ep: int, *, act_bytes: int = 4,
+                           shared_aux: bool = True) -> dict[str, Any]:
     """All-to-alls of one EP rank per micro-batch of ``tokens`` local tokens (forward+backward).
 
     Per MoE layer: dispatch and combine in the forward, their transposes in the backward — 4
     all-to-alls of the buffer E·cap·h·act_bytes, of which (ep-1)/ep leaves the rank; plus the
-    load-balancing statistics: 2 all-reduces of E fp32 in the forward, 1 in the backward.
+    load-balancing statistics: 2 all-reduces of E fp32 in the forward, 1 in the backward
+    (``shared_aux``; none when each rank's loss is its own, as inside pipeline stages).
     """
     cap = capacity(tokens, n_experts, top_k, capacity_factor)
     buf = n_experts * cap * n_embd * act_bytes
     a2a = 4 * n_moe_layers
-    ar = 3 * n_moe_layers
+    ar = 3 * n_moe_layers if shared_aux else 0
     f = (ep - 1) / ep
     return {"all_to_all": {"count": a2a, "payload_bytes": a2a * buf},
             "all_reduce": {"count": ar, "payload_bytes": ar * n_experts * 4},

@@ -102,11 +102,13 @@ def _full_params(cfg: Any, n_blocks: int) -> list[float]:
 
 def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, seq: int,
                micro_batch: int = 0, example: torch.Tensor | None = None, target: torch.Tensor | None = None,
-               device: str = "cpu", platform: Any = None) -> list[RankCost]:
+               device: str = "cpu", platform: Any = None, optimizer_kw: dict[str, Any] | None = None
+               ) -> list[RankCost]:
     """Every pipeline rank's predicted peak and traffic for ``plan`` on ``world`` processes (see the
     module docstring). ``model`` may live on the meta device; the compatibility table is the
     caller's. With a ``platform`` (:class:`scaletrain.platform.Platform`) each rank's ``time_s`` holds
-    its step's seconds by phase (:func:`_add_times`)."""
+    its step's seconds by phase (:func:`_add_times`). ``optimizer_kw``: the optimizer's settings that
+    change its states (e.g. SGD's ``momentum``: one buffer per parameter, none without)."""
     from scaletrain.chain import to_chain
     from scaletrain.techniques.pipeline.apply import default_virtual, stage_bounds
     from scaletrain.techniques.pipeline.memory import stage_memory
@@ -133,11 +135,11 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
                            loss_fn=_loss, balance=plan.balance) if plan.pp > 1 else [0, n])
     remat = _remat(plan, chain, bounds, example, target)
     mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
-                       precision=plan.precision, remat=remat)
+                       precision=plan.precision, remat=remat, **(optimizer_kw or {}))
     if plan.pp > 1 and plan.zero == 3 and plan.precision in ("bf16", "fp16"):
         # FSDP2 in the stages computes with 16-bit parameters: autocast saves no 16-bit weight copies
         half = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
-                            precision=plan.precision, remat=remat, params_dtype=plan.precision)
+                            precision=plan.precision, remat=remat, params_dtype=plan.precision, **(optimizer_kw or {}))
         for k in ("act_bytes", "fwd_temp_bytes", "bwd_temp_bytes"):
             mem[k] = half[k]
     S = len(bounds) - 1
@@ -147,8 +149,14 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
                         f"runs with parallel.tp={plan.tp} but its costs are not modelled: estimate with tp=cp=1")
     if plan.tp > 1 or plan.cp > 1:
         _shrink_model_parallel(mem, plan, cfg, bounds, b, seq)
+    if plan.ep > 1:
+        _shard_experts(mem, plan, bounds, chain)
     _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu")
     sched = build(sched_name, plan.pp, M, v)
+    if sched.split_backward:  # zb1p: from I to W a micro-batch keeps its linears' inputs and output gradients
+        from scaletrain.techniques.pipeline.memory import deferred_grad_bytes
+
+        mem = {**mem, "wstash_bytes": deferred_grad_bytes(chain, bounds, example, precision=plan.precision)}
     sim = simulate(sched, StageCosts(fwd_s=[1.0] * S, bwd_s=[2.0] * S, **mem))
     comm = _traffic(plan, model, cfg, bounds, b, seq, M, world, remat)
     out = []
@@ -253,6 +261,29 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
             biggest = max((sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks),
                           default=0)
             mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + (4 if gloo else 3) * biggest
+
+
+def _expert_ids(chain: nn.Module) -> set[int]:
+    """Parameters of every mixture-of-experts layer's experts (what expert parallelism slices)."""
+    return {id(q) for m in chain.modules() if type(m).__name__ == "MoEFeedForward" for q in m.experts.parameters()}
+
+
+def _shard_experts(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module) -> None:
+    """Expert parallelism (:mod:`.experts`, :mod:`.pipeline.experts`): each rank keeps 1/ep of every
+    expert tensor, so a stage's weights lose (1 - 1/ep) of its experts' share — and so do its gradients
+    below ZeRO-2 and its optimizer states and step transient without ZeRO (ZeRO then shards the experts
+    over the dp/ep ranks holding the same ones: 1/dp of them, as :func:`_shard_zero` divides).
+    Activations stay: the all-to-all moves the same E·cap rows."""
+    experts = _expert_ids(chain)
+    for s in range(len(bounds) - 1):
+        ps = _stage_params(chain, bounds, s)
+        total = sum(p.numel() for p in ps)  # a tied embedding is among the head block's parameters
+        e = sum(p.numel() for p in ps if id(p) in experts)
+        keep = 1.0 - (e / total) * (1.0 - 1.0 / plan.ep) if total else 1.0
+        keys = ["weight_bytes"] + (["grad_bytes"] if plan.zero < 2 else []) + \
+            (["state_bytes", "opt_temp_bytes"] if plan.zero == 0 else [])
+        for k in keys:
+            mem[k][s] *= keep
 
 
 def _padded_shard_elements(params: list, N: int) -> int:
@@ -369,10 +400,18 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
         segs = bucket_segments(shapes, dp, plan.bucket_mb * 2**20)
         total += 2 * (dp - 1) / dp * sum(dp * seg * 4 for seg in segs)
     else:
-        total += ring_ar(dp, nbytes(mine))
-        total += ring_ar(plan.pp, 8.0) + (ring_ar(t, 8.0) if t > 1 else 0.0)
+        ep = max(plan.ep, 1)
+        experts = [p for p in mine if id(p) in _expert_ids(chain)] if ep > 1 else []
+        total += ring_ar(dp, nbytes([p for p in mine if not any(p is q for q in experts)]))
+        total += ring_ar(dp // ep, nbytes(experts) / ep)  # EP: this rank's 1/ep, summed over the same experts
+        total += ring_ar(plan.pp, 8.0) + (ring_ar(t, 8.0) if t > 1 else 0.0) + (ring_ar(ep, 8.0) if experts else 0.0)
     if plan.precision == "fp16":  # the loss scaler's found-inf all-reduce (one fp32) over the world
         total += ring_ar(plan.pp * dp * t, 4.0)
+    if plan.ep > 1:  # the all-to-alls of this rank's MoE layers
+        from scaletrain.techniques.pipeline.experts import moe_layers_per_block, rank_ep_bytes
+
+        total += rank_ep_bytes(cfg, sched, bounds, moe_layers_per_block(chain.blocks), rank, b, seq, plan.ep,
+                               plan.precision)
     if t > 1:
         from scaletrain.techniques.pipeline.tensor_parallel import rank_tp_bytes
 

@@ -121,10 +121,12 @@ def _pipeline(st: Any) -> Layout:
     mine = {id(t) for t in rt.plan.local_tensors}
     first, aliases = canonical_names(model)
     lay = Layout(aliases=aliases)
+    plan = rt.plan
+    er = (plan.ep_ranks.index(plan.global_rank(plan.pp_rank)), plan.ep) if plan.ep > 1 else None
     for p in model.parameters():
         if id(p) not in mine:
             continue
-        v = view_of(model, first[id(p)], p, tp)
+        v = view_of(model, first[id(p)], p, tp, er if id(p) in plan.experts else None)
         v.transposed = False  # the pipeline's TP (native GPT-2) only permutes the fused QKV rows
         lay.values.append((v, local_of(p).detach()))
         e = st._param_entry.get(id(p)) if st.zero is not None else None

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from scaletrain.measure.comm import ledger_owned
+from scaletrain.techniques.data_parallel.zero import squared_norm
 
 
 def shardable_blocks(model: nn.Module) -> list[nn.Module]:
@@ -130,7 +131,7 @@ class FSDPSync:
         for e in self.entries:
             g = e.proxy.grad
             if g is not None and g.numel():
-                sq += g.double().pow(2).sum() / e.replicas
+                sq += squared_norm(g) / e.replicas
         return sq
 
     def scale_grads(self, coef: float) -> None:

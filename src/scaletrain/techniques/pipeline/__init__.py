@@ -15,6 +15,9 @@
   over the runtime.
 * :mod:`.tensor_parallel` — tensor parallelism inside the stages (``parallel.tp`` with
   ``parallel.pp``): the (dp, pp, tp) layout, one pipeline per TP index on local shards.
+* :mod:`.experts` — expert parallelism inside the stages (``parallel.ep`` with ``parallel.pp``): EP
+  groups of data-parallel replicas, expert gradient groups, expert slices in checkpoints, the
+  all-to-alls' bytes.
 """
 
 from .schedules import SCHEDULES, Action, Schedule, build

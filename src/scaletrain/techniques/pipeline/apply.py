@@ -58,7 +58,8 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
                      forward_context: Callable[[], ContextManager] | None = None,
                      record_events: bool = False, remat: str = "none", remat_budget: int | str | None = None,
                      remat_precision: str = "fp32", tp: int = 1, sequence_parallel: bool = False,
-                     loss_scale: Callable | None = None) -> PipelineRuntime:
+                     loss_scale: Callable | None = None, stage_aux: Callable | None = None,
+                     ep: int = 1) -> PipelineRuntime:
     """Build the :class:`PipelineRuntime` for this process (call on every process of the job).
 
     ``micro_batch`` is samples per micro-batch: ``global_batch = dp × microbatches × micro_batch``.
@@ -66,6 +67,8 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
     ``remat``, ``remat_budget``, ``remat_precision``: rematerialization inside every stage
     (``memory.remat.*``; see :class:`PipelineRuntime`). ``tp`` > 1: tensor parallelism inside
     the stages over a (dp, pp, tp) mesh (world = dp × pp × tp; the model is sharded in place).
+    ``stage_aux``: a stage's own loss term (``model.aux_loss(part)``, see :class:`PipelineRuntime`);
+    ``ep`` > 1: expert parallelism inside the stages (:mod:`.experts`; the model's experts sliced in place).
     """
     v = default_virtual(schedule, virtual)
     example = example_input(model, micro_batch, seq_len)
@@ -91,10 +94,15 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
         extra["tp"] = tpp.setup(model, dp=dp, pp=pp, tp=tp, device_type=dev.type, sequence_parallel=sequence_parallel)
         extra["backward_context"] = tpp.backward_context
         loss_fn = tpp.vocab_parallel_loss(loss_fn)
+    if ep > 1:  # after the fake-tensor passes above (they see the whole experts), before the plan's groups
+        from .experts import apply_stage_experts
+
+        apply_stage_experts(model, pp=pp, dp=dp, ep=ep, timeout_s=timeout_s)
     rt = PipelineRuntime(model, schedule, microbatches, pp=pp, dp=dp, virtual=v, bounds=bounds, loss_fn=loss_fn,
                          example_input=example, device=device, timeout_s=timeout_s, forward_context=forward_context,
                          record_events=record_events, remat=remat, remat_budget=remat_budget,
-                         remat_precision=remat_precision, loss_scale=loss_scale, **extra)
+                         remat_precision=remat_precision, loss_scale=loss_scale, stage_aux=stage_aux, ep=ep,
+                         **extra)
     from .tensor_parallel import free_nonlocal
 
     free_nonlocal(model, rt.plan.local_tensors)  # keep only this rank's stages (their TP shards)

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from scaletrain.techniques.data_parallel.zero import squared_norm
+
 from . import p2p
 from .schedules import Schedule
 from .tensor_parallel import TPLayout, is_replicated, local
@@ -64,7 +66,7 @@ class ParamPlan:
 
     def __init__(self, blocks: nn.ModuleList, bounds: list[int], sched: Schedule, ranks: Sequence[int],
                  pp_rank: int, dp_rank: int, dp: int, transport: p2p.Transport, timeout_s: float,
-                 tp: TPLayout | None = None):
+                 tp: TPLayout | None = None, ep: int = 1):
         self.ranks, self.pp, self.pp_rank, self.dp_rank, self.dp = list(ranks), sched.n_ranks, pp_rank, dp_rank, dp
         self.tp = tp
         self.transport, self.timeout_s = transport, timeout_s
@@ -109,6 +111,20 @@ class ParamPlan:
         self.mesh_ranks = tuple(sorted(self.ranks))
         self.replica_ranks = tuple(sorted(self.global_rank(r) for r in range(self.pp)))
         self.dp_ranks = tuple(sorted(self.global_rank(pp_rank, d) for d in range(dp)))
+        self.ep = ep
+        """Expert parallelism inside the stages (:mod:`.experts`): expert parameters are this rank's
+        slice; their gradients are summed over the expert-data-parallel group (not averaged over dp)."""
+        from scaletrain.techniques.experts import is_expert_param
+
+        self.experts = {id(p) for p in self.params if is_expert_param(p)}
+        self.ep_ranks: tuple[int, ...] = ()
+        self.expert_dp_ranks: tuple[int, ...] = ()
+        if ep > 1:
+            from .experts import ep_ranks
+
+            self.ep_ranks, self.expert_dp_ranks = ep_ranks(pp_rank, dp_rank, dp, ep)
+            self.ep_ranks = tuple(sorted(self.global_rank(pp_rank, r % dp) for r in self.ep_ranks))
+            self.expert_dp_ranks = tuple(sorted(self.global_rank(pp_rank, r % dp) for r in self.expert_dp_ranks))
         self.zero_sync: Any = None
         """A :class:`~scaletrain.techniques.data_parallel.zero.GradSync` (ZeRO-1) or a
         :class:`.fsdp.StageFSDP` (ZeRO-3) that replaces the data-parallel all-reduce, or None."""
@@ -159,8 +175,9 @@ class ParamPlan:
                 g = self.group([self.global_rank(r) for r in h])
                 flat_collective(ts, lambda f: self.transport.broadcast(
                     f, self.global_rank(h[0]), g, "initial broadcast of shared parameters"))
-            if self.dp > 1:
-                flat_collective([self.tensors[i] for i in self.local], lambda f: self.transport.broadcast(
+            if self.dp > 1:  # expert slices differ between EP ranks by design (all cut from equal weights)
+                flat_collective([self.tensors[i] for i in self.local if id(self.tensors[i]) not in self.experts],
+                                lambda f: self.transport.broadcast(
                     f, self.global_rank(self.pp_rank, 0), self.group(self.dp_ranks), "initial data-parallel broadcast"))
 
     def grad_sync(self, stage: int, peer_pp_rank: int) -> None:
@@ -189,14 +206,25 @@ class ParamPlan:
         if self.zero_sync is not None:  # ZeRO-1: reduce-scatter into the owned rows (GradSync)
             self.zero_sync.reduce()
             return
-        if self.dp > 1 and self.params:
+        dense = [p for p in self.params if id(p) not in self.experts]
+        if self.dp > 1 and dense:
             g = self.group(self.dp_ranks)
 
             def avg(f: torch.Tensor) -> None:
                 self.transport.all_reduce(f, g, "data-parallel gradient all-reduce")
                 f.div_(self.dp)
 
-            flat_collective(_materialise(self.params), avg)
+            flat_collective(_materialise(dense), avg)
+        experts = [p for p in self.params if id(p) in self.experts]
+        if self.dp > 1 and experts:  # each holds its EP group's tokens' sum: sum over the same experts' holders
+
+            def expert_avg(f: torch.Tensor) -> None:
+                if len(self.expert_dp_ranks) > 1:
+                    self.transport.all_reduce(f, self.group(self.expert_dp_ranks),
+                                              "expert-data-parallel gradient all-reduce")
+                f.div_(self.dp)
+
+            flat_collective(_materialise(experts), expert_avg)
 
     def clip_(self, max_norm: float) -> float:
         """Clip the global gradient norm (L2 over all stages, shared parameters counted once) to
@@ -206,8 +234,16 @@ class ParamPlan:
         sq = torch.zeros(1, dtype=torch.float64, device=self.transport.device)
         tp_rank = self.tp.tp_rank if self.tp is not None else 0
         for p in self.owned:
-            if p.grad is not None and (tp_rank == 0 or not is_replicated(p)):
-                sq += local(p.grad).detach().double().pow(2).sum()
+            if p.grad is not None and (tp_rank == 0 or not is_replicated(p)) and id(p) not in self.experts:
+                sq += squared_norm(local(p.grad).detach())
+        if self.experts:  # each EP rank holds other experts: their squares summed over the EP group
+            sq_e = torch.zeros(1, dtype=torch.float64, device=self.transport.device)
+            for p in self.owned:
+                if p.grad is not None and id(p) in self.experts:
+                    sq_e += squared_norm(p.grad.detach())
+            if len(self.ep_ranks) > 1:
+                self.transport.all_reduce(sq_e, self.group(self.ep_ranks), "expert gradient-norm all-reduce")
+            sq += sq_e
         if self.pp > 1:
             self.transport.all_reduce(sq, self.group(self.replica_ranks), "gradient-norm all-reduce")
         if self.tp is not None and self.tp.tp > 1:

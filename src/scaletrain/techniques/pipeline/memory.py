@@ -143,3 +143,48 @@ def _remat_stage(graph: Any, ops: Sequence[Any]) -> tuple[float, float, float]:
     first_b = next(k for k, op in enumerate(ops) if op.kind == "B")
     kept = float(rep.after[first_b - 1])
     return kept, max(0.0, max(rep.during[:first_b]) - kept), max(0.0, max(rep.during[first_b:]) - kept)
+
+
+def deferred_grad_bytes(chain: Chain | nn.Module, bounds: Sequence[int], example_input: torch.Tensor, *,
+                        precision: str = "fp32") -> list[float]:
+    """Bytes one micro-batch of each stage keeps from its input-gradient pass (I) to its weight-gradient
+    pass (W) under zb1p (:class:`.stage.DeferWeightGrad`): every linear layer's input and output gradient
+    (``dW = gᵀ x`` needs both), each tensor once — the simulator's ``wstash_bytes``. The rest of the
+    micro-batch's activations is freed by I. Found by a fake-tensor forward that records each linear call
+    (its output gradient has its output's shape and dtype)."""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+
+    chain = to_chain(chain)
+    calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+
+    class _Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            w = args[1] if len(args) > 1 else (kwargs or {}).get("weight")
+            if func is F.linear and isinstance(w, torch.Tensor) and w.requires_grad:
+                calls[-1].append((args[0], out))
+            return out
+
+    device = example_input.device.type if example_input.device.type != "meta" else "cpu"
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        x = mode.from_tensor(example_input) if example_input.device.type != "meta" else \
+            torch.empty(example_input.shape, dtype=example_input.dtype, device="cpu")
+        if example_input.dtype == torch.long:
+            x = torch.zeros(example_input.shape, dtype=torch.long, device="cpu")
+        with torch.autocast(device, dtype=half, enabled=half is not None):
+            for blk in chain.blocks:
+                calls.append([])
+                with _Record():
+                    x = blk(x)
+    out = []
+    for s in range(len(bounds) - 1):
+        seen: dict[int, float] = {}
+        for blk_calls in calls[bounds[s]:bounds[s + 1]]:
+            for xin, y in blk_calls:
+                seen[id(xin)] = float(xin.numel() * xin.element_size())
+                seen[id(y)] = float(y.numel() * y.element_size())
+        out.append(sum(seen.values()))
+    return out

@@ -45,6 +45,7 @@ from typing import Callable, ContextManager, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from scaletrain.chain import Chain, to_chain
 from scaletrain.errors import UserError
@@ -135,7 +136,8 @@ class PipelineRuntime:
                  specs: Sequence[TensorSpec] | None = None,
                  backward_context: Callable[[], ContextManager] | None = None,
                  remat_plans: Sequence[object] | None = None,
-                 loss_scale: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 loss_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 stage_aux: Callable[[nn.Module], torch.Tensor | None] | None = None, ep: int = 1):
         if not dist.is_initialized():
             raise UserError("the pipeline runtime needs torch.distributed initialised (run under torchrun)")
         self.chain = to_chain(chain)
@@ -144,6 +146,11 @@ class PipelineRuntime:
         self.forward_context = forward_context or contextlib.nullcontext
         self.loss_scale = loss_scale
         """fp16: multiplies the last stage's weighted loss by the loss scale before its backward."""
+        self.stage_aux = stage_aux
+        """A stage's own loss term of its last forward (``model.aux_loss(part)``: a mixture of
+        experts' load-balancing loss), or None: read after every stage forward, weighted like the
+        task loss, logged with it and backpropagated with the stage's output gradient."""
+        self._aux: dict[tuple[int, int, int], torch.Tensor] = {}
         self.backward_context = backward_context or contextlib.nullcontext
         self.timeout_s = float(timeout_s)
         self.record_events = record_events
@@ -204,7 +211,7 @@ class PipelineRuntime:
                 # nested checkpoints (not the op-by-op executor): they compose with TP and ZeRO inside stages
                 rep.remat = CheckpointedBlocks(list(rep.module), tree_of(plans[s]))
         self.plan = ParamPlan(self.chain.blocks, self.bounds, sched, self.ranks, self.pp_rank, self.dp_rank,
-                              self.dp, self.transport, self.timeout_s, tp=tp)
+                              self.dp, self.transport, self.timeout_s, tp=tp, ep=ep)
         self.plan.broadcast_replicated()
         blocks = {id(b): b for rep in self.replicas.values() for b in rep.module}
         self.module = nn.ModuleList(blocks.values())
@@ -448,9 +455,19 @@ class PipelineRuntime:
             if rep.last:
                 y = feed.get(a.mb)[1]
                 loss = self.loss_fn(out, y)
+        aux = self.stage_aux(rep.module) if self.stage_aux is not None else None
+        if aux is not None:  # this stage's term of the micro-batch's loss (Megatron adds MoE aux losses per stage)
+            self._losses[a.mb // self.M] += aux.detach().double()
+            aux = aux * self._weight
+            if not rep.last:
+                self._aux[(a.pipe, a.stage, a.mb)] = self.loss_scale(aux) if self.loss_scale is not None else aux
         if rep.last:
             self._losses[a.mb // self.M] += loss.detach().double()
-            out = loss * self._weight
+            if aux is not None and isinstance(loss, DTensor) and not isinstance(aux, DTensor):
+                # TP's vocabulary-parallel loss is a DTensor; the MoE layers ran whole on every TP rank
+                aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim,
+                                         run_check=False)
+            out = loss * self._weight if aux is None else loss * self._weight + aux
             if self.loss_scale is not None:
                 out = self.loss_scale(out)
             feed.used(a.mb)
@@ -474,7 +491,7 @@ class PipelineRuntime:
         else:
             grad = rep.grad_out.pop(a.mb)
         with self.backward_context() if rep.last else contextlib.nullcontext():
-            rep.backward(a.mb, out, grad)
+            rep.backward(a.mb, out, grad, self._aux.pop((a.pipe, a.stage, a.mb), None))
         x = rep.inputs.pop(a.mb)
         if not rep.first:
             gx = x.grad if x.grad is not None else torch.zeros_like(x)

@@ -122,6 +122,9 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, queue: list) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        # the parameter itself, for the W pass to set .grad on: a saved tensor comes back through any
+        # saved-tensor hooks (the memory tracker's), maybe as an alias whose .grad is not the parameter's
+        ctx.param = weight
         ctx.queue = queue
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
@@ -133,7 +136,7 @@ class _DeferredLinear(torch.autograd.Function):
         gx = g @ weight.to(g.dtype) if ctx.needs_input_grad[0] else None  # [..., in_features]
         gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if ctx.needs_input_grad[1]:
-            ctx.queue.append((weight, x, g))  # dW = gᵀ x, computed in the W pass
+            ctx.queue.append((ctx.param, x, g))  # dW = gᵀ x, computed in the W pass
         return gx, None, gb, None
 
 
@@ -155,6 +158,7 @@ class DeferWeightGrad(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@torch.no_grad()  # dW must not record a graph: a .grad with a grad_fn would keep every queued x and g alive
 def run_weight_grads(queue: list) -> None:
     """The W pass: accumulate ``dW = gᵀ·x`` for every queued linear (fp32 accumulate into .grad)."""
     while queue:
@@ -219,12 +223,16 @@ class Replica:
         return (self.remat or self.module)(x)
 
     # ------------------------------------------------------------------ backward
-    def backward(self, mb: int, out: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """Backward of micro-batch ``mb`` (B, or I when weight gradients are deferred)."""
+    def backward(self, mb: int, out: torch.Tensor, grad: torch.Tensor | None, aux: torch.Tensor | None = None) -> None:
+        """Backward of micro-batch ``mb`` (B, or I when weight gradients are deferred). ``aux``: a
+        weighted scalar loss this stage adds itself (a mixture of experts' load-balancing loss),
+        backpropagated in the same pass as the output gradient."""
         if grad is None:
             out.backward()
-        else:
+        elif aux is None:
             out.backward(grad)
+        else:
+            torch.autograd.backward([out, aux], [grad, None])
         v = self.mb_version.pop(mb, None)
         if v is not None:  # forwarded with a snapshot: its gradients belong to the live weights
             snap = self.snapshots[v]

@@ -73,12 +73,50 @@ class PipelineState:
         from .tensor_parallel import gather_model_state
 
         return gather_model_state(self.model, rt.plan.local_tensors,
-                                  (rt.tp is None or rt.tp.tp_rank == 0) and rt.dp_rank == 0)
+                                  (rt.tp is None or rt.tp.tp_rank == 0) and rt.dp_rank == 0, self._whole_experts)
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        from .tensor_parallel import load_full_state  # this rank's stages (their TP shards)
+        from .tensor_parallel import load_full_state  # this rank's stages (their TP shards, expert slices)
 
-        load_full_state(self.model, state, self.runtime.plan.local_tensors)
+        load_full_state(self.model, state, self.runtime.plan.local_tensors, self._expert_slice)
+
+    # ------------------------------------------------------------------ expert parallelism (:mod:`.experts`)
+    def _ep(self) -> tuple[Any, int, int]:
+        plan = self.runtime.plan
+        return plan.group(plan.ep_ranks), plan.ep, plan.ep_ranks.index(plan.global_rank(plan.pp_rank))
+
+    def _whole_experts(self, t: torch.Tensor) -> torch.Tensor:
+        """An expert parameter's (or its state's) slice gathered over the EP group; else ``t``.
+        Collective over the EP group (its members hold the same stages: same calls, same order)."""
+        from scaletrain.techniques.experts import is_expert_param
+
+        if self.runtime.plan.ep <= 1 or not is_expert_param(t):
+            return t
+        from .experts import gather_experts
+
+        group, size, _ = self._ep()
+        return gather_experts(t, group, size)
+
+    def _whole_expert_state(self, p: torch.Tensor, v: Any) -> Any:
+        """A parameter-shaped optimizer state of expert parameter ``p`` gathered over the EP group
+        (scalars such as Adam's step stay). Collective over the EP group."""
+        if not torch.is_tensor(v) or tuple(v.shape) != tuple(p.shape):
+            return v
+        from .experts import gather_experts
+
+        group, size, _ = self._ep()
+        return gather_experts(v, group, size)
+
+    def _expert_slice(self, t: torch.Tensor, full: Any) -> Any:
+        """This EP rank's experts of a whole expert tensor (parameter or parameter-shaped state)."""
+        from scaletrain.techniques.experts import is_expert_param
+
+        if self.runtime.plan.ep <= 1 or not is_expert_param(t) or not torch.is_tensor(full) or full.dim() == 0:
+            return full
+        from .experts import slice_experts
+
+        _, size, rank = self._ep()
+        return slice_experts(full, rank, size) if full.shape[0] == t.shape[0] * size else full
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Every stage's states renumbered as the one-process optimizer's, on every rank. Collective."""
@@ -90,6 +128,12 @@ class PipelineState:
             sd = {"state": {i: {k: self._state_in_param_layout(local[i], v) for k, v in st.items()}
                             for i, st in sorted(sd["state"].items())}, "param_groups": sd["param_groups"]}
             local = [self._param_of(p) for p in local]
+        if rt.plan.ep > 1:  # expert states: each EP rank's slice, gathered (every EP rank takes part)
+            from scaletrain.techniques.experts import is_expert_param
+
+            sd = {"state": {i: {k: self._whole_expert_state(local[i], v) if is_expert_param(local[i]) else v
+                                for k, v in st.items()}
+                            for i, st in sorted(sd["state"].items())}, "param_groups": sd["param_groups"]}
         if rt.dp_rank == 0:  # replicas hold equal states: one copy per stage suffices
             from .tensor_parallel import gather_full
 
@@ -135,7 +179,7 @@ class PipelineState:
             new_groups.append({**{k: v for k, v in src.items() if k != "params"}, "params": gsd["params"]})
             for li, fi, p in zip(gsd["params"], full, params):
                 if fi in state["state"]:  # TP: full parameter-shaped states sharded as the parameter
-                    new_state[li] = {k: self._owned_rows(p, self._shard_state(p, v))
+                    new_state[li] = {k: self._owned_rows(p, self._shard_state(p, self._expert_slice(p, v)))
                                      for k, v in state["state"][fi].items()}
         optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
 

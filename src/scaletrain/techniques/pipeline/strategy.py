@@ -55,8 +55,14 @@ Supported: every schedule, fp32, bf16 and fp16 (synchronous schedules);
 stage (:func:`.stage.stage_remat`; the budget is per stage and micro-batch) with the unsplit
 synchronous schedules. Refused with a one-line :class:`~scaletrain.errors.ConfigError` naming
 the key (the compatibility table, :mod:`scaletrain.techniques.compat`): ZeRO-2, ZeRO-3 with Chimera,
-the asynchronous schedules or TP, gradient compression, context/expert parallelism, rematerialization
-with zb1p or the asynchronous schedules, offloading inside the stages.
+the asynchronous schedules or TP, gradient compression, context parallelism, expert parallelism beyond
+zero=0 with the synchronous unreplicated schedules, rematerialization with zb1p or the asynchronous
+schedules, offloading inside the stages.
+
+A mixture of experts: each stage adds its own MoE layers' load-balancing loss (``model.aux_loss(part)``)
+to its backward, per micro-batch, weighted like the task loss — Megatron's per-stage auxiliary loss — so
+the run equals one process with ``train.micro_batch`` = the pipeline's micro-batch. ``parallel.ep``
+slices the experts over blocks of ``ep`` data-parallel replicas inside every stage (:mod:`.experts`).
 """
 
 from __future__ import annotations
@@ -105,6 +111,21 @@ def _loss_scale(ctx: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return scale
 
 
+def _stage_aux(model: nn.Module) -> Callable[[nn.Module], torch.Tensor | None] | None:
+    """A mixture of experts' load-balancing loss per stage: ``model.aux_loss(part)`` of the stage's
+    blocks (each stage adds its own layers' term to its backward; :class:`.runtime.PipelineRuntime`)."""
+    aux = getattr(model, "aux_loss", None)
+    if not callable(aux):
+        return None
+    import inspect
+
+    if not inspect.signature(aux).parameters:
+        raise ConfigError(f"parallel.pp on {type(model).__name__}: its aux_loss() covers the whole model; a "
+                          f"pipeline needs aux_loss(part) giving one stage's share (as GPT2MoE.aux_loss); allowed: "
+                          f"parallel.pp=1")
+    return aux
+
+
 class PipelineStrategy(PipelineState, Strategy):
     """The trainer's hooks over a :class:`PipelineRuntime` (see the module docstring)."""
 
@@ -126,6 +147,8 @@ class PipelineStrategy(PipelineState, Strategy):
         self._tp_bytes = 0.0
         self._tp_predicted = float("nan")
         self._scaled = False
+        self._precision = "fp32"
+        """train.precision (the all-to-alls' 16-bit half under autocast)."""
         self.zero: Any = None
         """ZeRO-1 inside the stages (:meth:`_shard_optimizer_states`), or None."""
         self._proxy_entry: dict[int, Any] = {}
@@ -164,7 +187,7 @@ class PipelineStrategy(PipelineState, Strategy):
                                   timeout_s=ctx.timeout_s, balance=p.balance, forward_context=_forward_context(ctx, model, p),
                                   remat=p.remat.method, remat_budget=p.remat.budget or None,
                                   remat_precision=ctx.precision, tp=p.tp, sequence_parallel=p.sp,
-                                  loss_scale=_loss_scale(ctx))
+                                  loss_scale=_loss_scale(ctx), stage_aux=_stage_aux(model), ep=p.ep)
         except ConfigError:
             raise
         except UserError as e:
@@ -172,6 +195,7 @@ class PipelineStrategy(PipelineState, Strategy):
                 raise
             raise ConfigError(f"parallel.pp={p.pp} parallel.schedule={p.schedule}: {e}") from None
         strategy = cls(model, rt, ctx.rank, ctx.world)
+        strategy._precision = ctx.precision
         if p.zero == 1:
             strategy._shard_optimizer_states()
         elif p.zero == 3:
@@ -425,12 +449,22 @@ class PipelineStrategy(PipelineState, Strategy):
             per = sum(dp * b.seg * self.zero.entries[b.entries[0]].local.element_size() for b in self.zero.buckets)
             total += 2 * (dp - 1) / dp * per  # reduce-scatter of the padded buckets, then their all-gather
         else:
-            total += ring_ar(rt.dp, nbytes(plan.params))
+            experts = [p for p in plan.params if id(p) in plan.experts]
+            total += ring_ar(rt.dp, nbytes([p for p in plan.params if id(p) not in plan.experts]))
+            total += ring_ar(rt.dp // plan.ep, nbytes(experts))  # EP: summed over the same experts' holders
             total += ring_ar(rt.pp, 8.0) if rt.pp > 1 else 0.0  # the norm: over the replica ...
             if rt.tp is not None:
                 total += ring_ar(rt.tp.tp, 8.0)  # ... and over the TP group
+            if experts:
+                total += ring_ar(plan.ep, 8.0)  # ... and the experts' squares over the EP group
         if rt.tp is not None:
             total += self._tp_predicted
+        if plan.ep > 1:  # the all-to-alls of this rank's MoE layers
+            from .experts import moe_layers_per_block, rank_ep_bytes
+
+            x = rt.specs[0].shape
+            total += rank_ep_bytes(self.model.config, self.sched, list(rt.bounds), moe_layers_per_block(rt.chain.blocks),
+                                   rt.pp_rank, x[0], x[1], plan.ep, self._precision)
         if self._scaled:  # fp16: the loss scaler's found-inf all-reduce (one fp32) over the world
             total += ring_ar(self.world, 4.0)
         return {"predicted_comm_bytes": total}

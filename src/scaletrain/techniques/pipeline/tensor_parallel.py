@@ -229,10 +229,12 @@ def free_nonlocal(model: nn.Module, keep: list[torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def gather_model_state(model: nn.Module, local_tensors: list[torch.Tensor], share: bool) -> dict[str, torch.Tensor]:
+def gather_model_state(model: nn.Module, local_tensors: list[torch.Tensor], share: bool,
+                       expand: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The single-process-layout model state on every process. ``local_tensors``: this rank's
     stages' tensors; ``share``: whether this rank contributes them (one rank per stage: TP rank
-    0 of data-parallel replica 0). Collective over the world (TP groups, then all processes)."""
+    0 of data-parallel replica 0); ``expand``: applied to each local tensor on every rank (expert
+    slices gathered over their EP group). Collective over the world (TP groups, then all processes)."""
     import torch.distributed as dist
 
     mine = {id(t) for t in local_tensors}
@@ -241,6 +243,7 @@ def gather_model_state(model: nn.Module, local_tensors: list[torch.Tensor], shar
     for name, t in own.items():
         if id(t) in mine:
             full = gather_full(model, name, t)  # collective over the TP group, same order on its ranks
+            full = expand(full) if expand is not None else full
             if share:
                 part[name] = full.detach().cpu().clone()
     parts: list[Any] = [None] * dist.get_world_size()
@@ -255,9 +258,11 @@ def gather_model_state(model: nn.Module, local_tensors: list[torch.Tensor], shar
 
 
 @torch.no_grad()
-def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], local_tensors: list[torch.Tensor]) -> None:
+def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], local_tensors: list[torch.Tensor],
+                    narrow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Load a single-process-layout model state into the TP model: this rank's shards of
-    ``local_tensors`` (its stages'; the other blocks hold nothing)."""
+    ``local_tensors`` (its stages'; the other blocks hold nothing). ``narrow(t, full)``: this
+    rank's part of ``full`` for tensor ``t`` (expert slices)."""
     own = model.state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
@@ -266,7 +271,7 @@ def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], local_tens
     for name, t in own.items():
         if id(t) not in mine:
             continue
-        full = state[name]
+        full = state[name] if narrow is None else narrow(t, state[name])
         if tuple(full.shape) != tuple(t.shape):
             raise RuntimeError(f"size mismatch for {name}: checkpoint {tuple(full.shape)}, model {tuple(t.shape)}")
         local(t).copy_(local(shard_full(model, name, t, full.to(t.dtype))))
