@@ -324,7 +324,9 @@ def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, 
         if plan.zero == 0 and plan.tp == plan.cp == plan.ep == 1:  # torch DDP: one all-reduce of the gradients
             from scaletrain.techniques.data_parallel.cost import comm_bytes_per_step
 
-            return [comm_bytes_per_step(counts["dense"], 0, world)]  # (DDP's replicas clip alike: no norm all-reduce)
+            # every gradient, a MoE's experts included (ep = 1: they are replicated like the rest); DDP's
+            # replicas clip alike: no norm all-reduce
+            return [comm_bytes_per_step(counts["dense"] + counts["expert"], 0, world)]
         mp = MeshShape(plan)
         recomputes = None
         if remat:  # the recomputed forwards' TP collectives are replayed in the backward, as the runtime predicts

@@ -45,7 +45,6 @@ from typing import Callable, ContextManager, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 
 from scaletrain.chain import Chain, to_chain
 from scaletrain.errors import UserError
@@ -463,10 +462,6 @@ class PipelineRuntime:
                 self._aux[(a.pipe, a.stage, a.mb)] = self.loss_scale(aux) if self.loss_scale is not None else aux
         if rep.last:
             self._losses[a.mb // self.M] += loss.detach().double()
-            if aux is not None and isinstance(loss, DTensor) and not isinstance(aux, DTensor):
-                # TP's vocabulary-parallel loss is a DTensor; the MoE layers ran whole on every TP rank
-                aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim,
-                                         run_check=False)
             out = loss * self._weight if aux is None else loss * self._weight + aux
             if self.loss_scale is not None:
                 out = self.loss_scale(out)
