@@ -3,9 +3,9 @@
 
 * no processes: the MoE forward has static shapes (fake and meta tensors: the partitioner and the stage
   estimate run it) and its dispatch / combine stay bitwise the masked gather; the compatibility table runs
-  pp on the MoE model and pp × ep with zero 0 and the synchronous unreplicated schedules, and refuses the
+  pp on the MoE model and pp × ep with zero 0 or 1 and the synchronous unreplicated schedules, and refuses the
   rest in one line; the cost face keeps 1/ep of a stage's experts and prices their all-to-alls;
-* gloo (slow): pp=2 × dp=2 × ep=2 × 1f1b (4 processes) and pp=2 × zb1p (2 processes) through the Trainer
+* gloo (slow): pp=2 × dp=2 × ep=2 × 1f1b with zero 0 and 1 (4 processes) and pp=2 × zb1p (2 processes) through the Trainer
   equal one process run with the same micro-batches (losses with each stage's load-balancing term,
   gradient norms, final parameters, the consolidated momentum; fp32 relative 1e-5); every rank's traffic
   equals the runtime's and the cost face's prediction to the byte, its peak the cost face's within the
@@ -82,14 +82,14 @@ def test_moe_forward_has_static_shapes_and_stays_the_masked_gather():
     assert torch.equal(combine(buf, idx, slots, gates, T), torch.zeros(T, h).index_add(0, tok, vals))
 
 
-@pytest.mark.parametrize("extra", [[], ["parallel.schedule=zb1p"], ["parallel.schedule=interleaved"],
+@pytest.mark.parametrize("extra", [[], ["parallel.schedule=zb1p"], ["parallel.schedule=interleaved"], ["parallel.zero=1"],
                                    ["parallel.ep=1", "train.precision=bf16"]])
 def test_table_runs_pp_on_the_moe_model_and_pp_x_ep(extra):
     _check(*extra)
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["parallel.zero=1"], "zero=1"),
+    (["parallel.zero=3"], "zero=3"),
     (["parallel.schedule=chimera"], "schedule=chimera"),
     (["parallel.schedule=pipedream"], "schedule=pipedream"),
     (["memory.remat.method=periodic"], "remat=periodic"),
@@ -151,6 +151,7 @@ def _worker(rank: int, world: int, out_dir: str, pipe: list[str]) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("world, pipe, how", [
     (4, EP, "pipeline 1f1b over 2 stages x 2 dp, 4 micro-batches, block bounds [0, 2, 4]"),
+    (4, EP + ["parallel.zero=1"], "pipeline 1f1b over 2 stages x 2 dp, 4 micro-batches, block bounds [0, 2, 4]"),
     (2, ["parallel.pp=2", "parallel.schedule=zb1p", "parallel.microbatches=8"],
      "pipeline zb1p over 2 stages x 1 dp, 8 micro-batches, block bounds [0, 2, 4]"),
 ])

@@ -243,14 +243,15 @@ RULES: list[Rule] = [
          "the stages' tensor-parallel layout keeps a MoE layer's parameters as plain tensors beside the DTensors, "
          "and the stage optimizer steps them together (without pipelines ZeRO's flat local shards do)",
          "parallel.tp without pp, or parallel.pp (and parallel.ep) without tp", "plain tensors beside DTensors"),
-    Rule("pp-ep", lambda p, f: p.pp > 1 and p.ep > 1 and (p.zero != 0 or p.tp > 1 or p.schedule == "chimera"
+    Rule("pp-ep", lambda p, f: p.pp > 1 and p.ep > 1 and (p.zero not in (0, 1) or p.tp > 1 or p.schedule == "chimera"
                                                           or p.schedule in ASYNC or p.remat.active),
          lambda p, f: f"parallel.ep={p.ep} with parallel.pp={p.pp}, zero={p.zero}, tp={p.tp}, "
                       f"schedule={p.schedule}, remat={p.remat.method if p.remat.active else 'none'}",
-         "expert parallelism inside the stages reduces expert gradients over its own groups with the plain "
-         "all-reduce; ZeRO's shards, TP's (dp, pp, tp) mesh, Chimera's replica sums, the asynchronous updates "
-         "and recomputed all-to-alls are not composed with it yet",
-         "ep with pp and zero=0, tp=1, schedule gpipe, 1f1b, interleaved or zb1p, no remat", "zero 0 / sync only"),
+         "expert parallelism inside the stages is composed with the plain all-reduce and ZeRO-1's sharded "
+         "optimizer only; FSDP's shards, TP's (dp, pp, tp) mesh, Chimera's replica sums, the asynchronous "
+         "updates and recomputed all-to-alls are not composed with it yet",
+         "ep with pp and zero=0 or 1, tp=1, schedule gpipe, 1f1b, interleaved or zb1p, no remat",
+         "zero 0/1, sync only"),
     Rule("pp-virtual", lambda p, f: p.pp > 1 and p.virtual > 1 and p.schedule != "interleaved",
          lambda p, f: f"parallel.virtual={p.virtual} with parallel.schedule={p.schedule}",
          "virtual stages only apply to the interleaved schedule", "parallel.virtual=0 or 1", "interleaved only"),

@@ -394,13 +394,19 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
     elif plan.zero == 1:
         from scaletrain.techniques.data_parallel.zero import bucket_segments
 
-        shapes = []
-        for p in mine:
-            shp = _tp_local_shape(names[id(p)], tuple(p.shape), t)
-            rows = shp[0] if shp else 1
-            shapes.append((rows, math.prod(shp) // max(rows, 1), 4))
-        segs = bucket_segments(shapes, dp, plan.bucket_mb * 2**20)
-        total += 2 * (dp - 1) / dp * sum(dp * seg * 4 for seg in segs)
+        ep = max(plan.ep, 1)
+        experts = _expert_ids(chain) if ep > 1 else set()
+        for group, n in (([p for p in mine if id(p) not in experts], dp), ([p for p in mine if id(p) in experts],
+                                                                           dp // ep)):
+            shapes = []  # an expert tensor is this rank's 1/ep of it, sharded over the n ranks holding the same
+            for p in group:
+                shp = _tp_local_shape(names[id(p)], tuple(p.shape), t)
+                if id(p) in experts:
+                    shp = (shp[0] // ep, *shp[1:])
+                rows = shp[0] if shp else 1
+                shapes.append((rows, math.prod(shp) // max(rows, 1), 4))
+            segs = bucket_segments(shapes, n, plan.bucket_mb * 2**20)
+            total += 2 * (n - 1) / n * sum(n * seg * 4 for seg in segs) if n > 1 else 0.0
     else:
         ep = max(plan.ep, 1)
         experts = [p for p in mine if id(p) in _expert_ids(chain)] if ep > 1 else []

@@ -271,9 +271,14 @@ class PipelineStrategy(PipelineState, Strategy):
         params = []
         for p in plan.params:
             holders = len(plan.holders[index[id(p)]])
-            params.append((self._names[id(p)], p, "dense", holders * (T if T > 1 and is_replicated(p) else 1)))
+            key = "expert" if id(p) in plan.experts else "dense"
+            params.append((self._names[id(p)], p, key, holders * (T if T > 1 and is_replicated(p) else 1)))
         group = plan.group(plan.dp_ranks) if rt.dp > 1 else None
-        self.zero = GradSync(params, {"dense": SyncGroup(group, rt.dp)}, stage=1, device=rt.device, hooks=False)
+        groups = {"dense": SyncGroup(group, rt.dp)}
+        if plan.experts:  # expert parallelism: an expert's rows are sharded over the ranks holding the same experts
+            same = plan.expert_dp_ranks
+            groups["expert"] = SyncGroup(plan.group(same) if len(same) > 1 else None, rt.dp)
+        self.zero = GradSync(params, groups, stage=1, device=rt.device, hooks=False)
         self._proxy_entry = {id(e.proxy): e for e in self.zero.entries}
         self._param_entry = {id(e.param): e for e in self.zero.entries}
         plan.zero_sync = self.zero
@@ -445,9 +450,9 @@ class PipelineStrategy(PipelineState, Strategy):
             pb = torch.empty(0, dtype=self.zero.param_dtype or torch.float32).element_size()
             total += (dp - 1) * n * (pb + 4)
         elif self.zero is not None:
-            dp = rt.dp
-            per = sum(dp * b.seg * self.zero.entries[b.entries[0]].local.element_size() for b in self.zero.buckets)
-            total += 2 * (dp - 1) / dp * per  # reduce-scatter of the padded buckets, then their all-gather
+            for b in self.zero.buckets:  # reduce-scatter of the padded buckets, then their all-gather, per group
+                n = self.zero.groups[b.group].size
+                total += 2 * (n - 1) / n * n * b.seg * self.zero.entries[b.entries[0]].local.element_size()
         else:
             experts = [p for p in plan.params if id(p) in plan.experts]
             total += ring_ar(rt.dp, nbytes([p for p in plan.params if id(p) not in plan.experts]))
