@@ -129,10 +129,12 @@ def _fit_link(samples: dict[int, float]) -> Link:
 
 def _memory_costs(bounds: list[int]) -> dict[str, list[float]]:
     """Per-stage memory cost face (see the module doc); torch's AdamW runs its for-loop on CPU."""
-    from scaletrain.techniques.pipeline.memory import stage_memory
+    from scaletrain.techniques.pipeline.memory import deferred_grad_bytes, stage_memory
 
-    return stage_memory(make_model(), bounds, example_input(), target=torch.zeros(MB, SEQ, dtype=torch.long),
-                        loss_fn=lm_loss, optimizer="adamw", foreach=False)
+    mem = stage_memory(make_model(), bounds, example_input(), target=torch.zeros(MB, SEQ, dtype=torch.long),
+                       loss_fn=lm_loss, optimizer="adamw", foreach=False)
+    # zb1p: what a micro-batch keeps from I to W (its linears' inputs and output gradients), as plan_costs
+    return {**mem, "wstash_bytes": deferred_grad_bytes(make_model(), bounds, example_input())}
 
 
 def _median(xs: list[float]) -> float:
@@ -289,6 +291,8 @@ def main() -> None:
     ap.add_argument("--cores", default="", help="pin every rank to these CPUs (e.g. 0): ranks share cores, "
                     "to see what oversubscription does to the wait times; output pipeline_measured_cores<C>.json")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--out", default="", help="result file name under benchmarks/results/ (default "
+                    "pipeline_measured.json, or pipeline_measured_cores<C>.json with --cores)")
     args = ap.parse_args()
     if args.cores:
         os.environ["SCALETRAIN_BENCH_CORES"] = args.cores
@@ -331,7 +335,8 @@ def main() -> None:
         res["wall_s"] = time.time() - t
         out["results"][str(P)] = res
     out["cores"] = args.cores or "all"
-    name = f"pipeline_measured_cores{args.cores.replace(',', '-')}.json" if args.cores else "pipeline_measured.json"
+    name = args.out or (f"pipeline_measured_cores{args.cores.replace(',', '-')}.json" if args.cores
+                        else "pipeline_measured.json")
     print("wrote", write_json(name, out))
 
 

@@ -135,11 +135,12 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
                            loss_fn=_loss, balance=plan.balance) if plan.pp > 1 else [0, n])
     remat = _remat(plan, chain, bounds, example, target)
     mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
-                       precision=plan.precision, remat=remat, **(optimizer_kw or {}))
+                       precision=plan.precision, remat=remat, ep=plan.ep, **(optimizer_kw or {}))
     if plan.pp > 1 and plan.zero == 3 and plan.precision in ("bf16", "fp16"):
         # FSDP2 in the stages computes with 16-bit parameters: autocast saves no 16-bit weight copies
         half = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
-                            precision=plan.precision, remat=remat, params_dtype=plan.precision, **(optimizer_kw or {}))
+                            precision=plan.precision, remat=remat, params_dtype=plan.precision, ep=plan.ep,
+                            **(optimizer_kw or {}))
         for k in ("act_bytes", "fwd_temp_bytes", "bwd_temp_bytes"):
             mem[k] = half[k]
     S = len(bounds) - 1
@@ -284,6 +285,10 @@ def _shard_experts(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module) -
             (["state_bytes", "opt_temp_bytes"] if plan.zero == 0 else [])
         for k in keys:
             mem[k][s] *= keep
+        if plan.precision in ("bf16", "fp16"):  # autocast's 16-bit copies of the expert weights, saved for the
+            # backward of their batched matmuls, are of this rank's experts only
+            w = sum(p.numel() for p in ps if id(p) in experts and p.dim() == 3)
+            mem["act_bytes"][s] -= 2.0 * w * (1.0 - 1.0 / plan.ep)
 
 
 def _padded_shard_elements(params: list, N: int) -> int:

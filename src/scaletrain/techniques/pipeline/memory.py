@@ -43,17 +43,19 @@ def _stage_params(blocks: Sequence[nn.Module]) -> list[nn.Parameter]:
     return list({id(p): p for b in blocks for p in b.parameters()}.values())
 
 
-def _bwd_temp(tr: Any) -> float:
+def _bwd_temp(tr: Any, scale: Sequence[float] | None = None) -> float:
     """Backward transient of a block trace: the larger of its first backward (gradients made;
     ``bwd_temp_bytes``) and a backward into existing gradients, where each parameter gradient
-    is a temporary until AccumulateGrad adds it (the input gradient excluded in both)."""
+    is a temporary until AccumulateGrad adds it (the input gradient excluded in both).
+    ``scale[j]``: the share of parameter j this rank holds (expert parallelism: 1/ep of an expert
+    tensor, so its gradient temporary is 1/ep too)."""
     first = float(tr.bwd_temp_bytes)
     ev = tr.accum_bwd_events
     if not ev:
         return first
-    cur = peak = 0
-    for _, _, d in ev:
-        cur += d
+    cur = peak = 0.0
+    for kind, j, d in ev:
+        cur += d * scale[j] if scale is not None and kind == "pgrad" and j >= 0 else d
         peak = max(peak, cur)
     gin = sum(d for k, _, d in ev if k == "gin" and d > 0)
     return max(first, float(peak - gin))
@@ -62,7 +64,7 @@ def _bwd_temp(tr: Any) -> float:
 def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input: torch.Tensor, *,
                  target: torch.Tensor | None = None, loss_fn: Callable | None = None, optimizer: str = "adamw",
                  foreach: bool | None = None, precision: str = "fp32", remat: Sequence[Any] | None = None,
-                 params_dtype: str = "fp32", **optimizer_kw: Any) -> dict[str, list[float]]:
+                 params_dtype: str = "fp32", ep: int = 1, **optimizer_kw: Any) -> dict[str, list[float]]:
     """Per-stage memory costs (bytes) for :class:`~.simulate.StageCosts` (see the module doc).
 
     ``bounds``: the S + 1 block boundaries of the stages; ``example_input`` / ``target``: one
@@ -74,7 +76,9 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
     rematerialization schedules (:func:`.stage.stage_remat`) when the runtime runs them; the
     activation set and transients of each stage then come from replaying its schedule
     (:func:`_remat_stage`). ``params_dtype``: the dtype the stages compute with (``bf16`` for FSDP2's
-    16-bit parameters under ZeRO-3: autocast then saves no 16-bit weight copies).
+    16-bit parameters under ZeRO-3: autocast then saves no 16-bit weight copies). ``ep``: expert
+    parallelism — a backward's expert-gradient temporaries are 1/ep of the whole experts' (the
+    parameter, gradient and state bytes are the caller's to shard: :func:`..plan_cost._shard_experts`).
     """
     from scaletrain.measure import optimizers
     from scaletrain.measure.estimate import estimate_chain
@@ -85,6 +89,10 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
                                params_dtype=params_dtype, _return_traces=True)
     S = len(bounds) - 1
     graphs = None
+    experts = {id(q) for m in chain.modules() if type(m).__name__ == "MoEFeedForward"
+               for q in m.experts.parameters()} if ep > 1 else set()
+    scales = [[1.0 / ep if id(p) in experts else 1.0 for p in blk.parameters()] for blk in chain.blocks] \
+        if experts else None
     out: dict[str, list[float]] = {k: [] for k in ("weight_bytes", "grad_bytes", "state_bytes", "opt_temp_bytes",
                                                    "act_bytes", "fwd_temp_bytes", "bwd_temp_bytes", "boundary_bytes")}
     for s in range(S):
@@ -119,7 +127,8 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
             g_out = 0.0 if k == len(items) - 1 else float(tr.y_bytes)
             recv = 0.0 if last else y  # the received output gradient lives all pass
             gin = float(tr.x_bytes) if tr.x_grad else 0.0
-            bwd = max(bwd, below + held + recv + g_out + _bwd_temp(tr) + gin)
+            sc = scales[b0 + k] if scales is not None and b0 + k < len(scales) and k < b1 - b0 else None
+            bwd = max(bwd, below + held + recv + g_out + _bwd_temp(tr, sc) + gin)
         out["fwd_temp_bytes"].append(max(0.0, fwd - total))
         out["bwd_temp_bytes"].append(max(0.0, bwd - total))
         if remat is not None:
