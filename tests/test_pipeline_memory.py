@@ -101,3 +101,19 @@ def test_sends_are_released_once_a_later_message_from_the_peer_arrives():
     # m + 1 before receiving gradient m); the last two wait for the step's drain
     got = {acts[1][j].mb: acts[1][i].mb for i, v in rel[1].items() for j in v}
     assert got == {0: 2, 1: 3}
+
+
+def test_zb1p_keeps_each_linears_input_and_output_gradient_from_i_to_w():
+    """gpt2-tiny 2 × 32, one micro-batch of 1 × 16 tokens (T = 16, h = 32): a layer's four linears keep
+    their inputs (ln_1 out h, attention out h, ln_2 out h, GELU out 4h: 7hT) and output gradients
+    (3h + h + 4h + h = 9hT) until W; W's transient is its largest gᵀx (c_fc, 4h × h)."""
+    from scaletrain import models
+    from scaletrain.techniques.pipeline.memory import deferred_grads
+
+    m = models.get("gpt2-tiny", device="meta", n_layer=2, n_embd=32, n_head=2)
+    zb = deferred_grads(m, [0, 2, 4], torch.zeros(1, 16, dtype=torch.long, device="meta"))
+    T, h = 16, 32
+    assert zb.wstash_bytes[0] == (7 + 9) * h * T * 4  # embed (no linear) + one layer
+    assert zb.wgrad_temp_bytes[0] == 4 * h * h * 4
+    linears = [mod.weight for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
+    assert {id(w) for w in linears} <= zb.weights

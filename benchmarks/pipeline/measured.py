@@ -129,12 +129,15 @@ def _fit_link(samples: dict[int, float]) -> Link:
 
 def _memory_costs(bounds: list[int]) -> dict[str, list[float]]:
     """Per-stage memory cost face (see the module doc); torch's AdamW runs its for-loop on CPU."""
-    from scaletrain.techniques.pipeline.memory import deferred_grad_bytes, stage_memory
+    from scaletrain.techniques.pipeline.memory import deferred_grads, stage_memory
 
-    mem = stage_memory(make_model(), bounds, example_input(), target=torch.zeros(MB, SEQ, dtype=torch.long),
+    model = make_model()
+    zb = deferred_grads(model, bounds, example_input())  # zb1p's deferred weight gradients, as plan_costs
+    mem = stage_memory(model, bounds, example_input(), target=torch.zeros(MB, SEQ, dtype=torch.long),
                        loss_fn=lm_loss, optimizer="adamw", foreach=False)
-    # zb1p: what a micro-batch keeps from I to W (its linears' inputs and output gradients), as plan_costs
-    return {**mem, "wstash_bytes": deferred_grad_bytes(make_model(), bounds, example_input())}
+    mem_split = stage_memory(model, bounds, example_input(), target=torch.zeros(MB, SEQ, dtype=torch.long),
+                             loss_fn=lm_loss, optimizer="adamw", foreach=False, deferred=zb.weights)
+    return {**mem, "split": {**mem_split, "wstash_bytes": zb.wstash_bytes, "wgrad_temp_bytes": zb.wgrad_temp_bytes}}
 
 
 def _median(xs: list[float]) -> float:
@@ -175,7 +178,8 @@ def _costs(sched, run: list, mem: dict[str, list[float]], boundary: list[float])
     sync = [_median([min(d) for (st, _), d in syncs.items() if st == s]) for s in range(S)] if syncs else None
     return StageCosts(fwd_s=f, bwd_s=b, igrad_s=i if sched.split_backward else None, sync_s=sync,
                       opt_s=[statistics.fmean(opt_cost[s]) for s in range(S)], boundary_bytes=boundary,
-                      **{k: v for k, v in mem.items() if k != "boundary_bytes"})
+                      **{k: v for k, v in (mem["split"] if sched.split_backward else mem).items()
+                         if k not in ("boundary_bytes", "split")})
 
 
 def _charge_sends(run: list, comm: list) -> list:

@@ -134,8 +134,17 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     bounds = (stage_bounds(model, example, pp=plan.pp, schedule=plan.schedule, microbatches=M, virtual=v,
                            loss_fn=_loss, balance=plan.balance) if plan.pp > 1 else [0, n])
     remat = _remat(plan, chain, bounds, example, target)
+    sched = build(sched_name, plan.pp, M, v)
+    zb = None
+    if sched.split_backward:  # zb1p: from I to W a micro-batch keeps its linears' inputs and output gradients
+        from scaletrain.techniques.pipeline.memory import deferred_grads
+
+        zb = deferred_grads(chain, bounds, example, precision=plan.precision)
     mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
-                       precision=plan.precision, remat=remat, ep=plan.ep, **(optimizer_kw or {}))
+                       precision=plan.precision, remat=remat, ep=plan.ep,
+                       deferred=zb.weights if zb is not None else frozenset(), **(optimizer_kw or {}))
+    if zb is not None:
+        mem = {**mem, "wstash_bytes": zb.wstash_bytes, "wgrad_temp_bytes": zb.wgrad_temp_bytes}
     if plan.pp > 1 and plan.zero == 3 and plan.precision in ("bf16", "fp16"):
         # FSDP2 in the stages computes with 16-bit parameters: autocast saves no 16-bit weight copies
         half = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
@@ -153,11 +162,6 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     if plan.ep > 1:
         _shard_experts(mem, plan, bounds, chain)
     _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu")
-    sched = build(sched_name, plan.pp, M, v)
-    if sched.split_backward:  # zb1p: from I to W a micro-batch keeps its linears' inputs and output gradients
-        from scaletrain.techniques.pipeline.memory import deferred_grad_bytes
-
-        mem = {**mem, "wstash_bytes": deferred_grad_bytes(chain, bounds, example, precision=plan.precision)}
     sim = simulate(sched, StageCosts(fwd_s=[1.0] * S, bwd_s=[2.0] * S, **mem))
     comm = _traffic(plan, model, cfg, bounds, b, seq, M, world, remat)
     out = []

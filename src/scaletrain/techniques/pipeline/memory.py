@@ -29,6 +29,8 @@ temporaries) and the stage split into per-stage bytes for :class:`~.simulate.Sta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Any, Callable, Sequence
 
 import torch
@@ -64,7 +66,8 @@ def _bwd_temp(tr: Any, scale: Sequence[float] | None = None) -> float:
 def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input: torch.Tensor, *,
                  target: torch.Tensor | None = None, loss_fn: Callable | None = None, optimizer: str = "adamw",
                  foreach: bool | None = None, precision: str = "fp32", remat: Sequence[Any] | None = None,
-                 params_dtype: str = "fp32", ep: int = 1, **optimizer_kw: Any) -> dict[str, list[float]]:
+                 params_dtype: str = "fp32", ep: int = 1, deferred: frozenset[int] = frozenset(),
+                 **optimizer_kw: Any) -> dict[str, list[float]]:
     """Per-stage memory costs (bytes) for :class:`~.simulate.StageCosts` (see the module doc).
 
     ``bounds``: the S + 1 block boundaries of the stages; ``example_input`` / ``target``: one
@@ -79,6 +82,8 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
     16-bit parameters under ZeRO-3: autocast then saves no 16-bit weight copies). ``ep``: expert
     parallelism — a backward's expert-gradient temporaries are 1/ep of the whole experts' (the
     parameter, gradient and state bytes are the caller's to shard: :func:`..plan_cost._shard_experts`).
+    ``deferred``: ids of weights whose gradients the backward defers (zb1p's W pass,
+    :func:`deferred_grads`): no gradient temporary of theirs in the B/I transient.
     """
     from scaletrain.measure import optimizers
     from scaletrain.measure.estimate import estimate_chain
@@ -91,8 +96,8 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
     graphs = None
     experts = {id(q) for m in chain.modules() if type(m).__name__ == "MoEFeedForward"
                for q in m.experts.parameters()} if ep > 1 else set()
-    scales = [[1.0 / ep if id(p) in experts else 1.0 for p in blk.parameters()] for blk in chain.blocks] \
-        if experts else None
+    scales = [[0.0 if id(p) in deferred else 1.0 / ep if id(p) in experts else 1.0 for p in blk.parameters()]
+              for blk in chain.blocks] if experts or deferred else None
     out: dict[str, list[float]] = {k: [] for k in ("weight_bytes", "grad_bytes", "state_bytes", "opt_temp_bytes",
                                                    "act_bytes", "fwd_temp_bytes", "bwd_temp_bytes", "boundary_bytes")}
     for s in range(S):
@@ -154,46 +159,61 @@ def _remat_stage(graph: Any, ops: Sequence[Any]) -> tuple[float, float, float]:
     return kept, max(0.0, max(rep.during[:first_b]) - kept), max(0.0, max(rep.during[first_b:]) - kept)
 
 
-def deferred_grad_bytes(chain: Chain | nn.Module, bounds: Sequence[int], example_input: torch.Tensor, *,
-                        precision: str = "fp32") -> list[float]:
-    """Bytes one micro-batch of each stage keeps from its input-gradient pass (I) to its weight-gradient
-    pass (W) under zb1p (:class:`.stage.DeferWeightGrad`): every linear layer's input and output gradient
-    (``dW = gᵀ x`` needs both), each tensor once — the simulator's ``wstash_bytes``. The rest of the
-    micro-batch's activations is freed by I. Found by a fake-tensor forward that records each linear call
-    (its output gradient has its output's shape and dtype)."""
+
+@dataclass
+class DeferredGrads:
+    """zb1p's deferred weight gradients per stage (:class:`.stage.DeferWeightGrad`)."""
+
+    wstash_bytes: list[float]
+    """Kept by one micro-batch from its I pass to its W pass: every linear layer's input and output
+    gradient (``dW = gᵀ x`` needs both), each tensor once; the rest of its activations I frees."""
+    wgrad_temp_bytes: list[float]
+    """The W pass's transient: the largest ``gᵀ x`` result (and its cast to the weight's dtype under
+    autocast) before it is added to ``.grad``."""
+    weights: frozenset[int]
+    """ids of the deferred weights: their gradients are not made (no temporary) in the I pass."""
+
+
+def deferred_grads(chain: Chain | nn.Module, bounds: Sequence[int], example_input: torch.Tensor, *,
+                   precision: str = "fp32") -> DeferredGrads:
+    """What zb1p's deferred weight gradients cost each stage, from a fake-tensor forward that
+    records every linear call whose weight needs a gradient (its output gradient has the output's
+    shape and dtype)."""
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.overrides import TorchFunctionMode
 
     chain = to_chain(chain)
-    calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    calls: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
 
     class _Record(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             w = args[1] if len(args) > 1 else (kwargs or {}).get("weight")
             if func is F.linear and isinstance(w, torch.Tensor) and w.requires_grad:
-                calls[-1].append((args[0], out))
+                calls[-1].append((args[0], out, w))
             return out
 
     device = example_input.device.type if example_input.device.type != "meta" else "cpu"
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        x = mode.from_tensor(example_input) if example_input.device.type != "meta" else \
-            torch.empty(example_input.shape, dtype=example_input.dtype, device="cpu")
-        if example_input.dtype == torch.long:
-            x = torch.zeros(example_input.shape, dtype=torch.long, device="cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.zeros(example_input.shape, dtype=example_input.dtype, device="cpu")
         with torch.autocast(device, dtype=half, enabled=half is not None):
             for blk in chain.blocks:
                 calls.append([])
                 with _Record():
                     x = blk(x)
-    out = []
+    stash, temp, weights = [], [], set()
     for s in range(len(bounds) - 1):
         seen: dict[int, float] = {}
+        biggest = 0.0
         for blk_calls in calls[bounds[s]:bounds[s + 1]]:
-            for xin, y in blk_calls:
+            for xin, y, w in blk_calls:
                 seen[id(xin)] = float(xin.numel() * xin.element_size())
                 seen[id(y)] = float(y.numel() * y.element_size())
-        out.append(sum(seen.values()))
-    return out
+                gw = w.numel() * y.element_size() + (w.numel() * w.element_size() if y.dtype != w.dtype else 0)
+                biggest = max(biggest, float(gw))
+                weights.add(id(w))
+        stash.append(sum(seen.values()))
+        temp.append(biggest)
+    return DeferredGrads(stash, temp, frozenset(weights))

@@ -91,6 +91,9 @@ class StageCosts:
     and the gradients: the received output gradient, backward temporaries, the input gradient."""
     opt_temp_bytes: list[float] | None = None
     """Transient bytes of the optimizer step over the stage's parameters."""
+    wgrad_temp_bytes: list[float] | None = None
+    """Transient bytes of a W pass (zb1p) above its micro-batch's kept inputs and output gradients:
+    one weight-gradient GEMM's result before it is added to ``.grad``."""
     sync_s: list[float] | None = None
     """Time of the all-reduce of a stage's gradients between its two replicas (Chimera's
     GRAD_SYNC) once both have arrived; None: ``weight_bytes`` over the link."""
@@ -110,7 +113,7 @@ class StageCosts:
     def check(self, n_stages: int) -> None:
         for name in ("fwd_s", "bwd_s", "igrad_s", "boundary_bytes", "act_bytes", "wstash_bytes",
                      "weight_bytes", "state_bytes", "opt_s", "grad_bytes", "fwd_temp_bytes", "bwd_temp_bytes",
-                     "opt_temp_bytes", "sync_s"):
+                     "opt_temp_bytes", "wgrad_temp_bytes", "sync_s"):
             vals = getattr(self, name)
             if vals is not None and len(vals) != n_stages:
                 raise UserError(f"StageCosts.{name} has {len(vals)} entries; the schedule has {n_stages} stages")
@@ -396,6 +399,8 @@ def _memory(schedule: Schedule, costs: StageCosts):
                     snaps[ps][v] = snaps[ps].get(v, 0) + 1
                     snap_of[key] = v
                 extra = g("fwd_temp_bytes", a.stage)
+            elif a.kind == W:
+                extra = g("wgrad_temp_bytes", a.stage)
             elif a.kind in (B, I):
                 extra = g("bwd_temp_bytes", a.stage)
                 if key in snap_of and model_grads and grads[ps]:
