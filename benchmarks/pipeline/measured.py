@@ -136,7 +136,7 @@ def _memory_costs(bounds: list[int]) -> dict[str, list[float]]:
     mem = stage_memory(model, bounds, example_input(), target=torch.zeros(MB, SEQ, dtype=torch.long),
                        loss_fn=lm_loss, optimizer="adamw", foreach=False)
     mem_split = stage_memory(model, bounds, example_input(), target=torch.zeros(MB, SEQ, dtype=torch.long),
-                             loss_fn=lm_loss, optimizer="adamw", foreach=False, deferred=zb.weights)
+                             loss_fn=lm_loss, optimizer="adamw", foreach=False, deferred=zb)
     return {**mem, "split": {**mem_split, "wstash_bytes": zb.wstash_bytes, "wgrad_temp_bytes": zb.wgrad_temp_bytes}}
 
 

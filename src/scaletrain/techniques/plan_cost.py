@@ -142,7 +142,7 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
         zb = deferred_grads(chain, bounds, example, precision=plan.precision)
     mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
                        precision=plan.precision, remat=remat, ep=plan.ep,
-                       deferred=zb.weights if zb is not None else frozenset(), **(optimizer_kw or {}))
+                       deferred=zb, **(optimizer_kw or {}))
     if zb is not None:
         mem = {**mem, "wstash_bytes": zb.wstash_bytes, "wgrad_temp_bytes": zb.wgrad_temp_bytes}
     if plan.pp > 1 and plan.zero == 3 and plan.precision in ("bf16", "fp16"):

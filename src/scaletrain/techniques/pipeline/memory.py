@@ -66,7 +66,7 @@ def _bwd_temp(tr: Any, scale: Sequence[float] | None = None) -> float:
 def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input: torch.Tensor, *,
                  target: torch.Tensor | None = None, loss_fn: Callable | None = None, optimizer: str = "adamw",
                  foreach: bool | None = None, precision: str = "fp32", remat: Sequence[Any] | None = None,
-                 params_dtype: str = "fp32", ep: int = 1, deferred: frozenset[int] = frozenset(),
+                 params_dtype: str = "fp32", ep: int = 1, deferred: "DeferredGrads | None" = None,
                  **optimizer_kw: Any) -> dict[str, list[float]]:
     """Per-stage memory costs (bytes) for :class:`~.simulate.StageCosts` (see the module doc).
 
@@ -82,8 +82,9 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
     16-bit parameters under ZeRO-3: autocast then saves no 16-bit weight copies). ``ep``: expert
     parallelism — a backward's expert-gradient temporaries are 1/ep of the whole experts' (the
     parameter, gradient and state bytes are the caller's to shard: :func:`..plan_cost._shard_experts`).
-    ``deferred``: ids of weights whose gradients the backward defers (zb1p's W pass,
-    :func:`deferred_grads`): no gradient temporary of theirs in the B/I transient.
+    ``deferred``: zb1p's deferred weight gradients (:func:`deferred_grads`): the backward is its I pass —
+    no gradient temporary of a deferred weight, and each linear's input and output gradient stay (for W)
+    once I has passed its block, the output gradients of the block it is in piling up meanwhile.
     """
     from scaletrain.measure import optimizers
     from scaletrain.measure.estimate import estimate_chain
@@ -96,8 +97,9 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
     graphs = None
     experts = {id(q) for m in chain.modules() if type(m).__name__ == "MoEFeedForward"
                for q in m.experts.parameters()} if ep > 1 else set()
-    scales = [[0.0 if id(p) in deferred else 1.0 / ep if id(p) in experts else 1.0 for p in blk.parameters()]
-              for blk in chain.blocks] if experts or deferred else None
+    skip = deferred.weights if deferred is not None else frozenset()
+    scales = [[0.0 if id(p) in skip else 1.0 / ep if id(p) in experts else 1.0 for p in blk.parameters()]
+              for blk in chain.blocks] if experts or skip else None
     out: dict[str, list[float]] = {k: [] for k in ("weight_bytes", "grad_bytes", "state_bytes", "opt_temp_bytes",
                                                    "act_bytes", "fwd_temp_bytes", "bwd_temp_bytes", "boundary_bytes")}
     for s in range(S):
@@ -132,8 +134,14 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
             g_out = 0.0 if k == len(items) - 1 else float(tr.y_bytes)
             recv = 0.0 if last else y  # the received output gradient lives all pass
             gin = float(tr.x_bytes) if tr.x_grad else 0.0
-            sc = scales[b0 + k] if scales is not None and b0 + k < len(scales) and k < b1 - b0 else None
-            bwd = max(bwd, below + held + recv + g_out + _bwd_temp(tr, sc) + gin)
+            blk = b0 + k if k < b1 - b0 else None  # None: the loss item
+            sc = scales[blk] if scales is not None and blk is not None else None
+            kept = 0.0
+            if deferred is not None:  # zb1p's I pass: later blocks' W inputs stay, this block's output grads pile up
+                kept = sum(deferred.block_stash_bytes[(blk + 1 if blk is not None else b1):b1]) + \
+                    (deferred.block_grad_bytes[blk] if blk is not None else 0.0)  # an upper bound: the block
+                # frees its own activations while its output gradients pile up (measured 0-6 % over, P = 2, 4)
+            bwd = max(bwd, below + held + recv + g_out + _bwd_temp(tr, sc) + gin + kept)
         out["fwd_temp_bytes"].append(max(0.0, fwd - total))
         out["bwd_temp_bytes"].append(max(0.0, bwd - total))
         if remat is not None:
@@ -172,6 +180,10 @@ class DeferredGrads:
     autocast) before it is added to ``.grad``."""
     weights: frozenset[int]
     """ids of the deferred weights: their gradients are not made (no temporary) in the I pass."""
+    block_stash_bytes: list[float]
+    """Per chain block: its linears' inputs and output gradients (what it keeps once I has passed it)."""
+    block_grad_bytes: list[float]
+    """Per chain block: its linears' output gradients (made, and kept, while I runs through it)."""
 
 
 def deferred_grads(chain: Chain | nn.Module, bounds: Sequence[int], example_input: torch.Tensor, *,
@@ -203,17 +215,21 @@ def deferred_grads(chain: Chain | nn.Module, bounds: Sequence[int], example_inpu
                 calls.append([])
                 with _Record():
                     x = blk(x)
-    stash, temp, weights = [], [], set()
-    for s in range(len(bounds) - 1):
-        seen: dict[int, float] = {}
+    block_stash, block_grad, block_temp, weights = [], [], [], set()
+    for blk_calls in calls:
+        xs: dict[int, float] = {}
+        gs: dict[int, float] = {}
         biggest = 0.0
-        for blk_calls in calls[bounds[s]:bounds[s + 1]]:
-            for xin, y, w in blk_calls:
-                seen[id(xin)] = float(xin.numel() * xin.element_size())
-                seen[id(y)] = float(y.numel() * y.element_size())
-                gw = w.numel() * y.element_size() + (w.numel() * w.element_size() if y.dtype != w.dtype else 0)
-                biggest = max(biggest, float(gw))
-                weights.add(id(w))
-        stash.append(sum(seen.values()))
-        temp.append(biggest)
-    return DeferredGrads(stash, temp, frozenset(weights))
+        for xin, y, w in blk_calls:
+            xs[id(xin)] = float(xin.numel() * xin.element_size())
+            gs[id(y)] = float(y.numel() * y.element_size())
+            gw = w.numel() * y.element_size() + (w.numel() * w.element_size() if y.dtype != w.dtype else 0)
+            biggest = max(biggest, float(gw))
+            weights.add(id(w))
+        block_stash.append(sum(xs.values()) + sum(gs.values()))
+        block_grad.append(sum(gs.values()))
+        block_temp.append(biggest)
+    S = range(len(bounds) - 1)
+    return DeferredGrads([sum(block_stash[bounds[s]:bounds[s + 1]]) for s in S],
+                         [max(block_temp[bounds[s]:bounds[s + 1]], default=0.0) for s in S], frozenset(weights),
+                         block_stash, block_grad)
