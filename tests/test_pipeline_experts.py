@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +21,8 @@ import torch
 from scaletrain.errors import ConfigError
 from scaletrain.testing import run_distributed
 from scaletrain.train.config import load_config
+
+from pipeline_worker import train_and_resume  # tests/: the spawned ranks import it by name
 
 # 4 blocks (embed, dense layer, MoE layer, head): stage 0 = embed + dense layer, stage 1 = MoE layer + head
 TINY = ["model.name=gpt2-moe", "model.overrides.n_layer=2", "model.overrides.n_embd=32", "model.overrides.n_head=2",
@@ -127,27 +128,6 @@ def test_cost_face_keeps_one_ep_th_of_the_experts_and_prices_their_all_to_alls()
     assert two[1].comm_bytes == pytest.approx(one[1].comm_bytes - experts + 8.0 + a2a, rel=1e-12)
 
 
-def _worker(rank: int, world: int, out_dir: str, pipe: list[str]) -> dict:
-    from scaletrain.train import checkpoint as ckpt
-    from scaletrain.train.trainer import Trainer
-
-    cfg = load_config(None, TINY + pipe + ["train.measure_memory=true", "train.checkpoint_every=2",
-                                           "train.checkpoint_format=sharded"])
-    t = Trainer(cfg, out_dir, log=lambda s: None)
-    res = t.fit()
-    metrics = t.parallel.metrics()
-    out = {"losses": res.losses, "norm": t._grad_norm, "comm": t.comm_bytes, "tracked": t.tracked,
-           "predicted": metrics["predicted_comm_bytes"], "how": t.parallel.describe(),
-           "model": {k: v.clone() for k, v in t.parallel.model_state_dict().items()},
-           "opt": t.parallel.optimizer_state_dict(t.optimizer)}
-    t.close()
-    t = Trainer(load_config(None, TINY + pipe), None, log=lambda s: None)  # resume the sharded step-2 checkpoint
-    t.load_state_dict(ckpt.load(ckpt.at_step(Path(out_dir) / "checkpoints", 2)))
-    out["resumed"] = t.fit().losses
-    t.close()
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world, pipe, how", [
     (4, EP, "pipeline 1f1b over 2 stages x 2 dp, 4 micro-batches, block bounds [0, 2, 4]"),
@@ -169,7 +149,7 @@ def test_pipeline_on_moe_equals_one_process_and_its_prediction(tmp_path, world, 
     cfg = load_config(None, TINY + pipe)
     costs = plan_costs(Plan.from_config(cfg), models.get("gpt2-moe", device="meta", **cfg.model.overrides),
                        world=world, global_batch=8, seq=16, optimizer_kw={"momentum": 0.9, "weight_decay": 0.1})
-    results = run_distributed(_worker, world, str(tmp_path / "pp"), pipe, timeout_s=240)
+    results = run_distributed(train_and_resume, world, str(tmp_path / "pp"), TINY + pipe, timeout_s=240)
     dp = world // 2
     for rank, r in enumerate(results):
         assert r["how"] == how, r["how"]

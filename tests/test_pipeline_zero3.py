@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,8 @@ import torch
 from scaletrain.errors import ConfigError
 from scaletrain.testing import run_distributed
 from scaletrain.train.config import load_config
+
+from pipeline_worker import train_and_resume  # tests/: the spawned ranks import it by name
 
 # 4 blocks (embed, 2 layers, head): stage 0 holds the embedding, stage 1 the head with the tied wte
 TINY = ["model.overrides.n_layer=2", "model.overrides.n_embd=32", "model.overrides.n_head=2", "data.seq_len=16",
@@ -102,27 +103,6 @@ def test_padded_shards_follow_fsdp2():
 
 
 # --------------------------------------------------------------------------- 4 processes
-def _worker(rank: int, world: int, out_dir: str) -> dict:
-    from scaletrain.train import checkpoint as ckpt
-    from scaletrain.train.trainer import Trainer
-
-    cfg = load_config(None, TINY + PIPE + ["train.measure_memory=true", "train.checkpoint_every=2",
-                                           "train.checkpoint_format=sharded"])
-    t = Trainer(cfg, out_dir, log=lambda s: None)
-    res = t.fit()
-    metrics = t.parallel.metrics()
-    out = {"losses": res.losses, "norm": t._grad_norm, "comm": t.comm_bytes, "tracked": t.tracked,
-           "predicted": metrics["predicted_comm_bytes"], "how": t.parallel.describe(),
-           "model": {k: v.clone() for k, v in t.parallel.model_state_dict().items()},
-           "opt": t.parallel.optimizer_state_dict(t.optimizer)}
-    t.close()
-    t = Trainer(load_config(None, TINY + PIPE), None, log=lambda s: None)  # resume the sharded step-2 checkpoint
-    t.load_state_dict(ckpt.load(ckpt.at_step(Path(out_dir) / "checkpoints", 2)))
-    out["resumed"] = t.fit().losses
-    t.close()
-    return out
-
-
 @pytest.mark.slow
 def test_pp2_dp2_zero3_1f1b_equals_one_process_and_its_prediction(tmp_path):
     from scaletrain import models
@@ -138,7 +118,7 @@ def test_pp2_dp2_zero3_1f1b_equals_one_process_and_its_prediction(tmp_path):
     cfg = load_config(None, TINY + PIPE)
     costs = plan_costs(Plan.from_config(cfg), models.get("gpt2-tiny", device="meta", **cfg.model.overrides), world=4,
                        global_batch=8, seq=16)
-    results = run_distributed(_worker, 4, str(tmp_path / "pp"), timeout_s=240)
+    results = run_distributed(train_and_resume, 4, str(tmp_path / "pp"), TINY + PIPE, timeout_s=240)
     for rank, r in enumerate(results):
         assert r["how"] == "pipeline 1f1b over 2 stages x 2 dp, 4 micro-batches, block bounds [0, 2, 4]", r["how"]
         assert r["losses"] == pytest.approx(one.losses, rel=1e-5), rank

@@ -59,7 +59,7 @@ def local_param_counts(model: nn.Module, *, tp: int = 1, ep: int = 1) -> dict[st
     ones (over dp/ep x cp), from the cost faces: ``tp_param_elements`` / ``ep_param_elements``.
     Call on the unsharded model."""
     if tp > 1 and has_moe(model):  # attention TP-split; a MoE layer's MLP whole on every TP rank
-        from scaletrain.techniques.experts import ep_param_elements
+        from scaletrain.techniques.experts import ep_param_elements, expert_param_ids
         from scaletrain.techniques.tensor_parallel import tp_param_elements
 
         cfg = model.config
@@ -68,7 +68,7 @@ def local_param_counts(model: nn.Module, *, tp: int = 1, ep: int = 1) -> dict[st
         # bias h replicated — the MoE layers have none of it
         dense = tp_param_elements(cfg, tp)["total"] - n_moe * ((8 * h * h + 4 * h) // tp + h)
         moe = [m for m in model.modules() if type(m).__name__ == "MoEFeedForward"]
-        experts = {id(q) for m in moe for q in m.experts.parameters()}
+        experts = expert_param_ids(model)
         router = sum(q.numel() for m in moe for q in m.parameters() if id(q) not in experts)
         n = ep_param_elements(model, ep)
         if ep > 1:

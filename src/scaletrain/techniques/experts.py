@@ -234,6 +234,11 @@ def ep_comm_bytes_per_step(n_moe_layers: int, tokens: int, n_embd: int, n_expert
             "wire_bytes": f * a2a * buf + 2 * f * ar * n_experts * 4}
 
 
+def expert_param_ids(model: nn.Module) -> set[int]:
+    """ids of every mixture-of-experts layer's expert parameters (what expert parallelism slices)."""
+    return {id(q) for m in model.modules() if isinstance(m, MoEFeedForward) for q in m.experts.parameters()}
+
+
 def ep_param_elements(model_or_layers: nn.Module | Iterable[MoEFeedForward], ep: int) -> dict[str, int]:
     """Parameter elements per EP rank: experts / ep + everything else."""
     mods = model_or_layers.modules() if isinstance(model_or_layers, nn.Module) else model_or_layers

@@ -43,6 +43,7 @@ from scaletrain.errors import UserError
 from scaletrain.models.adapters import adapt
 from scaletrain.plan import Plan
 from scaletrain.techniques.cost import StepSeconds
+from scaletrain.techniques.experts import expert_param_ids
 
 
 @dataclass
@@ -268,18 +269,13 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
             mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + (4 if gloo else 3) * biggest
 
 
-def _expert_ids(chain: nn.Module) -> set[int]:
-    """Parameters of every mixture-of-experts layer's experts (what expert parallelism slices)."""
-    return {id(q) for m in chain.modules() if type(m).__name__ == "MoEFeedForward" for q in m.experts.parameters()}
-
-
 def _shard_experts(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module) -> None:
     """Expert parallelism (:mod:`.experts`, :mod:`.pipeline.experts`): each rank keeps 1/ep of every
     expert tensor, so a stage's weights lose (1 - 1/ep) of its experts' share — and so do its gradients
     below ZeRO-2 and its optimizer states and step transient without ZeRO (ZeRO then shards the experts
     over the dp/ep ranks holding the same ones: 1/dp of them, as :func:`_shard_zero` divides).
     Activations stay: the all-to-all moves the same E·cap rows."""
-    experts = _expert_ids(chain)
+    experts = expert_param_ids(chain)
     for s in range(len(bounds) - 1):
         ps = _stage_params(chain, bounds, s)
         total = sum(p.numel() for p in ps)  # a tied embedding is among the head block's parameters
@@ -404,7 +400,7 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
         from scaletrain.techniques.data_parallel.zero import bucket_segments
 
         ep = max(plan.ep, 1)
-        experts = _expert_ids(chain) if ep > 1 else set()
+        experts = expert_param_ids(chain) if ep > 1 else set()
         for group, n in (([p for p in mine if id(p) not in experts], dp), ([p for p in mine if id(p) in experts],
                                                                            dp // ep)):
             shapes = []  # an expert tensor is this rank's 1/ep of it, sharded over the n ranks holding the same
@@ -418,7 +414,7 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
             total += 2 * (n - 1) / n * sum(n * seg * 4 for seg in segs) if n > 1 else 0.0
     else:
         ep = max(plan.ep, 1)
-        experts = [p for p in mine if id(p) in _expert_ids(chain)] if ep > 1 else []
+        experts = [p for p in mine if id(p) in expert_param_ids(chain)] if ep > 1 else []
         total += ring_ar(dp, nbytes([p for p in mine if not any(p is q for q in experts)]))
         total += ring_ar(dp // ep, nbytes(experts) / ep)  # EP: this rank's 1/ep, summed over the same experts
         total += ring_ar(plan.pp, 8.0) + (ring_ar(t, 8.0) if t > 1 else 0.0) + (ring_ar(ep, 8.0) if experts else 0.0)

@@ -29,13 +29,11 @@ from torch import nn
 from . import p2p
 
 
-def ep_ranks(pp_rank: int, dp_rank: int, dp: int, ep: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(EP group, expert-data-parallel group) of pipeline rank ``pp_rank``, replica ``dp_rank``
-    (global ranks, pp outermost)."""
+def ep_replicas(dp_rank: int, dp: int, ep: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(EP group, expert-data-parallel group) of data-parallel replica ``dp_rank`` of a stage, as
+    replica indices (the same for every pipeline rank)."""
     block, j = divmod(dp_rank, ep)
-    group = tuple(pp_rank * dp + block * ep + i for i in range(ep))
-    same = tuple(pp_rank * dp + b * ep + j for b in range(dp // ep))
-    return group, same
+    return tuple(block * ep + i for i in range(ep)), tuple(b * ep + j for b in range(dp // ep))
 
 
 def make_groups(pp: int, dp: int, ep: int, timeout_s: float) -> None:
@@ -43,9 +41,9 @@ def make_groups(pp: int, dp: int, ep: int, timeout_s: float) -> None:
     every process (:func:`.p2p.group` is collective over the world)."""
     for r in range(pp):
         for d in range(dp):
-            for g in ep_ranks(r, d, dp, ep):
+            for g in ep_replicas(d, dp, ep):
                 if len(g) > 1:
-                    p2p.group(g, timeout_s)
+                    p2p.group([r * dp + i for i in g], timeout_s)
 
 
 def apply_stage_experts(model: nn.Module, *, pp: int, dp: int, ep: int, timeout_s: float) -> None:
@@ -55,8 +53,8 @@ def apply_stage_experts(model: nn.Module, *, pp: int, dp: int, ep: int, timeout_
 
     make_groups(pp, dp, ep, timeout_s)
     r, d = divmod(dist.get_rank(), dp)
-    group, _ = ep_ranks(r, d, dp, ep)
-    shard_experts(model, p2p.group(group, timeout_s), rank=d % ep, size=ep, aux_group=None)
+    group, _ = ep_replicas(d, dp, ep)
+    shard_experts(model, p2p.group([r * dp + i for i in group], timeout_s), rank=d % ep, size=ep, aux_group=None)
 
 
 def gather_experts(t: torch.Tensor, group: Any, size: int) -> torch.Tensor:

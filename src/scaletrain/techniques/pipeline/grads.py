@@ -120,11 +120,11 @@ class ParamPlan:
         self.ep_ranks: tuple[int, ...] = ()
         self.expert_dp_ranks: tuple[int, ...] = ()
         if ep > 1:
-            from .experts import ep_ranks
+            from .experts import ep_replicas
 
-            self.ep_ranks, self.expert_dp_ranks = ep_ranks(pp_rank, dp_rank, dp, ep)
-            self.ep_ranks = tuple(sorted(self.global_rank(pp_rank, r % dp) for r in self.ep_ranks))
-            self.expert_dp_ranks = tuple(sorted(self.global_rank(pp_rank, r % dp) for r in self.expert_dp_ranks))
+            group, same = ep_replicas(dp_rank, dp, ep)
+            self.ep_ranks = tuple(sorted(self.global_rank(pp_rank, d) for d in group))
+            self.expert_dp_ranks = tuple(sorted(self.global_rank(pp_rank, d) for d in same))
         self.zero_sync: Any = None
         """A :class:`~scaletrain.techniques.data_parallel.zero.GradSync` (ZeRO-1) or a
         :class:`.fsdp.StageFSDP` (ZeRO-3) that replaces the data-parallel all-reduce, or None."""

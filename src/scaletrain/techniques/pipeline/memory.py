@@ -95,8 +95,9 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
                                params_dtype=params_dtype, _return_traces=True)
     S = len(bounds) - 1
     graphs = None
-    experts = {id(q) for m in chain.modules() if type(m).__name__ == "MoEFeedForward"
-               for q in m.experts.parameters()} if ep > 1 else set()
+    from scaletrain.techniques.experts import expert_param_ids
+
+    experts = expert_param_ids(chain) if ep > 1 else set()
     skip = deferred.weights if deferred is not None else frozenset()
     scales = [[0.0 if id(p) in skip else 1.0 / ep if id(p) in experts else 1.0 for p in blk.parameters()]
               for blk in chain.blocks] if experts or skip else None
