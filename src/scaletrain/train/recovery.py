@@ -196,7 +196,10 @@ def run_job(torchrun: Callable[[list[str]], list[str]], argv: list[str], out: Pa
                 process_tree.reap(job, timeout_s=GRACE_S)  # a killed agent's ranks, or any straggler
             if rc == 0:
                 return 0
-            line, restartable = summarize(read_reports(errors), _read_json(errors / DIED_FILE))
+            reports, died = read_reports(errors), _read_json(errors / DIED_FILE)
+            line, restartable = summarize(reports, died)
+            if rc < 0 and not reports and died is None:  # the agent itself was killed: its ranks were reaped
+                line, restartable = f"torchrun's agent died ({signal.Signals(-rc).name}); its ranks were stopped", True
             if not restartable or attempt == max_restarts:
                 spent = f" (after {attempt} restart{'s' * (attempt != 1)})" if attempt else ""
                 print(f"scaletrain: error: {line}{spent}", file=sys.stderr, flush=True)

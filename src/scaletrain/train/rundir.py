@@ -32,7 +32,7 @@ from scaletrain.train import runlock
 from scaletrain.train.job_env import ATTEMPT_ENV, JOB_DIR_ENV
 from scaletrain.train.logging import MetricsWriter
 from scaletrain.train.runlock import RunLock
-from scaletrain.train.safe_write import write_atomic
+from scaletrain.train.safe_write import read_text, write_atomic
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "checkpoints")
 """What makes a directory a run directory."""
@@ -91,10 +91,10 @@ def trim_metrics(path: Path, last_step: int) -> int:
     Why: those steps are run again after a resume; keeping them would log them twice. Event rows
     (``"event"`` key, e.g. ``restart``) are kept. Returns the number of rows dropped.
     """
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         return 0
     kept, dropped = [], 0
-    for line in path.read_text(errors="replace").splitlines():
+    for line in read_text(path).splitlines():  # a symlinked metrics file is refused, never read
         try:
             row = json.loads(line)
         except ValueError:
@@ -142,8 +142,8 @@ class RunDir:
         if self.path is None or self.opened:
             return
         self.path.mkdir(parents=True, exist_ok=True)
+        trim_metrics(self.path / "metrics.jsonl", self.start_step)  # first: a symlinked one stops all writes
         write_atomic(self.path / "config.toml", self.config_text)
-        trim_metrics(self.path / "metrics.jsonl", self.start_step)
         for bad in self.unloadable:
             if bad.exists():
                 os.replace(bad, bad.with_name(bad.name + ".corrupt"))

@@ -89,3 +89,15 @@ def open_append(path: Path) -> IO[str]:
             raise _symlink_error(path, e) from None
         raise
     return os.fdopen(fd, "a")
+
+
+def read_text(path: Path) -> str:
+    """The text of run-directory file ``path`` (bad bytes replaced); a symlink there is refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _symlink_error(path, e) from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode(errors="replace")
