@@ -19,6 +19,11 @@ costs more there: ``parallel.timeout_s`` plus the 30 s torchrun's agent waits fo
 honour SIGTERM before it sends SIGKILL (measured: 37 s of detection with ``parallel.timeout_s=5``);
 scaletrain's own launcher kills the hung rank 3 s after its peer's report (:data:`GRACE_S`).
 
+The launcher owns its process tree (:mod:`.process_tree`): the agent and the ranks die with their
+parent, every attempt ends with no process of it left, and the next one starts only once the
+previous one's ranks have released their shared attempt lock. It holds the run directory's lock
+(:mod:`.runlock`) across all attempts. SIGTERM to it ends the job in one line, exit 143.
+
 A failure is restarted unless a rank reported a bad input (:attr:`UserError.restartable` False),
 which would fail the same way again. A rank that hangs is caught by the collective timeout
 (``parallel.timeout_s``) of the ranks waiting for it.
