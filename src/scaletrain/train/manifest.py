@@ -108,14 +108,14 @@ def _tensor(key: str, t: Any, files: dict[str, dict]) -> list[tuple[str, int, in
     """Check tensor ``key``'s entry; returns its pieces' (file, byte, nbytes)."""
     if not isinstance(t, dict) or not isinstance(t.get("pieces"), list):
         raise BadManifest(f"tensor {key!r} has no list of pieces")
-    if t.get("dtype") not in DTYPES:
+    if not isinstance(t.get("dtype"), str) or t["dtype"] not in DTYPES:
         raise BadManifest(f"tensor {key!r} has dtype {str(t.get('dtype'))[:40]!r}; allowed: {', '.join(DTYPES)}")
     shape = _ints(t.get("shape"), None, f"tensor {key!r} shape")
     spans, boxes, elements = [], [], 0
     for p in t["pieces"]:
-        if not isinstance(p, dict) or p.get("file") not in files:
+        if not isinstance(p, dict) or not isinstance(p.get("file"), str) or p["file"] not in files:
             raise BadManifest(f"a piece of tensor {key!r} names a file not listed in 'files'")
-        if p.get("dtype") not in DTYPES:
+        if not isinstance(p.get("dtype"), str) or p["dtype"] not in DTYPES:
             raise BadManifest(f"a piece of tensor {key!r} has dtype {str(p.get('dtype'))[:40]!r}; allowed: "
                               f"{', '.join(DTYPES)}")
         off = _ints(p.get("offset"), len(shape), f"a piece offset of tensor {key!r}")
