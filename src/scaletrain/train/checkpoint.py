@@ -68,7 +68,8 @@ def rotate(directory: Path, keep: int) -> None:
 
 
 def remove(path: Path) -> None:
-    if path.is_dir():
+    """Delete a checkpoint or leftover (a symlink is unlinked, never followed)."""
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
