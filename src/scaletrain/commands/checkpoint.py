@@ -59,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
         d = export.info(path, verify=not args.no_verify)
         if args.json:
             print(json.dumps(d))
-            return 0
+            return 0 if d["problem"] is None else 2
+        if d["step"] is None:  # the manifest itself is unsound: nothing else of it is believed
+            print(f"checkpoint {d['path']}: {d['format']}\nintegrity: DAMAGED ({d['problem']})")
+            return 2
         plan = d["plan"]
         keys = ("dp", "tp", "pp", "cp", "ep", "zero", "precision", "optimizer")
         shown = ", ".join(f"{k}={plan[k]}" for k in keys if k in plan)

@@ -92,15 +92,18 @@ def _relaunch(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts} is not allowed; must be >= 0")
     out = Path(args.out or _default_out())  # chosen once, so every rank writes/reads the same directory
-    rundir.check_target(out, args.resume)  # once, here, before any process starts
+    lock = rundir.check_target(out, args.resume)  # once, here, before any process starts; held across attempts
     argv = ["train", "--out", str(out)]
     argv += ["--config", str(args.config)] if args.config else []
     argv += ["--plan", str(args.plan)] if args.plan else []
     argv += ["--json"] if args.json else []
     argv += list(args.overrides)  # --resume / --reset-optimizer: per attempt (recovery.run_job)
     log = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
-    return recovery.run_job(lambda a: torchrun_command(args.nproc_per_node, a), argv, out, resume=args.resume,
-                            reset_optimizer=args.reset_optimizer, max_restarts=args.max_restarts, log=log)
+    try:
+        return recovery.run_job(lambda a: torchrun_command(args.nproc_per_node, a), argv, out, resume=args.resume,
+                                reset_optimizer=args.reset_optimizer, max_restarts=args.max_restarts, log=log)
+    finally:
+        lock.release()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "reset_optimizer", False) and not args.resume:
         raise ConfigError("--reset-optimizer applies to a --resume only")
     if os.environ.get("RANK") is not None:
-        from scaletrain.train.recovery import note_pid
+        from scaletrain.train.process_tree import enter_rank
 
-        note_pid(int(os.environ["RANK"]))  # so that the launcher can stop a hung rank
+        enter_rank(int(os.environ["RANK"]))  # dies with its torchrun agent; the launcher can stop a hung rank
     return _run(args)  # a UserError on several ranks is said once (scaletrain.errors.report)
 
 

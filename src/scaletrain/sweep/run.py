@@ -111,7 +111,7 @@ def run_sweep(runs: list[Run], opts: SweepOptions, out: Path, *, log: Callable[[
     for r in runs:
         check_run(r)
         if not predict_only:
-            rundir.check_target(out / r.name, resume)
+            rundir.check_target(out / r.name, resume).release()  # a check only: each run's Trainer holds its lock
     budget = _budget(runs, opts)
     cores = opts.cores or (os.cpu_count() or 1)
     threads = opts.threads or max(1, cores // opts.devices)

@@ -4,13 +4,13 @@ the listing / rotation / resume choice shared with the sharded one (:mod:`.shard
 A checkpoint is one ``torch.save`` file holding only tensors, numbers, strings, lists and dicts
 (model, optimizer and scheduler state, RNG states, data position), loaded back with
 ``weights_only=True`` — so a checkpoint from elsewhere cannot execute code. It is written to a
-temporary name and renamed into place (``os.replace`` is atomic on POSIX), so a crash mid-write
-leaves the previous checkpoint intact.
+fresh temporary name (``step_N.pt.tmp-<pid>-<ns>``, created with O_EXCL | O_NOFOLLOW: no
+pre-placed symlink is followed, :mod:`.safe_write`) and renamed into place (``os.replace`` is
+atomic on POSIX), so a crash mid-write leaves the previous checkpoint intact.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from pathlib import Path
@@ -20,9 +20,10 @@ import torch
 
 from scaletrain.errors import UserError
 from scaletrain.train import faults
+from scaletrain.train.safe_write import write_atomic
 
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
-_TMP = re.compile(r"^step_\d+(\.pt\.tmp|\.tmp-.*|\.old-.*)$")
+_TMP = re.compile(r"^step_\d+(\.pt\.tmp(-.*)?|\.tmp-.*|\.old-.*)$")
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
@@ -39,19 +40,19 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int = 2) -> Pa
     """Write ``state`` atomically as the checkpoint of ``step``; keep the newest ``keep`` files."""
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
-    tmp = final.with_suffix(".pt.tmp")
-    try:  # a full disk (or no permission) fails in one line; the previous checkpoints stay
-        torch.save(state, tmp)
+
+    def write(f: Any) -> None:
+        torch.save(state, f)
+        f.flush()
         faults.maybe_fire(step, 0, directory.parent, "save")  # tests only: dies before the rename
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+
+    try:  # a full disk (or no permission) fails in one line; the previous checkpoints stay
+        write_atomic(final, write)  # a fresh temp name, never a pre-placed symlink (.safe_write)
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
         if isinstance(e, RuntimeError) and "writ" not in str(e):
             raise
-        tmp.unlink(missing_ok=True)
         why = getattr(e, "strerror", None) or str(e).splitlines()[0]
-        raise UserError(f"checkpoint of step {step} not written: could not write {tmp} ({why}); "
+        raise UserError(f"checkpoint of step {step} not written: could not write {final} ({why}); "
                         "the previous checkpoints are intact") from None
     rotate(directory, keep)
     return final
@@ -67,7 +68,8 @@ def rotate(directory: Path, keep: int) -> None:
 
 
 def remove(path: Path) -> None:
-    if path.is_dir():
+    """Delete a checkpoint or leftover (a symlink is unlinked, never followed)."""
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
@@ -78,8 +80,8 @@ def list_checkpoints(directory: Path) -> list[Path]:
     first; temporary files and directories of unfinished saves are ignored."""
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p.is_dir(), p) for p in directory.iterdir()
-             if (m := _NAME.match(p.name)) and (p.is_dir() == (m.group(2) is None))]
+    found = [(int(m.group(1)), p.is_dir(), p) for p in directory.iterdir()  # a symlink is never a checkpoint
+             if (m := _NAME.match(p.name)) and not p.is_symlink() and (p.is_dir() == (m.group(2) is None))]
     return [p for *_, p in sorted(found)]
 
 

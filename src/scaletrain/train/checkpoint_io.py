@@ -5,9 +5,9 @@ writes its own pieces, :mod:`.sharded_checkpoint`) or ``auto`` (sharded with sev
 A runtime whose state has no sharded layout (:func:`~.shard_layouts.unsupported`) is written
 consolidated, with the reason logged once. Either format resumes under any layout.
 
-Resuming takes the newest checkpoint that is intact — a sharded one's manifest, file sizes and
-CRC32s (each rank checks a share of the files), a consolidated one that loads — and skips damaged
-newer ones with a one-line warning naming them.
+Resuming takes the newest checkpoint that is intact — a sharded one's manifest (every field:
+:mod:`.manifest`), file sizes and CRC32s (each rank checks a share of the files), a consolidated
+one that loads — and skips damaged newer ones with a one-line warning naming them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from scaletrain.errors import ConfigError, UserError
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import sharded_checkpoint as sharded
 from scaletrain.train.config import to_toml
+from scaletrain.train.manifest import check_resumable
 from scaletrain.train.shard_layouts import group_hyper, layout, unsupported
 from scaletrain.train.shards import Piece, canonical_groups, local_of
 
@@ -119,7 +120,9 @@ def _why_not(tr: Any, path: Path) -> tuple[str | None, dict[str, Any] | None]:
     """(why checkpoint ``path`` cannot be resumed from, or its consolidated state). Collective."""
     if path.is_dir():
         try:
-            files = sorted(sharded.read_manifest(path)["files"])
+            m = sharded.read_manifest(path)  # every field checked (scaletrain.train.manifest)
+            check_resumable(m)
+            files = sorted(m["files"])
         except UserError as e:
             files, first = [], str(e)
         else:

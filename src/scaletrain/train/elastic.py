@@ -119,11 +119,18 @@ def _key(out: Path) -> str:
     return f"scaletrain/run_dir/{out}"
 
 
+_ROUND: dict[str, int] = {}
+"""Rank 0's round of the job for each run directory it claimed (1: the job's first round)."""
+
+
 def claim(out: Path) -> None:
-    """Record in the agent's store that this job accepted ``out`` as its run directory."""
+    """Record in the agent's store that this job accepted ``out`` as its run directory; rank 0 also
+    counts the rounds that got this far, so that a first round never logs a restart."""
     store = agent_store()
     if store is not None:
         store.set(_key(out), "1")
+        if os.environ.get("RANK", "0") == "0":
+            _ROUND[str(out)] = int(store.add(f"scaletrain/rounds/{out}", 1))
 
 
 def owns(out: Path) -> bool:
@@ -178,8 +185,9 @@ def restart_clock(out: Path, start_step: int) -> RestartClock | None:
     real failure, the last metrics write (the last completed step); torchrun tells the worker no
     exit time, so this process's start stands in for it: ``detect_s`` then holds the agents'
     detection and re-rendezvous, ``restart_s`` this process's start-up until the checkpoint load."""
-    if not owns(out):  # (the caller asks only for a directory that holds a run: created after a first step)
-        return None
+    rounds = _ROUND.get(str(out), 1)
+    if rounds < 2 or not out.is_dir() or not (out / "metrics.jsonl").is_file() or not owns(out):
+        return None  # the job's first round (a --resume of a finished run included) or nothing ran before
     from scaletrain.train.recovery import RestartClock, fault_time
 
     metrics = out / "metrics.jsonl"
@@ -188,5 +196,5 @@ def restart_clock(out: Path, start_step: int) -> RestartClock | None:
         times.append(metrics.stat().st_mtime)
     started = _process_start()
     t_fault = min(max(times, default=started), started)
-    attempt = agent_store().add(f"scaletrain/restarts/{out}", 1)  # TORCHELASTIC_RESTART_COUNT may lag on some nodes
-    return RestartClock(attempt, t_fault, started, _last_step(metrics), start_step)
+    # the round count, not TORCHELASTIC_RESTART_COUNT: that may lag on some nodes
+    return RestartClock(rounds - 1, t_fault, started, _last_step(metrics), start_step)

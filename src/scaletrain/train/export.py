@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import shutil
 import struct
 from pathlib import Path
 from typing import Any, Callable
@@ -18,11 +18,16 @@ import torch
 
 from scaletrain.errors import UserError
 from scaletrain.train import checkpoint as ckpt
+from scaletrain.train import runlock
 from scaletrain.train import sharded_checkpoint as sharded
+from scaletrain.train.manifest import BadManifest, check_key
+from scaletrain.train.safe_write import write_atomic
 
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL"}
+_ST_NAMES = set(ST_DTYPES.values())
+"""safetensors dtypes an import accepts: exactly the checkpoint's (:data:`.manifest.DTYPES`)."""
 
 
 def resolve(target: Path) -> Path:
@@ -51,7 +56,11 @@ def _tomlish(config: str) -> dict[str, Any]:
 def info(path: Path, verify: bool = True) -> dict[str, Any]:
     """What a checkpoint holds: format, step, the plan it was written under, sizes (bytes)."""
     if path.is_dir():
-        m = sharded.read_manifest(path)
+        try:
+            m = sharded.read_manifest(path)
+        except BadManifest as e:  # a damaged checkpoint: said as such, nothing of it is read
+            return {"path": str(path), "format": "sharded", "step": None, "world": None, "layout": "", "plan": {},
+                    "parameters": None, "tensors": None, "bytes": None, "files": {}, "problem": str(e)}
         files = {k: v["bytes"] for k, v in m["files"].items()}
         model = {k[6:]: v for k, v in m["tensors"].items() if k.startswith("model/")}
         return {"path": str(path), "format": "sharded", "step": m["step"], "world": m["world"],
@@ -71,9 +80,10 @@ def info(path: Path, verify: bool = True) -> dict[str, Any]:
 def _model_tensors(path: Path) -> tuple[list[tuple[str, torch.dtype, list[int]]], Any, dict[str, str]]:
     """(name, dtype, shape) of every model tensor, a function reading one, tied aliases."""
     if path.is_dir():
-        why = sharded.problem(path, crc_files=[])
+        why = sharded.problem(path)  # every file's CRC32 too: a damaged checkpoint is never exported
         if why:
-            raise UserError(f"checkpoint {str(path)!r} is damaged: {why}")
+            raise UserError(f"checkpoint {str(path)!r} is damaged, not exported: {why} (`scaletrain checkpoint info` "
+                            f"describes it; an older checkpoint of the run may be intact)")
         r = sharded.Reader(path)
         heads = [(k[6:], getattr(torch, v["dtype"]), v["shape"]) for k, v in r.tensors.items() if k.startswith("model/")]
         return heads, lambda n: r.read("model/" + n), dict(r.manifest.get("aliases", {}))
@@ -133,17 +143,19 @@ def export_safetensors(path: Path, out: Path, rename: Rename | None = None,
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as f:
+
+    def write(f: Any) -> None:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for n, _, _ in heads:
             t = read(n).contiguous()
             f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
             del t
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+
+    try:  # a fresh temp name beside ``out`` (by default inside the run directory): no symlink is followed
+        write_atomic(out, write)
+    except OSError as e:
+        raise UserError(f"could not write {str(out)!r} ({e.strerror or e})") from None
     return {"path": str(out), "tensors": len(heads), "bytes": out.stat().st_size, "aliases": aliases}
 
 
@@ -152,18 +164,11 @@ def import_safetensors(src: Path, run: Path) -> dict[str, Any]:
     ``run`` (model only: ``scaletrain train --out RUN --resume`` starts from them with a fresh
     optimizer), streamed one tensor at a time. The tensors must carry the model's single-process
     names (as :func:`export_safetensors` writes them); the run's model checks them when it loads."""
-    from safetensors import SafetensorError, safe_open
-
     if not src.is_file():
         raise UserError(f"{str(src)!r} is not a file; give a .safetensors file")
     if run.exists() and (not run.is_dir() or any(run.iterdir())):
         raise UserError(f"--out {str(run)!r} exists and is not empty; an existing run is never written into")
-    try:
-        f = safe_open(str(src), framework="pt")
-        names = list(f.keys())
-        aliases = json.loads((f.metadata() or {}).get("scaletrain_aliases", "{}"))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{str(src)!r} is not a safetensors file ({str(e).splitlines()[0][:120]})") from None
+    f, names, aliases = _read_names(src)
     from scaletrain.train.shards import Piece
 
     def pieces():
@@ -171,9 +176,44 @@ def import_safetensors(src: Path, run: Path) -> dict[str, Any]:
             t = f.get_tensor(n)
             yield Piece(f"model/{n}", tuple(t.shape), (0,) * t.ndim, t)
 
-    tmp, final = sharded.new_tmp(run / "checkpoints", 0)
-    entries, nbytes, crc = sharded.write_pieces(tmp / sharded.rank_file(0), pieces())
-    meta = {"weights_only": True, "aliases": aliases, "plan": {}, "layout": f"imported from {src.name}"}
-    report = {"file": sharded.rank_file(0), "bytes": nbytes, "crc32": crc, "pieces": entries}
-    sharded.commit(tmp, final, 0, meta, [report], 1)
+    lock = runlock.acquire(run)  # one job per run directory; released (and an empty run removed) on failure
+    try:
+        tmp, final = sharded.new_tmp(run / "checkpoints", 0)
+        entries, nbytes, crc = sharded.write_pieces(tmp / sharded.rank_file(0), pieces())
+        meta = {"weights_only": True, "aliases": aliases, "plan": {}, "layout": f"imported from {src.name}"}
+        report = {"file": sharded.rank_file(0), "bytes": nbytes, "crc32": crc, "pieces": entries}
+        sharded.commit(tmp, final, 0, meta, [report], 1)
+    except OSError as e:
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+        raise UserError(f"could not write {str(run)!r} ({e.strerror or e})") from None
+    finally:
+        lock.release()
     return {"path": str(final), "tensors": len(names), "bytes": nbytes}
+
+
+def _read_names(src: Path) -> tuple[Any, list[str], dict[str, str]]:
+    """(the open safetensors file, its tensor names, its tied aliases), every name checked like a
+    manifest's (:func:`.manifest.check_key`: names, never paths) and every dtype allowed."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        f = safe_open(str(src), framework="pt")
+        names = list(f.keys())
+        aliases = json.loads((f.metadata() or {}).get("scaletrain_aliases", "{}"))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{str(src)!r} is not a safetensors file ({str(e).splitlines()[0][:120]})") from None
+    try:
+        if not isinstance(aliases, dict):
+            raise BadManifest("the scaletrain_aliases metadata is not an object of name -> name")
+        for n in names:
+            check_key(n)
+            dtype = str(f.get_slice(n).get_dtype())
+            if dtype not in _ST_NAMES:
+                raise BadManifest(f"tensor {n!r} has dtype {dtype}; allowed: {', '.join(sorted(_ST_NAMES))}")
+        for alias, target in aliases.items():
+            check_key(alias, "alias")
+            if target not in names:
+                raise BadManifest(f"alias {alias!r} names {str(target)[:80]!r}, which is not a tensor of the file")
+    except BadManifest as e:
+        raise UserError(f"{str(src)!r} cannot be imported: {e}") from None
+    return f, names, aliases

@@ -25,6 +25,7 @@ import torch
 
 from scaletrain.errors import UserError
 from scaletrain.train import export
+from scaletrain.train.safe_write import write_atomic
 
 _LINEARS = re.compile(r"^h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
@@ -91,5 +92,5 @@ def export_hf(path: Path, out: Path) -> dict[str, Any]:
         raise UserError(f"--out {str(out)!r} exists and is not an empty directory; give a new directory")
     out.mkdir(parents=True, exist_ok=True)
     d = export.export_safetensors(path, out / "model.safetensors", rename=rename)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+    write_atomic(out / "config.json", json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     return {**d, "path": str(out), "model": name}

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from scaletrain.train.job_env import JOB_DIR_ENV
+from scaletrain.train.safe_write import write_atomic
 
 PLACES = ("step", "collective", "save", "async-save")
 
@@ -74,7 +75,7 @@ def maybe_fire(step: int, rank: int, run_dir: Path | None, where: str = "step") 
         marker = marker_dir / (f"fault-{step}.json" if where == "step" else f"fault-{step}-{where}.json")
         if marker.exists():
             return
-        marker.write_text(json.dumps({"step": step, "rank": rank, "kind": kind, "where": where, "time": time.time()}))
+        write_atomic(marker, json.dumps({"step": step, "rank": rank, "kind": kind, "where": where, "time": time.time()}))
     if kind == "raise":
         raise RuntimeError(f"injected fault at step {step} ({where}) on rank {rank}")
     if kind == "enospc":

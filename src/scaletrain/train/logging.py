@@ -9,13 +9,15 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from scaletrain.train.safe_write import open_append
+
 
 class MetricsWriter:
     """Appends one JSON object per line to ``metrics.jsonl`` (flushed per row, so a crash loses nothing)."""
 
     def __init__(self, path: Path | None):
         self.path = path
-        self._f: IO[str] | None = open(path, "a") if path is not None else None
+        self._f: IO[str] | None = open_append(path) if path is not None else None  # never a symlink
 
     def write(self, row: dict[str, Any]) -> None:
         if self._f is None:

@@ -19,6 +19,11 @@ costs more there: ``parallel.timeout_s`` plus the 30 s torchrun's agent waits fo
 honour SIGTERM before it sends SIGKILL (measured: 37 s of detection with ``parallel.timeout_s=5``);
 scaletrain's own launcher kills the hung rank 3 s after its peer's report (:data:`GRACE_S`).
 
+The launcher owns its process tree (:mod:`.process_tree`): the agent and the ranks die with their
+parent, every attempt ends with no process of it left, and the next one starts only once the
+previous one's ranks have released their shared attempt lock. It holds the run directory's lock
+(:mod:`.runlock`) across all attempts. SIGTERM to it ends the job in one line, exit 143.
+
 A failure is restarted unless a rank reported a bad input (:attr:`UserError.restartable` False),
 which would fail the same way again. A rank that hangs is caught by the collective timeout
 (``parallel.timeout_s``) of the ranks waiting for it.
@@ -49,8 +54,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from scaletrain.errors import ERROR_DIR_ENV, read_reports, summarize
+from scaletrain.techniques.data_parallel.launch import SHUTDOWN_S
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.job_env import ATTEMPT_ENV, JOB_DIR_ENV, RESTART_ENV
+from scaletrain.train import process_tree
+from scaletrain.train.job_env import ATTEMPT_ENV, JOB_DIR_ENV, LAUNCHER_PID_ENV, RESTART_ENV
 
 DIED_FILE = "launcher.json"
 """torchrun's first failed rank ({"rank", "exitcode", "signal"}), written into the error directory."""
@@ -127,36 +134,18 @@ the attempt is killed. Why: torchrun waits 30 s (whatever ``--shutdown-timeout``
 for a stopped — hung — rank to honour SIGTERM before it sends SIGKILL."""
 
 
-def note_pid(rank: int) -> None:
-    """A rank started by the launcher leaves its process id in the job directory (for :func:`_kill_ranks`)."""
-    job = os.environ.get(JOB_DIR_ENV)
-    if job:
-        with contextlib.suppress(OSError):
-            (Path(job) / f"pid-rank{rank}").write_text(str(os.getpid()))
-
-
-def _kill_ranks(job: Path) -> None:
-    """SIGKILL every rank of the current attempt (a stopped process dies of SIGKILL only)."""
-    for p in job.glob("pid-rank*"):
-        with contextlib.suppress(OSError, ValueError):
-            os.kill(int(p.read_text()), signal.SIGKILL)
-        p.unlink(missing_ok=True)
-
-
 def _run_attempt(cmd: list[str], env: dict[str, str], errors: Path) -> int:
-    """Run one attempt in its own process group; its exit code (-9 when it had to be killed)."""
+    """Run one attempt in its own session; its exit code (-9 when it had to be killed). Whatever
+    ends it, no process of it is left (:func:`.process_tree.reap`, by the caller)."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     first_report: float | None = None
-    on_term = None
-    if threading.current_thread() is threading.main_thread():  # a SIGTERM to the launcher ends the attempt too
-        on_term = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         while proc.poll() is None:
             time.sleep(0.1)
             if first_report is None and any(errors.glob("rank*.json")):
                 first_report = time.monotonic()
             if first_report is not None and time.monotonic() - first_report > GRACE_S:
-                _kill_ranks(errors.parent)  # torchrun puts each rank in a session of its own
+                process_tree.reap(errors.parent, timeout_s=0)  # the agent and each rank (own sessions)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -164,16 +153,14 @@ def _run_attempt(cmd: list[str], env: dict[str, str], errors: Path) -> int:
     except (KeyboardInterrupt, SystemExit):  # the attempt has its own session: pass Ctrl-C / SIGTERM on
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=GRACE_S + SHUTDOWN_S)  # torchrun stops its ranks; then they are killed anyway
         raise
-    finally:
-        if on_term is not None:
-            signal.signal(signal.SIGTERM, on_term)
     return proc.returncode
 
 
 def _exit_on_term(signum: int, frame: Any) -> None:
-    """SIGTERM handler while an attempt runs: unwind (its ranks are terminated on the way), exit 143."""
+    """SIGTERM handler of the launcher: unwind (the attempt's processes are stopped on the way), exit 143."""
     raise SystemExit(128 + signum)
 
 
@@ -185,8 +172,15 @@ def run_job(torchrun: Callable[[list[str]], list[str]], argv: list[str], out: Pa
     job = Path(tempfile.mkdtemp(prefix="scaletrain-job-"))
     first_newest = ckpt.latest(out / "checkpoints")
     info: dict[str, Any] | None = None
+    on_term = None
+    if threading.current_thread() is threading.main_thread():  # a SIGTERM to the launcher ends the job too
+        on_term = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         for attempt in range(max_restarts + 1):
+            if process_tree.reap(job):  # an earlier attempt's process that SIGKILL cannot end (e.g. stuck in I/O)
+                print(f"scaletrain: error: processes of attempt {attempt - 1} are still alive after SIGKILL; not "
+                      f"starting attempt {attempt} beside them in {str(out)!r}", file=sys.stderr, flush=True)
+                return 1
             errors = job / f"attempt{attempt}"
             errors.mkdir()
             newest = ckpt.latest(out / "checkpoints")
@@ -194,18 +188,23 @@ def run_job(torchrun: Callable[[list[str]], list[str]], argv: list[str], out: Pa
             if reset_optimizer and newest == first_newest:  # not once the run has its own new checkpoints
                 args.append("--reset-optimizer")
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                       **{ERROR_DIR_ENV: str(errors), JOB_DIR_ENV: str(job), ATTEMPT_ENV: str(attempt)})
+                       **{ERROR_DIR_ENV: str(errors), JOB_DIR_ENV: str(job), ATTEMPT_ENV: str(attempt),
+                          LAUNCHER_PID_ENV: str(os.getpid())})
             env.pop(RESTART_ENV, None)
             if info is not None:
                 env[RESTART_ENV] = json.dumps(info)
-            for stale in job.glob("pid-rank*"):  # the last attempt's processes are gone
-                stale.unlink()
             t_launch = time.time()
-            rc = _run_attempt(torchrun(args), env, errors)
-            t_exit = time.time()
+            try:
+                rc = _run_attempt(torchrun(args), env, errors)
+            finally:
+                t_exit = time.time()
+                process_tree.reap(job, timeout_s=GRACE_S)  # a killed agent's ranks, or any straggler
             if rc == 0:
                 return 0
-            line, restartable = summarize(read_reports(errors), _read_json(errors / DIED_FILE))
+            reports, died = read_reports(errors), _read_json(errors / DIED_FILE)
+            line, restartable = summarize(reports, died)
+            if rc < 0 and not reports and died is None:  # the agent itself was killed: its ranks were reaped
+                line, restartable = f"torchrun's agent died ({signal.Signals(-rc).name}); its ranks were stopped", True
             if not restartable or attempt == max_restarts:
                 spent = f" (after {attempt} restart{'s' * (attempt != 1)})" if attempt else ""
                 print(f"scaletrain: error: {line}{spent}", file=sys.stderr, flush=True)
@@ -218,5 +217,13 @@ def run_job(torchrun: Callable[[list[str]], list[str]], argv: list[str], out: Pa
             log(f"scaletrain: {line}; restart {attempt + 1} of {max_restarts} "
                 f"from {newest.name if newest else 'the start'} (the failed attempt had reached step {failed_step})")
         return 1  # not reached
+    except SystemExit as e:
+        if e.code != 128 + signal.SIGTERM:
+            raise
+        print("scaletrain: stopped by SIGTERM; the job's processes are ended (continue the run with --resume)",
+              file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
         shutil.rmtree(job, ignore_errors=True)

@@ -9,7 +9,9 @@ that cannot proceed must not change it. So:
 - :class:`RunDir` touches the disk only after the first optimizer step succeeded (everything was
   validated and planned by then: config, model, data, remat schedule, the resumed checkpoint);
   it then writes ``config.toml`` atomically and trims ``metrics.jsonl`` to the resumed step, so a
-  resumed run's metrics continue without duplicate steps.
+  resumed run's metrics continue without duplicate steps;
+- every file is written under a fresh temporary name that no symlink can pre-empt, then renamed
+  (:mod:`.safe_write`), and one job at a time holds the directory (:mod:`.runlock`).
 
 The launcher's restarts (``--max-restarts``) reuse their own directory: ``SCALETRAIN_ATTEMPT``
 > 0 says so, and the time the failure cost is logged as a ``restart`` row (:mod:`.recovery`).
@@ -26,8 +28,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from scaletrain.errors import ConfigError
+from scaletrain.train import runlock
 from scaletrain.train.job_env import ATTEMPT_ENV, JOB_DIR_ENV
 from scaletrain.train.logging import MetricsWriter
+from scaletrain.train.runlock import RunLock
+from scaletrain.train.safe_write import read_text, write_atomic
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "checkpoints")
 """What makes a directory a run directory."""
@@ -46,10 +51,16 @@ def restart_attempt() -> int:
         return 0
 
 
-def check_target(out: Path | None, resume: bool) -> None:
-    """Refuse in one line, before anything is built or written, a run directory that cannot be used."""
+def _lock(out: Path) -> RunLock:
+    """The run directory's lock, taken by the process that owns it: not a rank other than 0."""
+    return runlock.acquire(out) if os.environ.get("RANK", "0") in ("", "0") else runlock.NO_LOCK
+
+
+def check_target(out: Path | None, resume: bool) -> RunLock:
+    """Refuse in one line, before anything is built or written, a run directory that cannot be used
+    or that another job holds; returns this job's lock on it (release it when the run ends)."""
     if out is None:
-        return
+        return runlock.NO_LOCK
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is an existing file; name a directory (new, or a run to --resume)")
     from scaletrain.train import elastic
@@ -58,8 +69,9 @@ def check_target(out: Path | None, resume: bool) -> None:
         if not out.is_dir():
             raise ConfigError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r} (the run directory does not "
                               f"exist)")
+        lock = _lock(out)
         elastic.claim(out)
-        return
+        return lock
     if holds_run(out) and restart_attempt() == 0 and not elastic.owns(out):
         raise ConfigError(f"run directory {str(out)!r} already holds a run; continue it with --resume, or choose "
                           f"another --out")
@@ -68,7 +80,9 @@ def check_target(out: Path | None, resume: bool) -> None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {str(out)!r} cannot be created: {str(parent)!r} is not a writable directory")
+    lock = _lock(out)
     elastic.claim(out)  # under torchrun: a restarted round may reuse it (scaletrain.train.elastic)
+    return lock
 
 
 def trim_metrics(path: Path, last_step: int) -> int:
@@ -77,10 +91,10 @@ def trim_metrics(path: Path, last_step: int) -> int:
     Why: those steps are run again after a resume; keeping them would log them twice. Event rows
     (``"event"`` key, e.g. ``restart``) are kept. Returns the number of rows dropped.
     """
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         return 0
     kept, dropped = [], 0
-    for line in path.read_text(errors="replace").splitlines():
+    for line in read_text(path).splitlines():  # a symlinked metrics file is refused, never read
         try:
             row = json.loads(line)
         except ValueError:
@@ -92,17 +106,8 @@ def trim_metrics(path: Path, last_step: int) -> int:
             continue
         kept.append(line)
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(line + "\n" for line in kept))
     return dropped
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary name and rename it over ``path`` (a crash keeps the old file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class RunDir:
@@ -125,8 +130,7 @@ class RunDir:
         if path is not None:  # scaletrain's launcher says what failed; under torchrun the run directory does
             from scaletrain.train import elastic
 
-            self.restart = recovery.RestartClock.from_env(start_step) or (
-                elastic.restart_clock(path, start_step) if holds_run(path) else None)  # none before the first step
+            self.restart = recovery.RestartClock.from_env(start_step) or elastic.restart_clock(path, start_step)
         self.job_dir = Path(os.environ[JOB_DIR_ENV]) if os.environ.get(JOB_DIR_ENV) else None
 
     @property
@@ -138,8 +142,8 @@ class RunDir:
         if self.path is None or self.opened:
             return
         self.path.mkdir(parents=True, exist_ok=True)
+        trim_metrics(self.path / "metrics.jsonl", self.start_step)  # first: a symlinked one stops all writes
         write_atomic(self.path / "config.toml", self.config_text)
-        trim_metrics(self.path / "metrics.jsonl", self.start_step)
         for bad in self.unloadable:
             if bad.exists():
                 os.replace(bad, bad.with_name(bad.name + ".corrupt"))
@@ -158,7 +162,7 @@ class RunDir:
         now = time.time()
         if self.job_dir is not None:
             try:
-                write_atomic(self.job_dir / "progress.json", json.dumps({"step": step, "time": now}))
+                write_atomic(self.job_dir / "progress.json", json.dumps({"step": step, "time": now}), durable=False)
             except OSError:
                 pass  # the launcher is gone; training itself is unaffected
         if self.restart is not None:

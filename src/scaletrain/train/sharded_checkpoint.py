@@ -17,9 +17,10 @@ needs and nothing is re-gathered to save.
 
 Atomicity: all ranks write into ``step_XXXXXXXX.tmp-<id>/``; after every rank has fsynced its file,
 rank 0 writes the manifest and renames the directory into place. A directory counts as a
-checkpoint only with a manifest whose files exist with the recorded sizes (:func:`problem`), and a
-resume also checks their CRC32 (each rank a share of the files). Loading needs no pickle: tensors
-are raw bytes read with ``torch.frombuffer``.
+checkpoint only with a sound manifest (every field checked, piece files are names inside the
+directory, never paths: :mod:`.manifest`) whose files exist as plain files with the recorded sizes
+(:func:`problem`), and a resume also checks their CRC32 (each rank a share of the files). Loading
+needs no pickle: tensors are raw bytes read with ``torch.frombuffer``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 import zlib
@@ -38,7 +40,9 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.errors import UserError
-from scaletrain.train import faults
+from scaletrain.train import faults, manifest
+from scaletrain.train.manifest import BadManifest
+from scaletrain.train.safe_write import fsync_dir, open_new, write_atomic
 from scaletrain.train.shards import Piece, assign, coverage_errors
 
 FORMAT = "scaletrain-sharded/1"
@@ -57,21 +61,13 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"{type(o).__name__} is not JSON-serialisable")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_pieces(path: Path, pieces: Iterable[Piece], after_first: Callable[[], None] | None = None
                  ) -> tuple[list[dict[str, Any]], int, int]:
     """Write ``pieces`` back to back into ``path`` (fsynced): (their index entries, bytes, CRC32).
     ``pieces`` may be a generator: one piece is in memory at a time. ``after_first``: called once
     the first piece is on disk (the fault injector's mid-save point, :mod:`.faults`)."""
     entries, pos, crc = [], 0, 0
-    with open(path, "wb") as f:
+    with open_new(path) as f:  # a fresh name in a fresh directory: never a pre-placed symlink
         for i, p in enumerate(pieces):
             if i == 1 and after_first is not None:
                 f.flush()
@@ -208,14 +204,7 @@ def commit(tmp: Path, final: Path, step: int, meta: dict[str, Any], reports: lis
     manifest = {"format": FORMAT, "step": step, "world": world, **meta,
                 "files": {r["file"]: {"bytes": r["bytes"], "crc32": r["crc32"]} for r in reports},
                 "tensors": dict(sorted(tensors.items()))}
-    text = json.dumps(manifest, default=_json_default, indent=1)
-    part = tmp / (MANIFEST + ".part")
-    with open(part, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, tmp / MANIFEST)
-    _fsync_dir(tmp)
+    write_atomic(tmp / MANIFEST, json.dumps(manifest, default=_json_default, indent=1))
     if final.exists():  # the same step saved again: the old one goes only once the new one is complete
         old = final.with_name(final.name + f".old-{time.time_ns()}")
         os.replace(final, old)
@@ -223,40 +212,65 @@ def commit(tmp: Path, final: Path, step: int, meta: dict[str, Any], reports: lis
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 # ------------------------------------------------------------------------------------ reading
 def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of checkpoint directory ``path``; a missing or foreign one is a UserError."""
+    """The manifest of checkpoint directory ``path``, checked field by field (:mod:`.manifest`); a
+    missing, foreign or unsound one is a UserError (a :class:`~.manifest.BadManifest` for the last)."""
     f = path / MANIFEST
-    if not f.is_file():
-        raise UserError(f"checkpoint {str(path)!r} has no {MANIFEST} (incomplete)")
     try:
-        m = json.loads(f.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"checkpoint {str(path)!r}: {MANIFEST} is not valid JSON ({str(e)[:80]})") from None
+        st = f.lstat()
+    except OSError:
+        raise UserError(f"checkpoint {str(path)!r} has no {MANIFEST} (incomplete)") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > manifest.MAX_MANIFEST_BYTES:
+        raise BadManifest(f"checkpoint {str(path)!r}: {MANIFEST} is not a plain file of at most "
+                          f"{manifest.MAX_MANIFEST_BYTES} bytes")
+    try:
+        with open(f, "rb", opener=_nofollow) as fh:
+            m = json.loads(fh.read())
+    except (ValueError, UnicodeDecodeError, RecursionError, OSError) as e:
+        raise BadManifest(f"checkpoint {str(path)!r}: {MANIFEST} is not valid JSON ({str(e)[:80]})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise UserError(f"checkpoint {str(path)!r} is not a scaletrain sharded checkpoint ({FORMAT})")
-    return m
+    try:
+        return manifest.check(m, path)
+    except BadManifest as e:
+        raise BadManifest(f"checkpoint {str(path)!r}: {MANIFEST}: {e}") from None
+
+
+def _nofollow(name: str, flags: int) -> int:
+    return os.open(name, flags | os.O_NOFOLLOW)
+
+
+def _files_problem(path: Path, m: dict[str, Any]) -> str | None:
+    """Why the manifest's files are not there as recorded: each a plain file (not a symlink) of its size."""
+    for name, info in m["files"].items():
+        try:
+            st = (path / name).lstat()
+        except OSError:
+            return f"{name} is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name} is not a plain file (a symlink or special file is never read)"
+        if st.st_size != info["bytes"]:
+            return f"{name} has {st.st_size} bytes, the manifest says {info['bytes']}"
+    return None
 
 
 def problem(path: Path, crc_files: list[str] | None = None) -> str | None:
-    """Why checkpoint ``path`` cannot be used (None: intact): its manifest, every file's size, and the
-    CRC32 of ``crc_files`` (None: every file; []: none — a CRC reads the whole file)."""
+    """Why checkpoint ``path`` cannot be used (None: intact): its manifest (every field), every file's
+    size, and the CRC32 of ``crc_files`` (None: every file; []: none — a CRC reads the whole file)."""
     try:
         m = read_manifest(path)
     except UserError as e:
         return str(e)
-    for name, info in m["files"].items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != info["bytes"]:
-            return f"{name} has {f.stat().st_size} bytes, the manifest says {info['bytes']}"
+    why = _files_problem(path, m)
+    if why:
+        return why
     for name in (m["files"] if crc_files is None else crc_files):
         crc = 0
-        with open(path / name, "rb") as f:
+        with open(path / name, "rb", opener=_nofollow) as f:
             while chunk := f.read(1 << 24):
                 crc = zlib.crc32(chunk, crc)
         if crc != m["files"][name]["crc32"]:
@@ -301,6 +315,9 @@ class Reader:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.manifest = read_manifest(path)
+        why = _files_problem(path, self.manifest)
+        if why:
+            raise UserError(f"checkpoint {str(path)!r} is damaged: {why}")
         self.tensors: dict[str, Any] = self.manifest["tensors"]
 
     def read(self, key: str) -> torch.Tensor:
@@ -308,7 +325,7 @@ class Reader:
         t = self.tensors[key]
         out = torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]))
         for p in t["pieces"]:
-            with open(self.path / p["file"], "rb") as f:
+            with open(self.path / p["file"], "rb", opener=_nofollow) as f:
                 f.seek(p["byte"])
                 raw = f.read(p["nbytes"])
             if len(raw) != p["nbytes"]:
@@ -364,6 +381,10 @@ class Reader:
         """The trainer's checkpoint state (as :meth:`Trainer.state_dict` returns), model and optimizer
         loaded on access when ``lazy``. An imported checkpoint (``weights_only``) has the model only."""
         m = self.manifest
+        try:
+            manifest.check_resumable(m)
+        except BadManifest as e:
+            raise BadManifest(f"checkpoint {str(self.path)!r}: {MANIFEST}: {e}") from None
         if m.get("weights_only"):
             model = self.model_state()
             return {"step": int(m["step"]), "weights_only": True, "model": model if lazy else materialize(model)}

@@ -105,14 +105,20 @@ class Trainer:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.resume, self.reset_optimizer = resume or elastic.resume_round(self.out_dir), reset_optimizer
         self._build_runtime = runtime or build_runtime
-        rundir.check_target(self.out_dir, resume)  # before anything is built: an unusable --out is one line
-        env = launch.launch_env()
-        self.device = preflight.resolve_device(cfg.train.device, env.local_rank)
-        self._created_group = launch.init_process_group(self.device, cfg.parallel.timeout_s, elastic.group_store)
+        # before anything is built: an unusable or busy --out is one line; its lock is held until close()
+        self._run_lock = rundir.check_target(self.out_dir, resume)
+        try:
+            env = launch.launch_env()
+            self.device = preflight.resolve_device(cfg.train.device, env.local_rank)
+            self._created_group = launch.init_process_group(self.device, cfg.parallel.timeout_s, elastic.group_store)
+        except BaseException:
+            self._run_lock.release()
+            raise
         try:
             self._setup(cfg, model, log)
         except BaseException:
             launch.shutdown(self._created_group, finished=getattr(self, "_finished", False))  # a bad config must not leave the process group behind
+            self._run_lock.release()
             raise
 
     def _setup(self, cfg: Config, model: nn.Module | None, log: Callable[[str], None] | None) -> None:
@@ -325,6 +331,7 @@ class Trainer:
         avoids the abort DDP prints when its reducer outlives the group at interpreter exit.
         """
         if getattr(self, "parallel", None) is None:
+            self._run_lock.release()
             return
         with contextlib.suppress(Exception):  # a background checkpoint still being written (fit failed)
             checkpoint_io.wait(self)
@@ -338,6 +345,7 @@ class Trainer:
         if self.world > 1:
             LEDGER.uninstall()
         launch.shutdown(self._created_group, finished=getattr(self, "_finished", False))
+        self._run_lock.release()  # the run directory is complete: another job may take it
 
     def hand_back(self, structure: bool) -> None:
         """Write the trained weights into the user's model object (see :mod:`.handback`); collective."""

@@ -140,11 +140,22 @@ def torchrun_main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from scaletrain.train import process_tree
+    from scaletrain.train.job_env import AGENT_PID_ENV, LAUNCHER_PID_ENV
+
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    if launcher.isdigit():  # under scaletrain's launcher: this agent (and so its ranks) die with it
+        process_tree.die_with_parent(int(launcher))
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # each rank checks it is still this agent's child
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.run"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         torchrun.main(argv if argv is not None else sys.argv[1:])
+    except SignalException as e:  # SIGTERM / SIGINT to the agent: it stopped its ranks; no traceback
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
