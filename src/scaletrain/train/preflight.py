@@ -16,6 +16,7 @@ from torch import nn
 from scaletrain import models as model_registry
 from scaletrain.data import DATASETS, build_loader
 from scaletrain.errors import ConfigError, UserError, one_line
+from scaletrain.train import model_record
 from scaletrain.train.config import Config
 
 _KIND_OF_TASK = {"lm": "text", "classify": "image"}
@@ -25,6 +26,7 @@ _KIND_OF_TASK = {"lm": "text", "classify": "image"}
 def build_model(cfg: Config) -> nn.Module:
     """The reference model ``cfg.model.name`` with its overrides; a shape the builder rejects in any
     way (a zero head count, a negative width...) is one line naming ``model.overrides``."""
+    model_record.check_buildable(cfg.model.name)  # a model that was passed from Python: say how to resume
     try:
         return model_registry.get(cfg.model.name, **cfg.model.overrides)
     except UserError:

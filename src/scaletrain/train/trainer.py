@@ -45,7 +45,7 @@ from scaletrain.techniques.data_parallel import launch
 from scaletrain.techniques.runtime import RunContext
 from scaletrain.techniques.stack import build_runtime
 from scaletrain.models.adapters import adapt
-from scaletrain.train import checkpoint_io, elastic, faults, handback, preflight, resume as resuming, rundir
+from scaletrain.train import checkpoint_io, elastic, faults, handback, model_record, preflight, resume as resuming, rundir
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
@@ -138,6 +138,8 @@ class Trainer:
         self._snapshot = handback.take(self.model) if model is not None else None
         """The user's model as given: restored with the trained values after fit() / close()."""
         self._build_data()
+        if model is not None:  # config.toml names what was trained: rebuildable, or the class (model_record)
+            cfg = self.cfg = model_record.recorded(cfg, self.model, self.data_name)
         preflight.check_model_data(cfg, self.model, self.task, self.model_name, self.data_name, self.train_set)
         self.ctx = self._context()
         facts = Facts.of(self.model, world=self.world, device=self.device.type, seq_len=cfg.data.seq_len,
