@@ -54,8 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:  # the one error path: one line (or the launcher's error directory), exit 2
         report(e)
         return 2
-    except KeyboardInterrupt:
-        print("scaletrain: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # train/interrupt.py says where its checkpoint went
+        print(f"scaletrain: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
         import os

@@ -45,7 +45,7 @@ from scaletrain.techniques.data_parallel import launch
 from scaletrain.techniques.runtime import RunContext
 from scaletrain.techniques.stack import build_runtime
 from scaletrain.models.adapters import adapt
-from scaletrain.train import checkpoint_io, elastic, faults, handback, model_record, preflight, resume as resuming, rundir
+from scaletrain.train import checkpoint_io, elastic, faults, handback, interrupt, model_record, preflight, resume as resuming, rundir
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
@@ -441,7 +441,10 @@ class Trainer:
         val: dict[str, float] = {}
         self.model.train()
         window_t, window_items = time.perf_counter(), 0
+        can_save = self.out_dir is not None and cfg.train.checkpoint_format != "none"
+        guard = interrupt.Guard(cfg.train.checkpoint_every_s, self.world, can_save)  # periodic and Ctrl-C saves
         try:
+            guard.install()
             while self.step < cfg.train.steps:
                 t0 = time.perf_counter()
                 faults.maybe_fire(self.step + 1, self.rank, self.out_dir)  # tests only: SCALETRAIN_FAULT_*
@@ -498,9 +501,13 @@ class Trainer:
                     bar.close() if show else None
                     self.log(self._val_line(val))
                     bar = ProgressBar(cfg.train.steps, self.step, unit, enabled=show and self.rank == 0)
-                if last or (cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0):
+                periodic, stop = guard.periodic(self.step, dt), guard.stop()  # the same on every rank
+                if last or stop or periodic or (cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0):
                     self.save_checkpoint()
+                if stop and not last:
+                    raise guard.interrupted(self.step, self.out_dir)
         finally:
+            guard.restore()
             metrics.close()
         self._finished = True  # close() may wait for the peers before leaving the group
         if self.world == 1:  # (several processes: at close(), which every rank calls)
