@@ -49,7 +49,7 @@ from scaletrain.train import checkpoint_io, elastic, faults, handback, interrupt
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
-from scaletrain.train.model_data import build_datasets
+from scaletrain.train.model_data import as_pairs, build_datasets  # dict samples: as (x, y) pairs
 
 
 @dataclass
@@ -173,7 +173,8 @@ class Trainer:
         cfg = self.cfg
 
         def example_batch() -> tuple[torch.Tensor, torch.Tensor]:
-            loader = build_loader(self.train_set, self.micro_batch, shuffle=False, seed=cfg.train.seed)
+            loader = build_loader(as_pairs(self.train_set, self.adapter), self.micro_batch, shuffle=False,
+                                  seed=cfg.train.seed)
             x, y = next(iter(loader))
             return x.to(self.device), y.to(self.device)
 
@@ -201,7 +202,8 @@ class Trainer:
 
     def _make_train_loader(self, start_sample: int):
         par = self.parallel
-        return build_loader(self.train_set, self.micro_batch, shuffle=True, seed=self.cfg.train.seed,
+        return build_loader(as_pairs(self.train_set, self.adapter), self.micro_batch, shuffle=True,
+                            seed=self.cfg.train.seed,
                             rank=par.data_rank, world_size=par.data_world, start_sample=start_sample, infinite=True)
 
     def _batch_arithmetic(self) -> tuple[int, int]:
@@ -352,7 +354,8 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         par = self.parallel
-        loader = build_loader(self.val_set, self.micro_batch, shuffle=False, seed=0, rank=par.data_rank,
+        loader = build_loader(as_pairs(self.val_set, self.adapter), self.micro_batch, shuffle=False, seed=0,
+                              rank=par.data_rank,
                               world_size=par.data_world, drop_last=True)
         total, correct, count = 0.0, 0, 0
         for i, (x, y) in enumerate(loader):  # eval_batches global batches: the same samples under every layout
