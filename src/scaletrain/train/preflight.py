@@ -36,6 +36,40 @@ def build_model(cfg: Config) -> nn.Module:
                           f"({type(e).__name__}: {one_line(e)[:160]})") from None
 
 
+_NEEDS: tuple[tuple[str, str, Any], ...] = (
+    ("memory.remat.budget", "memory.remat.method=optimal (or periodic, revolve, ilp, dtr)",
+     lambda c: c.memory.remat.method != "none"),
+    ("memory.offload.prefetch", "memory.offload.activations=all (or a block list)",
+     lambda c: c.memory.offload.activations != "none" or c.memory.offload.plan == "auto"),
+    ("memory.offload.param_window", "memory.offload.params=host", lambda c: c.memory.offload.params == "host"),
+    ("memory.offload.dpu", "memory.offload.optimizer=host or disk", lambda c: c.memory.offload.optimizer != "device"),
+    *((f"memory.offload.{k}", "memory.offload.optimizer=disk", lambda c: c.memory.offload.optimizer == "disk")
+      for k in ("disk_dir", "disk_max_bytes", "disk_chunk_bytes", "disk_masters")),
+)
+"""(key, what gives it an effect, whether this config does): a key set away from its default that
+nothing reads would train silently without what the user asked for. (The compression knobs are not
+here: one base config is commonly run under every ``parallel.compression``.)"""
+
+
+def check_unused(cfg: Config) -> None:
+    """Every value set is used: one line for a key set away from its default whose feature is off."""
+    from scaletrain.train.config import Config as Defaults
+
+    base = Defaults()
+    for key, needs, active in _NEEDS:
+        section, name = key.rsplit(".", 1)
+        value = getattr(_walk(cfg, section), name)
+        auto = section == "memory.offload" and cfg.memory.offload.plan == "auto"  # the planner may use it
+        if value != getattr(_walk(base, section), name) and not active(cfg) and not auto:
+            raise ConfigError(f"{key}={value!r} has no effect on its own; add {needs}, or leave {key} out")
+
+
+def _walk(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, data_name: str,
                      dataset: Any = None) -> None:
     """The dataset's kind fits the model's task; a language model's positions hold ``data.seq_len``;
