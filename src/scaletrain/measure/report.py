@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaletrain.errors import UserError
-from scaletrain.measure.compose import StepEstimate
-from scaletrain.measure.step import PRECISIONS
+from scaletrain.measure.types import PRECISIONS
+
+if TYPE_CHECKING:  # the CLI builds its parser without importing torch
+    from scaletrain.measure.compose import StepEstimate
 
 GIB = 2.0**30
 MIB = 2.0**20
