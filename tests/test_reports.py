@@ -1,0 +1,28 @@
+"""Reports a user reads: one byte unit per report, repeated blocks on one row, and checkpoint info
+of a one-process run (`measure/report.py`, `train/export.py`)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+from scaletrain.cli import main
+from scaletrain.measure.report import fold_rows, unit_for
+
+
+def test_fold_and_unit():
+    rows = [("embed", "1"), ("h.0", "2"), ("h.1", "2"), ("h.2", "2"), ("head", "2"), ("loss", "3")]
+    assert fold_rows(rows) == [("embed", "1"), ("h.0–head ×4", "2"), ("loss", "3")]
+    assert unit_for(3 * 2**30)[0] == "GiB" and unit_for(5 * 2**20)[0] == "MiB" and unit_for(10)[0] == "KiB"
+
+
+def test_estimate_prints_one_unit_and_folds_blocks():
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["estimate", "--model", "gpt2-tiny", "--batch", "2", "--seq", "16", "--dp", "2",
+                     "--zero", "1"]) == 0
+    text = buf.getvalue()
+    assert set(re.findall(r"\b[KMG]iB\b", text)) == {"MiB"}, text
+    assert not re.search(r"\d B\b", text), text
+    assert "h.0–h.3 ×4" in text and "\nh.1 " not in text
