@@ -26,3 +26,21 @@ def test_estimate_prints_one_unit_and_folds_blocks():
     assert set(re.findall(r"\b[KMG]iB\b", text)) == {"MiB"}, text
     assert not re.search(r"\d B\b", text), text
     assert "h.0–h.3 ×4" in text and "\nh.1 " not in text
+
+
+def test_checkpoint_info_of_one_process(tmp_path):
+    """One process: dp=1 (not the config's 0 = "every process"), the tied head counted once."""
+    import json
+
+    from scaletrain import models
+
+    run = tmp_path / "run"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--out", str(run), "train.steps=1", "model.overrides.n_layer=1", "data.seq_len=16",
+                     "train.global_batch=2", "train.eval_batches=1", "train.progress=off"]) == 0
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["checkpoint", "info", str(run), "--json"]) == 0
+    d = json.loads(buf.getvalue())
+    assert d["plan"]["dp"] == 1
+    assert d["parameters"] == models.count_params(models.get("gpt2-tiny", n_layer=1, device="meta"))
