@@ -44,3 +44,16 @@ def test_checkpoint_info_of_one_process(tmp_path):
     d = json.loads(buf.getvalue())
     assert d["plan"]["dp"] == 1
     assert d["parameters"] == models.count_params(models.get("gpt2-tiny", n_layer=1, device="meta"))
+
+
+def test_compare_time_axis_is_set_by_the_measured_figures():
+    """A prediction 8.7x off no longer sets the axis: it is clipped to the edge (and noted); the page renders."""
+    from scaletrain.compare import figures
+    from test_compare import synthetic
+
+    (lo, hi), shown = figures.clip_to_measured([1.0, 2.0], [(1, 1.5), (4, 17.4)])
+    assert (lo, hi) == (1.0 / figures.MARGIN, 2.0 * figures.MARGIN)
+    assert shown == [(1, 1.5, False), (4, hi, True)]
+    cells = synthetic()
+    cells[2]["predicted_step_time_s"] *= 8.7 / 0.8
+    assert figures.scaling(cells)[:4] == b"\x89PNG"
