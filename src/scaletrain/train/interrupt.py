@@ -43,9 +43,14 @@ class Guard:
         self.times: list[float] = []
         self.signum: int | None = None
         self._old: dict[int, Any] = {}
+        self._group: Any = None
 
     def install(self) -> None:
-        """Catch SIGINT/SIGTERM until :meth:`restore` (main thread only: Python's rule for handlers)."""
+        """Catch SIGINT/SIGTERM until :meth:`restore` (main thread only: Python's rule for handlers).
+        Collective with several processes: the agreement gets a gloo group of its own, so that its
+        per-step flag never interleaves with a runtime's own traffic on the default group."""
+        if self.enabled and self.world > 1 and self._group is None:
+            self._group = dist.new_group(backend="gloo")
         if self.enabled and threading.current_thread() is threading.main_thread():
             self._old = {s: signal.signal(s, self._on_signal) for s in _SIGNALS}
 
@@ -66,7 +71,7 @@ class Guard:
 
         t = torch.tensor([int(flag)])
         with LEDGER.paused():  # not the run's traffic
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
         return bool(t.item())
 
     def _fix_interval(self) -> None:
@@ -76,7 +81,7 @@ class Guard:
             from scaletrain.measure.comm import LEDGER
 
             with LEDGER.paused():
-                dist.broadcast(n, src=0)
+                dist.broadcast(n, src=0, group=self._group)
         self.interval = int(n.item())
 
     def stop(self) -> bool:
