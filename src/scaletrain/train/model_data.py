@@ -122,7 +122,8 @@ def as_pairs(dataset: Dataset, adapter: Adapter) -> Dataset:
     try:
         first = dataset[0]
     except Exception as e:  # noqa: BLE001 - the user's dataset: say it in one line
-        raise ConfigError(f"the dataset's first sample cannot be read ({type(e).__name__}: {one_line(e)[:120]})") from None
+        raise ConfigError(f"the dataset's first sample cannot be read ({type(e).__name__}: "
+                          f"{one_line(e)[:120]})") from None
     if isinstance(first, (tuple, list)) and len(first) == 2:
         return dataset
     if isinstance(first, Mapping) and any(k in first for k in _INPUTS) and (

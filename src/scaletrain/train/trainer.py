@@ -45,7 +45,8 @@ from scaletrain.techniques.data_parallel import launch
 from scaletrain.techniques.runtime import RunContext
 from scaletrain.techniques.stack import build_runtime
 from scaletrain.models.adapters import adapt
-from scaletrain.train import checkpoint_io, elastic, faults, handback, interrupt, model_record, preflight, resume as resuming, rundir
+from scaletrain.train import checkpoint_io, elastic, faults, handback, interrupt, model_record, preflight
+from scaletrain.train import resume as resuming, rundir
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
@@ -204,8 +205,8 @@ class Trainer:
     def _make_train_loader(self, start_sample: int):
         par = self.parallel
         return build_loader(as_pairs(self.train_set, self.adapter), self.micro_batch, shuffle=True,
-                            seed=self.cfg.train.seed,
-                            rank=par.data_rank, world_size=par.data_world, start_sample=start_sample, infinite=True)
+                            seed=self.cfg.train.seed, rank=par.data_rank, world_size=par.data_world,
+                            start_sample=start_sample, infinite=True)
 
     def _batch_arithmetic(self) -> tuple[int, int]:
         """(micro_batch, micro-batches per optimizer step) over the ``self.dp_world`` data-parallel replicas.
@@ -356,8 +357,7 @@ class Trainer:
         self.model.eval()
         par = self.parallel
         loader = build_loader(as_pairs(self.val_set, self.adapter), self.micro_batch, shuffle=False, seed=0,
-                              rank=par.data_rank,
-                              world_size=par.data_world, drop_last=True)
+                              rank=par.data_rank, world_size=par.data_world, drop_last=True)
         total, correct, count = 0.0, 0, 0
         for i, (x, y) in enumerate(loader):  # eval_batches global batches: the same samples under every layout
             if i >= self.cfg.train.eval_batches * self.accum:
@@ -506,7 +506,8 @@ class Trainer:
                     self.log(self._val_line(val))
                     bar = ProgressBar(cfg.train.steps, self.step, unit, enabled=show and self.rank == 0)
                 periodic, stop = guard.periodic(self.step, dt), guard.stop()  # the same on every rank
-                if last or stop or periodic or (cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0):
+                every = cfg.train.checkpoint_every
+                if last or stop or periodic or (every and self.step % every == 0):
                     self.save_checkpoint()
                 if stop and not last:
                     raise guard.interrupted(self.step, self.out_dir)
