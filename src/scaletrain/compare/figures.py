@@ -112,15 +112,15 @@ def scaling(cells: Cells) -> bytes:
                 for (x, y, off), (_, real) in zip(shown, pred):
                     if off:
                         ax[0, j].plot([x], [y], marker="^" if real > y else "v", color=_colour(s), ms=9)
-                        notes.append(f"{s} at {x}: predicted {real:.3g} s (off scale)")
+                        notes.append(f"{'▲' if real > y else '▼'} {s} at {x}: predicted {real:.3g} s (off scale)")
             if base:
                 ax[1, j].plot(xs, [base / y for y in ys], marker="o", color=_colour(s), label=s)
         ax[0, j].set(title=f"{model}: time per 1,000 samples", xlabel="devices (processes)", ylabel="seconds",
                      xscale="log", yscale="log")
         if measured:
             ax[0, j].set_ylim(min(measured) / MARGIN, max(measured) * MARGIN)
-        if notes:
-            ax[0, j].text(0.01, 0.01, "\n".join(notes), transform=ax[0, j].transAxes, fontsize=6, va="bottom")
+        if notes:  # under the axis, where no legend or line covers it
+            ax[0, j].set_xlabel("devices (processes)\n" + "\n".join(notes), fontsize=7)
         ax[1, j].set(title=f"{model}: speedup over the best 1-device run", xlabel="devices (processes)",
                      ylabel="speedup", xscale="log")
         ax[1, j].axhline(1.0, color="grey", lw=0.8)
