@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from typing import Sequence
@@ -54,12 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:  # the one error path: one line (or the launcher's error directory), exit 2
         report(e)
         return 2
-    except KeyboardInterrupt:
-        print("scaletrain: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # train/interrupt.py says where its checkpoint went (once: rank 0)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"scaletrain: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 

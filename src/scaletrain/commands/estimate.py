@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from scaletrain.measure.estimate import estimate_step, simulate_step
-    from scaletrain.measure.report import print_blocks, print_step, to_json
+    from scaletrain.measure.report import print_blocks, print_step, to_json, unit_for
     from scaletrain.measure.profiler import profile_to_rows
 
     check_step_args(args)
@@ -110,14 +110,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     how = f"estimated in {est.meta['seconds_to_estimate']:.2f} s, nothing allocated"
     plan_peak, est.bytes["peak"] = est.bytes["peak"], one_peak  # the table below is the one-process step
-    print_step(est, how + (", one process without the plan (the plan's ranks follow)" if "plan" in est.meta else ""))
+    unit, size = u = unit_for(max(one_peak, plan_peak))  # one unit for every byte figure of the report
+    print_step(est, how + (", one process without the plan (the plan's ranks follow)" if "plan" in est.meta else ""),
+               u)
     est.bytes["peak"] = plan_peak
     if "fits" in est.meta:
         print(f"on {est.meta['platform']} ({est.meta['device_memory_bytes'] / 2**30:.0f} GiB): "
               + ("fits" if est.meta["fits"] else "does NOT fit"))
     if args.simulate:
         s = est.meta["simulated"]
-        print(f"cross-check, whole step simulated on fake tensors: peak {s['peak'] / 2**30:.3f} GiB "
+        print(f"cross-check, whole step simulated on fake tensors: peak {s['peak'] / size:.3f} {unit} "
               f"({s['seconds']:.2f} s)")
     plan_dims = est.meta.get("plan", {}).get("plan", {})
     model_parallel = any(int(plan_dims.get(k, 1) or 1) > 1 for k in ("tp", "pp", "cp", "ep"))
@@ -125,23 +127,23 @@ def run(args: argparse.Namespace) -> int:
         d = est.meta["data_parallel"]
         m = d["model_state_bytes_per_rank"]
         print(f"data parallel dp={d['dp']} zero={d['zero']}" + (f" hsdp={d['hsdp']}" if d["hsdp"] else "")
-              + f": per-rank model states {m['total'] / 2**30:.3f} GiB (params {m['params'] / 2**30:.3f}, grads "
-              f"{m['grads'] / 2**30:.3f}, optimizer {m['optimizer'] / 2**30:.3f}); received per rank per step "
-              f"{d['comm_bytes_per_step'] / 2**30:.3f} GiB (ring collectives)")
+              + f": per-rank model states {m['total'] / size:.3f} {unit} (params {m['params'] / size:.3f}, grads "
+              f"{m['grads'] / size:.3f}, optimizer {m['optimizer'] / size:.3f}); received per rank per step "
+              f"{d['comm_bytes_per_step'] / size:.3f} {unit} (ring collectives)")
     if "plan" in est.meta:
         pl = est.meta["plan"]
         print(f"plan {pl['describe']} on {pl['world']} processes:")
         for r in pl["ranks"]:
             b = r["bytes"]
-            print(f"  {r['rank']}: peak {r['peak_bytes'] / 2**20:.2f} MiB (params {b['params'] / 2**20:.2f}, grads "
-                  f"{b['grads'] / 2**20:.2f}, optimizer {b['optimizer'] / 2**20:.2f}, activations and transients "
-                  f"{b['activations_and_transients'] / 2**20:.2f}); receives {r['comm_bytes'] / 2**20:.3f} MiB "
+            print(f"  {r['rank']}: peak {r['peak_bytes'] / size:.3f} {unit} (params {b['params'] / size:.3f}, grads "
+                  f"{b['grads'] / size:.3f}, optimizer {b['optimizer'] / size:.3f}, activations and transients "
+                  f"{b['activations_and_transients'] / size:.3f}); receives {r['comm_bytes'] / size:.3f} {unit} "
                   f"per step in collectives")
-        print(f"heaviest: {pl['heaviest']['rank']}, peak {int(pl['heaviest']['peak_bytes'])} B")
+        print(f"heaviest: {pl['heaviest']['rank']}, peak {pl['heaviest']['peak_bytes'] / size:.3f} {unit}")
         print_times(pl)
     else:
         print("step seconds by phase: add --platform (a preset, a platform JSON file, or local)")
-    print_blocks(profile_to_rows(est.profile), measured=False)
+    print_blocks(profile_to_rows(est.profile), measured=False, unit=u)
     return 0
 
 

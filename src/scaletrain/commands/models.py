@@ -1,4 +1,7 @@
-"""``scaletrain models``: the reference models with their parameter counts."""
+"""``scaletrain models``: the reference models with their parameter counts, and the hf: / py: forms.
+
+Read from :mod:`scaletrain.models.catalog` — no torch, no transformers — so it answers at once.
+"""
 
 from __future__ import annotations
 
@@ -14,15 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaletrain import models
+    from scaletrain.models.catalog import LISTED
 
-    rows = []
-    for name in models.names():
-        m = models.get(name, device="meta")  # no memory allocated, even for gpt2-xl
-        e = models.entry(name)
-        rows.append({"name": name, "parameters": models.count_params(m), "published": e.published_params,
-                     "task": getattr(m, "task", ""), "default_data": e.default_data, "description": e.description})
-    rows += _families()
+    rows = [{"name": name, "parameters": r.parameters, "published": r.published, "task": r.task,
+             "default_data": r.default_data, "description": r.description} for name, r in LISTED.items()]
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -33,25 +31,3 @@ def run(args: argparse.Namespace) -> int:
     print("\nany hf: family takes model.overrides.<config field>=...; py:package.module:factory gets "
           "model.overrides.* as keyword arguments")
     return 0
-
-
-def _families() -> list[dict]:
-    """The hf: families (parameters at their defaults, when transformers is installed) and the py: form."""
-    from scaletrain import models
-    from scaletrain.errors import UserError
-    from scaletrain.models.external import HF_FAMILIES
-
-    rows = []
-    for fam, spec in HF_FAMILIES.items():
-        try:
-            n: int | None = models.count_params(models.get(f"hf:{fam}", device="meta"))
-        except UserError:  # transformers not installed
-            n = None
-        task = "lm" if fam != "bert" else "mlm"
-        rows.append({"name": f"hf:{fam}", "parameters": n, "published": None, "task": task,
-                     "default_data": spec.default_data, "description": spec.description})
-    rows.append({"name": "hf:/path/dir", "parameters": None, "published": None, "task": "", "default_data": "",
-                 "description": "local config.json + safetensors weights, loaded by its architectures entry"})
-    rows.append({"name": "py:mod:fn", "parameters": None, "published": None, "task": "", "default_data": "",
-                 "description": "your factory: fn(**model.overrides) returning an nn.Module"})
-    return rows

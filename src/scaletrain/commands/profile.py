@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from scaletrain.chain import to_chain
     from scaletrain.measure.estimate import estimate_step
     from scaletrain.measure.profiler import measure_step, profile_chain, profile_to_rows
-    from scaletrain.measure.report import print_blocks, print_step, to_json
+    from scaletrain.measure.report import print_blocks, print_step, to_json, unit_for
     from scaletrain.measure.step import DTYPES, make_batch
 
     check_step_args(args)
@@ -86,12 +86,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(meas))
         return 0
-    print_step(meas, f"measured on {device}")
+    unit, size = u = unit_for(meas.bytes["peak"])  # one unit for every byte figure of the report
+    print_step(meas, f"measured on {device}", u)
     if "cuda_max_memory_allocated" in meas.meta:
-        print(f"torch.cuda.max_memory_allocated: {meas.meta['cuda_max_memory_allocated'] / 2**30:.3f} GiB "
-              f"(of which {meas.meta['cuda_untracked_bytes'] / 2**30:.3f} GiB allocated outside tensors)")
+        print(f"torch.cuda.max_memory_allocated: {meas.meta['cuda_max_memory_allocated'] / size:.3f} {unit} "
+              f"(of which {meas.meta['cuda_untracked_bytes'] / size:.3f} {unit} allocated outside tensors)")
     if est is not None:
         err = (est.bytes["peak"] - meas.bytes["peak"]) / max(meas.bytes["peak"], 1) * 100
-        print(f"estimated peak {est.bytes['peak'] / 2**30:.3f} GiB ({err:+.2f}% vs measured)")
-    print_blocks(profile_to_rows(prof), measured=True)
+        print(f"estimated peak {est.bytes['peak'] / size:.3f} {unit} ({err:+.2f}% vs measured)")
+    print_blocks(profile_to_rows(prof), measured=True, unit=u)
     return 0

@@ -29,7 +29,10 @@ With --intra-block the budget is what block K may keep for backward beyond its i
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from scaletrain.techniques.remat import METHODS
+    from scaletrain.train.config import RematConfig  # the methods without importing torch (the parser of every
+    # command is built for any command)
+
+    METHODS = RematConfig.__dataclass_fields__["method"].metadata["choices"]
 
     p.add_argument("--model", required=True, help="model: a reference name, hf:<family>, hf:/path/to/dir or "
                                                    "py:module:factory (see `scaletrain models`)")

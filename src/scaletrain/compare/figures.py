@@ -66,14 +66,35 @@ def best_one_device(cells: Cells, model: str) -> float | None:
     return min(one) if one else None
 
 
+MARGIN = 1.5
+"""The time axis spans the measured bars x/÷ this; a prediction beyond is drawn at the edge."""
+
+
+def clip_to_measured(measured: list[float], points: list[tuple[int, float]]) -> tuple[tuple[float, float],
+                                                                                       list[tuple[int, float, bool]]]:
+    """((low, high) of a log time axis around the ``measured`` seconds, the ``points`` (devices,
+    predicted seconds) with each y clipped into it and whether it was).
+
+    Why: one prediction 8.7x off set the axis and squashed every measured line to the bottom; the
+    measured figures are what the page is read for, so they set the axis, and an off-scale prediction
+    is marked at the edge with its value in a note.
+    """
+    lo, hi = min(measured) / MARGIN, max(measured) * MARGIN
+    return (lo, hi), [(x, min(max(y, lo), hi), not lo <= y <= hi) for x, y in points]
+
+
 def scaling(cells: Cells) -> bytes:
-    """Seconds per 1,000 samples vs devices (25th-75th percentile bars, predictions hollow), and the
-    speedup over the best one-device run, one column per model."""
+    """Seconds per 1,000 samples vs devices (25th-75th percentile bars, predictions hollow; log axis
+    set by the measured figures, off-scale predictions at its edge with a note), and the speedup
+    over the best one-device run, one column per model."""
     models = models_of(cells)
     fig, ax = _grid(2, len(models))
     for j, model in enumerate(models):
         ok = _ok(cells, model)
         base = best_one_device(cells, model)
+        spans = [c["step_time_spread_s"][i] * 1000 / c["global_batch"] for c in ok for i in (0, 1)]
+        measured = [y for y in spans + [c["seconds_per_1000_samples"] for c in ok] if y and y > 0]
+        notes: list[str] = []
         for s in dict.fromkeys(c["strategy"] for c in ok):
             row = sorted((c for c in ok if c["strategy"] == s), key=lambda c: c["devices"])
             xs = [c["devices"] for c in row]
@@ -84,12 +105,22 @@ def scaling(cells: Cells) -> bytes:
             ax[0, j].errorbar(xs, ys, yerr=[lo, hi], marker="o", color=_colour(s), label=s, capsize=3)
             pred = [(c["devices"], c["predicted_step_time_s"] * f) for c, f in zip(row, k)
                     if c.get("predicted_step_time_s")]
-            if pred:
-                ax[0, j].plot(*zip(*pred), ls="--", marker="o", mfc="none", color=_colour(s), alpha=0.6)
+            if pred and measured:
+                (lo, hi), shown = clip_to_measured(measured, pred)
+                ax[0, j].plot([x for x, _, _ in shown], [y for _, y, _ in shown], ls="--", marker="o", mfc="none",
+                              color=_colour(s), alpha=0.6)
+                for (x, y, off), (_, real) in zip(shown, pred):
+                    if off:
+                        ax[0, j].plot([x], [y], marker="^" if real > y else "v", color=_colour(s), ms=9)
+                        notes.append(f"{'▲' if real > y else '▼'} {s} at {x}: predicted {real:.3g} s (off scale)")
             if base:
                 ax[1, j].plot(xs, [base / y for y in ys], marker="o", color=_colour(s), label=s)
         ax[0, j].set(title=f"{model}: time per 1,000 samples", xlabel="devices (processes)", ylabel="seconds",
-                     xscale="log")
+                     xscale="log", yscale="log")
+        if measured:
+            ax[0, j].set_ylim(min(measured) / MARGIN, max(measured) * MARGIN)
+        if notes:  # under the axis, where no legend or line covers it
+            ax[0, j].set_xlabel("devices (processes)\n" + "\n".join(notes), fontsize=7)
         ax[1, j].set(title=f"{model}: speedup over the best 1-device run", xlabel="devices (processes)",
                      ylabel="speedup", xscale="log")
         ax[1, j].axhline(1.0, color="grey", lw=0.8)

@@ -24,8 +24,8 @@ from torch import nn
 
 from scaletrain.errors import UserError
 from scaletrain.measure import optimizers
+from scaletrain.measure.types import PRECISIONS  # torch-free, for the CLI's parser
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

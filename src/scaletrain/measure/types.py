@@ -12,6 +12,9 @@ import json
 from dataclasses import asdict, dataclass, field
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""Compute precisions a step may run in (autocast dtype; fp32 = none)."""
+
 @dataclass
 class BlockProfile:
     """Costs of one block of a Chain for one micro-batch.

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.models.catalog import LISTED
 
 PREFIXES = ("hf:", "py:")
 
@@ -51,16 +52,15 @@ HF_FAMILIES: dict[str, HFFamily] = {
     "gpt2": HFFamily("GPT2LMHeadModel", "GPT2Config",
                      dict(vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4, loss_type="ForCausalLM",
                           bos_token_id=None, eos_token_id=None, **_NO_DROPOUT_GPT2),
-                     "transformers GPT2LMHeadModel (tied embeddings), random init, 4 x 128, byte vocabulary"),
-    "llama": HFFamily("LlamaForCausalLM", "LlamaConfig", dict(_DECODER),
-                      "transformers LlamaForCausalLM (RMSNorm, rotary, SwiGLU), random init, 4 x 128"),
+                     LISTED["hf:gpt2"].description),
+    "llama": HFFamily("LlamaForCausalLM", "LlamaConfig", dict(_DECODER), LISTED["hf:llama"].description),
     "mistral": HFFamily("MistralForCausalLM", "MistralConfig", dict(_DECODER, sliding_window=None),
-                        "transformers MistralForCausalLM, random init, 4 x 128"),
+                        LISTED["hf:mistral"].description),
     "bert": HFFamily("BertForMaskedLM", "BertConfig",
                      dict(vocab_size=257, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                           num_attention_heads=4, max_position_embeddings=256, hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0, pad_token_id=0),
-                     "transformers BertForMaskedLM (masked LM: 15 % of bytes masked), random init, 4 x 128"),
+                     LISTED["hf:bert"].description),
 }
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.models.catalog import LISTED
 from scaletrain.models.external import build as build_external
 from scaletrain.models.external import default_data as external_default_data
 from scaletrain.models.external import is_external
@@ -53,33 +54,30 @@ class ModelEntry:
 
 _GPT2_KEYS = tuple(f.name for f in dataclasses.fields(GPT2Config))
 
+def _entry(name: str, builder: Callable[..., nn.Module], **defaults: Any) -> ModelEntry:
+    """A registry entry; its description, default data and published count are the catalog's."""
+    row = LISTED[name]
+    return ModelEntry(builder, defaults, row.description, row.default_data, row.published)
+
+
 MODELS: dict[str, ModelEntry] = {
-    "gpt2-tiny": ModelEntry(_gpt2, dict(vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4),
-                            "GPT-2 shape, byte vocabulary, 4 layers x 128 hidden (CPU tests, default run)", "shakespeare"),
-    "gpt2-mini": ModelEntry(_gpt2, dict(vocab_size=256, n_positions=512, n_embd=256, n_layer=6, n_head=8),
-                            "GPT-2 shape, byte vocabulary, 6 layers x 256 hidden", "shakespeare"),
-    "gpt2-small": ModelEntry(_gpt2, dict(n_embd=768, n_layer=12, n_head=12), "GPT-2 124M", "shakespeare", 124_439_808),
-    "gpt2-medium": ModelEntry(_gpt2, dict(n_embd=1024, n_layer=24, n_head=16), "GPT-2 355M", "shakespeare", 354_823_168),
-    "gpt2-large": ModelEntry(_gpt2, dict(n_embd=1280, n_layer=36, n_head=20), "GPT-2 774M", "shakespeare", 774_030_080),
-    "gpt2-xl": ModelEntry(_gpt2, dict(n_embd=1600, n_layer=48, n_head=25), "GPT-2 1.5B", "shakespeare", 1_557_611_200),
-    "resnet50": ModelEntry(ResNet, dict(layers=(3, 4, 6, 3), base_width=64, num_classes=1000, image_size=224,
-                                        imagenet_stem=True), "ResNet-50 (torchvision layout)", "synthetic-images", 25_557_032),
-    "resnet-mini": ModelEntry(ResNet, dict(layers=(1, 1, 1, 1), base_width=8, num_classes=10, image_size=32,
-                                           imagenet_stem=False), "bottleneck ResNet, 4 blocks, width 8, 32x32 input", "digits"),
-    "vgg16": ModelEntry(VGG, dict(width_div=1, hidden=4096, num_classes=1000, image_size=224, pool_hw=7, dropout=0.5),
-                        "VGG-16 (torchvision layout)", "synthetic-images", 138_357_544),
-    "vgg-mini": ModelEntry(VGG, dict(width_div=8, hidden=256, num_classes=10, image_size=32, pool_hw=1, dropout=0.0),
-                           "VGG-16 layout at 1/8 width, 32x32 input", "digits"),
-    "gpt2-moe": ModelEntry(_gpt2_moe, dict(vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4, dropout=0.0,
-                                           n_experts=4, top_k=2, capacity_factor=1.25, moe_every=2, aux_loss_coef=0.01),
-                           "gpt2-tiny with a top-2 mixture of 4 experts in every 2nd block (expert parallelism)",
-                           "shakespeare"),
-    "dlrm-mini": ModelEntry(_dlrm, dict(n_dense=13, table_sizes=(20000, 10000, 5000, 1000), embed_dim=16, bag_size=4,
-                                        bottom=(64, 16), top=(64, 32, 1)),
-                            "DLRM: 4 embedding tables (36k rows x 16) with sparse bag lookups + dense MLPs",
-                            "synthetic-ctr"),
-    "mlp": ModelEntry(MLP, dict(widths=(192, 512, 512, 512, 10), dropout=0.0, image_size=8, channels=3),
-                      "fully connected chain of configurable widths (8x8x3 input)", "digits"),
+    "gpt2-tiny": _entry("gpt2-tiny", _gpt2, vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4),
+    "gpt2-mini": _entry("gpt2-mini", _gpt2, vocab_size=256, n_positions=512, n_embd=256, n_layer=6, n_head=8),
+    "gpt2-small": _entry("gpt2-small", _gpt2, n_embd=768, n_layer=12, n_head=12),
+    "gpt2-medium": _entry("gpt2-medium", _gpt2, n_embd=1024, n_layer=24, n_head=16),
+    "gpt2-large": _entry("gpt2-large", _gpt2, n_embd=1280, n_layer=36, n_head=20),
+    "gpt2-xl": _entry("gpt2-xl", _gpt2, n_embd=1600, n_layer=48, n_head=25),
+    "resnet50": _entry("resnet50", ResNet, layers=(3, 4, 6, 3), base_width=64, num_classes=1000, image_size=224,
+                       imagenet_stem=True),
+    "resnet-mini": _entry("resnet-mini", ResNet, layers=(1, 1, 1, 1), base_width=8, num_classes=10, image_size=32,
+                          imagenet_stem=False),
+    "vgg16": _entry("vgg16", VGG, width_div=1, hidden=4096, num_classes=1000, image_size=224, pool_hw=7, dropout=0.5),
+    "vgg-mini": _entry("vgg-mini", VGG, width_div=8, hidden=256, num_classes=10, image_size=32, pool_hw=1, dropout=0.0),
+    "gpt2-moe": _entry("gpt2-moe", _gpt2_moe, vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4,
+                       dropout=0.0, n_experts=4, top_k=2, capacity_factor=1.25, moe_every=2, aux_loss_coef=0.01),
+    "dlrm-mini": _entry("dlrm-mini", _dlrm, n_dense=13, table_sizes=(20000, 10000, 5000, 1000), embed_dim=16,
+                        bag_size=4, bottom=(64, 16), top=(64, 32, 1)),
+    "mlp": _entry("mlp", MLP, widths=(192, 512, 512, 512, 10), dropout=0.0, image_size=8, channels=3),
 }
 
 

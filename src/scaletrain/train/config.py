@@ -87,7 +87,12 @@ class TrainConfig:
     eval_every: int = opt(200, "validate every N steps (and at the end); 0 = only at the end", "steps", min=0)
     eval_batches: int = opt(8, "validation micro-batches per evaluation", "batches", min=1)
     log_every: int = opt(10, "write a metrics row every N steps", "steps", min=1)
-    checkpoint_every: int = opt(0, "save a checkpoint every N steps; 0 = only at the end", "steps", min=0)
+    checkpoint_every: int = opt(0, "save a checkpoint every N steps; 0 = only at the end (and every "
+                                   "train.checkpoint_every_s)", "steps", min=0)
+    checkpoint_every_s: float = opt(300.0, "also save a checkpoint about every this many seconds of training (turned "
+                                    "into a step count from the measured time of the first steps, the same on every "
+                                    "rank); 0 = off. A SIGINT (Ctrl-C) or SIGTERM saves at the next step boundary and "
+                                    "stops; --resume continues", "seconds", min=0.0)
     keep_checkpoints: int = opt(2, "checkpoints kept on disk (oldest deleted first)", "files", min=1)
     checkpoint_format: str = opt("auto", "checkpoint layout: sharded (every rank writes only its own shards, in "
                                  "parallel; loads under any other layout), consolidated (one file gathered on rank 0), "

@@ -62,19 +62,31 @@ def info(path: Path, verify: bool = True) -> dict[str, Any]:
             return {"path": str(path), "format": "sharded", "step": None, "world": None, "layout": "", "plan": {},
                     "parameters": None, "tensors": None, "bytes": None, "files": {}, "problem": str(e)}
         files = {k: v["bytes"] for k, v in m["files"].items()}
-        model = {k[6:]: v for k, v in m["tensors"].items() if k.startswith("model/")}
+        aliases = m.get("aliases", {})  # tied tensors: counted once
+        model = {k[6:]: v for k, v in m["tensors"].items() if k.startswith("model/") and k[6:] not in aliases}
         return {"path": str(path), "format": "sharded", "step": m["step"], "world": m["world"],
-                "layout": m.get("layout", ""), "plan": m.get("plan", {}),
+                "layout": m.get("layout", ""), "plan": _resolved(m.get("plan", {}), m["world"]),
                 "parameters": sum(math.prod(v["shape"]) for v in model.values()), "tensors": len(model),
                 "bytes": sum(files.values()) + (path / sharded.MANIFEST).stat().st_size, "files": files,
                 "problem": sharded.problem(path, crc_files=None if verify else [])}
     state = ckpt.load(path)
     par = _tomlish(state.get("config", "")).get("parallel", {})
     model = state["model"]
+    world = len(state.get("rng_ranks") or [None])
+    unique = {(v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)): v  # tied tensors: once
+              for v in model.values() if torch.is_tensor(v)}
     return {"path": str(path), "format": "consolidated", "step": int(state["step"]),
-            "world": len(state.get("rng_ranks") or [None]), "layout": "", "plan": par,
-            "parameters": sum(v.numel() for v in model.values() if torch.is_tensor(v)), "tensors": len(model),
+            "world": world, "layout": "", "plan": _resolved(par, world),
+            "parameters": sum(v.numel() for v in unique.values()), "tensors": len(model),
             "bytes": path.stat().st_size, "files": {path.name: path.stat().st_size}, "problem": None}
+
+
+def _resolved(plan: dict[str, Any], world: int) -> dict[str, Any]:
+    """``plan`` with ``dp=0`` ("every process") replaced by the replicas it meant: world / (tp x pp x cp)."""
+    if plan.get("dp") != 0:
+        return plan
+    model_ranks = math.prod(int(plan.get(k, 1) or 1) for k in ("tp", "pp", "cp"))
+    return {**plan, "dp": max(world // model_ranks, 1)}
 
 
 def _model_tensors(path: Path) -> tuple[list[tuple[str, torch.dtype, list[int]]], Any, dict[str, str]]:

@@ -25,6 +25,7 @@ import torch
 
 from scaletrain.errors import UserError
 from scaletrain.train import export
+from scaletrain.train.model_record import is_python_only
 from scaletrain.train.safe_write import write_atomic
 
 _LINEARS = re.compile(r"^h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
@@ -79,11 +80,12 @@ def export_hf(path: Path, out: Path) -> dict[str, Any]:
     from scaletrain.models.external import is_external
 
     name, overrides = _model_section(path)
-    module = models.get(name, device="meta", **overrides)
+    module = None if is_python_only(name) else models.get(name, device="meta", **overrides)
     if is_external(name) and hasattr(module, "config") and hasattr(module.config, "to_dict"):
         config, rename = module.config.to_dict(), None
-        config.setdefault("architectures", [type(module).__name__])
-    elif type(module) is GPT2:
+        if not config.get("architectures"):  # a config built in memory says None: from_pretrained needs the class
+            config["architectures"] = [type(module).__name__]
+    elif module is not None and type(module) is GPT2:
         config, rename = _gpt2_config(module.config), _gpt2_rename
     else:
         raise UserError(f"model {name!r} has no Hugging Face layout; --to hf takes hf: models and the gpt2-* "

@@ -3,6 +3,7 @@ classes) — so the trainer can take any model the adapters understand."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ from torch.utils.data import Dataset
 
 from scaletrain import models as model_registry
 from scaletrain.data import get_dataset
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, one_line
 from scaletrain.models.adapters import Adapter
 from scaletrain.train.config import Config
 
@@ -63,3 +64,72 @@ def build_datasets(cfg: Config, adapter: Adapter, user_model: bool) -> tuple[str
     if adapter.sample_transform is not None and adapter.task == "lm":
         train, val = MappedDataset(train, adapter.sample_transform), MappedDataset(val, adapter.sample_transform)
     return name, train, val
+
+
+_INPUTS = ("input_ids", "pixel_values")
+_LABELS = ("labels", "label")
+
+
+def dict_to_pair(sample: Mapping[str, Any], task: str, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One dict sample (what tokenizers and ``datasets`` give) as the trainer's (inputs, targets).
+
+    Causal LM, Hugging Face's convention: ``labels`` (default ``input_ids``) are the tokens themselves
+    and the model predicts ``labels[t + 1]`` at ``t``; the trainer's targets are already shifted,
+    so ``y = labels[1:] + [-100]``, and positions whose ``attention_mask`` is 0 (right padding) are
+    ignored (-100): a causal model's real positions never see the padding after them. Masked LM:
+    ``labels`` as they are. Classifier: ``label``/``labels`` as a class index.
+    """
+    key = next(k for k in _INPUTS if k in sample)
+    x = torch.as_tensor(sample[key])
+    label = next((sample[k] for k in _LABELS if k in sample), None)
+    if task != "lm":
+        return x, torch.as_tensor(label).long().reshape(())
+    y = torch.as_tensor(label if label is not None else x).long().clone()
+    if "attention_mask" in sample:
+        mask = torch.as_tensor(sample["attention_mask"]).bool()
+        if causal and bool((mask[1:] & ~mask[:-1]).any()):
+            raise ConfigError("a dict sample has left padding (attention_mask 0 before 1); allowed: right padding "
+                              "(tokenizer padding_side='right') or none")
+        y[~mask] = -100
+    if causal:
+        y = torch.cat([y[1:], torch.full((1,), -100, dtype=y.dtype)])
+    return x.long(), y
+
+
+class DictPairs(Dataset):
+    """A dataset of dict samples seen as (inputs, targets) pairs (:func:`dict_to_pair`)."""
+
+    def __init__(self, base: Dataset, task: str, causal: bool):
+        self.base, self.task, self.causal = base, task, causal
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return dict_to_pair(self.base[i], self.task, self.causal)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("base", "task", "causal"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+
+def as_pairs(dataset: Dataset, adapter: Adapter) -> Dataset:
+    """``dataset`` as the (inputs, targets) pairs every runtime reads: pairs as they are, dict samples
+    through :class:`DictPairs`; anything else is one line naming what is allowed."""
+    if isinstance(dataset, (DictPairs, MappedDataset)) or not len(dataset):  # type: ignore[arg-type]
+        return dataset
+    try:
+        first = dataset[0]
+    except Exception as e:  # noqa: BLE001 - the user's dataset: say it in one line
+        raise ConfigError(f"the dataset's first sample cannot be read ({type(e).__name__}: "
+                          f"{one_line(e)[:120]})") from None
+    if isinstance(first, (tuple, list)) and len(first) == 2:
+        return dataset
+    if isinstance(first, Mapping) and any(k in first for k in _INPUTS) and (
+            adapter.task == "lm" or any(k in first for k in _LABELS)):
+        return DictPairs(dataset, adapter.task, causal=adapter.family != "hf-masked")
+    what = f"dict with keys {sorted(first)}" if isinstance(first, Mapping) else type(first).__name__
+    raise ConfigError(f"a training sample is a {what}; allowed: (inputs, targets) pairs, or dicts with input_ids "
+                      f"(+ labels, attention_mask) for language models or input_ids/pixel_values + label(s) for "
+                      f"classifiers")

@@ -16,6 +16,7 @@ from torch import nn
 from scaletrain import models as model_registry
 from scaletrain.data import DATASETS, build_loader
 from scaletrain.errors import ConfigError, UserError, one_line
+from scaletrain.train import model_record
 from scaletrain.train.config import Config
 
 _KIND_OF_TASK = {"lm": "text", "classify": "image"}
@@ -25,6 +26,7 @@ _KIND_OF_TASK = {"lm": "text", "classify": "image"}
 def build_model(cfg: Config) -> nn.Module:
     """The reference model ``cfg.model.name`` with its overrides; a shape the builder rejects in any
     way (a zero head count, a negative width...) is one line naming ``model.overrides``."""
+    model_record.check_buildable(cfg.model.name)  # a model that was passed from Python: say how to resume
     try:
         return model_registry.get(cfg.model.name, **cfg.model.overrides)
     except UserError:
@@ -32,6 +34,40 @@ def build_model(cfg: Config) -> nn.Module:
     except Exception as e:  # noqa: BLE001 - any builder failure here is caused by the overrides
         raise ConfigError(f"model {cfg.model.name!r} cannot be built with model.overrides={cfg.model.overrides!r} "
                           f"({type(e).__name__}: {one_line(e)[:160]})") from None
+
+
+_NEEDS: tuple[tuple[str, str, Any], ...] = (
+    ("memory.remat.budget", "memory.remat.method=optimal (or periodic, revolve, ilp, dtr)",
+     lambda c: c.memory.remat.method != "none"),
+    ("memory.offload.prefetch", "memory.offload.activations=all (or a block list)",
+     lambda c: c.memory.offload.activations != "none" or c.memory.offload.plan == "auto"),
+    ("memory.offload.param_window", "memory.offload.params=host", lambda c: c.memory.offload.params == "host"),
+    ("memory.offload.dpu", "memory.offload.optimizer=host or disk", lambda c: c.memory.offload.optimizer != "device"),
+    *((f"memory.offload.{k}", "memory.offload.optimizer=disk", lambda c: c.memory.offload.optimizer == "disk")
+      for k in ("disk_dir", "disk_max_bytes", "disk_chunk_bytes", "disk_masters")),
+)
+"""(key, what gives it an effect, whether this config does): a key set away from its default that
+nothing reads would train silently without what the user asked for. (The compression knobs are not
+here: one base config is commonly run under every ``parallel.compression``.)"""
+
+
+def check_unused(cfg: Config) -> None:
+    """Every value set is used: one line for a key set away from its default whose feature is off."""
+    from scaletrain.train.config import Config as Defaults
+
+    base = Defaults()
+    for key, needs, active in _NEEDS:
+        section, name = key.rsplit(".", 1)
+        value = getattr(_walk(cfg, section), name)
+        auto = section == "memory.offload" and cfg.memory.offload.plan == "auto"  # the planner may use it
+        if value != getattr(_walk(base, section), name) and not active(cfg) and not auto:
+            raise ConfigError(f"{key}={value!r} has no effect on its own; add {needs}, or leave {key} out")
+
+
+def _walk(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, data_name: str,

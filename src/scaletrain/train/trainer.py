@@ -45,11 +45,12 @@ from scaletrain.techniques.data_parallel import launch
 from scaletrain.techniques.runtime import RunContext
 from scaletrain.techniques.stack import build_runtime
 from scaletrain.models.adapters import adapt
-from scaletrain.train import checkpoint_io, elastic, faults, handback, preflight, resume as resuming, rundir
+from scaletrain.train import checkpoint_io, elastic, faults, handback, interrupt, model_record, preflight
+from scaletrain.train import resume as resuming, rundir
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
-from scaletrain.train.model_data import build_datasets
+from scaletrain.train.model_data import as_pairs, build_datasets  # dict samples: as (x, y) pairs
 
 
 @dataclass
@@ -125,6 +126,7 @@ class Trainer:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         say = log or (lambda s: print(s, flush=True))
         self.log = say if self.rank == 0 else (lambda s: None)
+        preflight.check_unused(cfg)  # a value set for a feature that is off is one line, not ignored
         self.auto = plan_auto.choose(cfg, self.world, self.rank, self.device) if cfg.plan == "auto" else None
         cfg = self.cfg = self.auto.cfg if self.auto is not None else cfg  # plan=auto: the chosen plan's keys set
         self.plan = Plan.from_config(cfg).resolved(self.world)
@@ -144,6 +146,8 @@ class Trainer:
         self._snapshot = handback.take(self.model) if model is not None else None
         """The user's model as given: restored with the trained values after fit() / close()."""
         self._build_data()
+        if model is not None:  # config.toml names what was trained: rebuildable, or the class (model_record)
+            cfg = self.cfg = model_record.recorded(cfg, self.model, self.data_name)
         preflight.check_model_data(cfg, self.model, self.task, self.model_name, self.data_name, self.train_set)
         self.ctx = self._context()
         facts = Facts.of(self.model, world=self.world, device=self.device.type, seq_len=cfg.data.seq_len,
@@ -177,7 +181,8 @@ class Trainer:
         cfg = self.cfg
 
         def example_batch() -> tuple[torch.Tensor, torch.Tensor]:
-            loader = build_loader(self.train_set, self.micro_batch, shuffle=False, seed=cfg.train.seed)
+            loader = build_loader(as_pairs(self.train_set, self.adapter), self.micro_batch, shuffle=False,
+                                  seed=cfg.train.seed)
             x, y = next(iter(loader))
             return x.to(self.device), y.to(self.device)
 
@@ -205,8 +210,9 @@ class Trainer:
 
     def _make_train_loader(self, start_sample: int):
         par = self.parallel
-        return build_loader(self.train_set, self.micro_batch, shuffle=True, seed=self.cfg.train.seed,
-                            rank=par.data_rank, world_size=par.data_world, start_sample=start_sample, infinite=True)
+        return build_loader(as_pairs(self.train_set, self.adapter), self.micro_batch, shuffle=True,
+                            seed=self.cfg.train.seed, rank=par.data_rank, world_size=par.data_world,
+                            start_sample=start_sample, infinite=True)
 
     def _batch_arithmetic(self) -> tuple[int, int]:
         """(micro_batch, micro-batches per optimizer step) over the ``self.dp_world`` data-parallel replicas.
@@ -358,8 +364,8 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         par = self.parallel
-        loader = build_loader(self.val_set, self.micro_batch, shuffle=False, seed=0, rank=par.data_rank,
-                              world_size=par.data_world, drop_last=True)
+        loader = build_loader(as_pairs(self.val_set, self.adapter), self.micro_batch, shuffle=False, seed=0,
+                              rank=par.data_rank, world_size=par.data_world, drop_last=True)
         total, correct, count = 0.0, 0, 0
         for i, (x, y) in enumerate(loader):  # eval_batches global batches: the same samples under every layout
             if i >= self.cfg.train.eval_batches * self.accum:
@@ -447,7 +453,10 @@ class Trainer:
         val: dict[str, float] = {}
         self.model.train()
         window_t, window_items = time.perf_counter(), 0
+        can_save = self.out_dir is not None and cfg.train.checkpoint_format != "none"
+        guard = interrupt.Guard(cfg.train.checkpoint_every_s, self.world, can_save)  # periodic and Ctrl-C saves
         try:
+            guard.install()
             while self.step < cfg.train.steps:
                 t0 = time.perf_counter()
                 faults.maybe_fire(self.step + 1, self.rank, self.out_dir)  # tests only: SCALETRAIN_FAULT_*
@@ -504,9 +513,14 @@ class Trainer:
                     bar.close() if show else None
                     self.log(self._val_line(val))
                     bar = ProgressBar(cfg.train.steps, self.step, unit, enabled=show and self.rank == 0)
-                if last or (cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0):
+                periodic, stop = guard.periodic(self.step, dt), guard.stop()  # the same on every rank
+                every = cfg.train.checkpoint_every
+                if last or stop or periodic or (every and self.step % every == 0):
                     self.save_checkpoint()
+                if stop and not last:
+                    raise guard.interrupted(self.step, self.out_dir)
         finally:
+            guard.restore()
             metrics.close()
         self._finished = True  # close() may wait for the peers before leaving the group
         if self.world == 1:  # (several processes: at close(), which every rank calls)
