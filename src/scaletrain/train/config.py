@@ -167,6 +167,9 @@ class ParallelConfig:
     compression_warmup_steps: int = opt(10, "uncompressed steps before compression starts (1-bit Adam / DGC "
                                             "warm-up; PowerSGD needs at least 2)", "optimizer steps", min=0)
     bucket_mb: float = opt(25.0, "gradient bucket size for all-reduce / reduce-scatter (zero 0-2)", "MiB", min=0.0)
+    fsdp_group: str = opt("auto", "zero=3: consecutive blocks one FSDP all-gather / reduce-scatter moves: auto (the "
+                                  "size the cost model prices fastest), block (one group per block), or a size "
+                                  "limit such as 8MiB", "bytes per group")
     timeout_s: float = opt(600.0, "collective timeout; a rank waiting longer fails with a message naming the "
                                   "collective", "seconds", min=1.0, max=1e7)
     pp: int = opt(1, "pipeline-parallel stages (ranks); world = dp x pp x tp x cp", "ranks", min=1)
