@@ -94,3 +94,9 @@ def test_grouping_trains_like_one_process_and_is_predicted():
         peak = max(rank[i]["tracked"]["tracked_peak_bytes_max"] for rank in res)
         assert peak == pytest.approx(cost.peak_bytes, rel=MARGIN), (extra, peak, cost.peak_bytes)
     assert counts[0] == 4 and counts[2] == 1, counts  # one group per block / the whole body in one
+
+
+def test_bad_grouping_is_refused_at_load():
+    assert load_config(None, ["parallel.fsdp_group=block"]).parallel.fsdp_group == "block"
+    with pytest.raises(ConfigError, match=r"parallel.fsdp_group='large' is not allowed.*auto, block"):
+        load_config(None, ["parallel.fsdp_group=large"])
