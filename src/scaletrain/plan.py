@@ -84,6 +84,7 @@ class Plan:
     topk_ratio: float = 0.01
     compression_warmup_steps: int = 10
     bucket_mb: float = 25.0
+    fsdp_group: str = "auto"
     tp: int = 1
     sp: bool = False
     cp: int = 1
@@ -245,6 +246,7 @@ PLAN_KEYS: dict[str, str] = {
     "dp": "parallel.dp", "zero": "parallel.zero", "hsdp": "parallel.hsdp", "compression": "parallel.compression",
     "compression_rank": "parallel.compression_rank", "topk_ratio": "parallel.topk_ratio",
     "compression_warmup_steps": "parallel.compression_warmup_steps", "bucket_mb": "parallel.bucket_mb",
+    "fsdp_group": "parallel.fsdp_group",
     "tp": "parallel.tp", "sp": "parallel.sequence_parallel", "cp": "parallel.cp", "ep": "parallel.ep",
     "pp": "parallel.pp", "schedule": "parallel.schedule", "microbatches": "parallel.microbatches",
     "virtual": "parallel.virtual", "balance": "parallel.balance", "micro_batch": "train.micro_batch",

@@ -2,7 +2,8 @@
 
 Plans each method on the model's estimated Profile (fake tensors, nothing allocated) and prints
 its predicted activation peak and time; ``--measure`` also runs one real step per method on
-this machine (CPU) and reports the measured peak (memory tracker), median step time and
+this machine (CPU) and reports the measured peak (memory tracker), step time (median, min, max of
+interleaved rounds on pinned threads: :func:`~scaletrain.techniques.remat.measure_run.time_interleaved`) and
 whether the gradients equal plain autograd's bitwise. ``--intra-block K`` instead plans inside
 block K of the model's chain (an ILP over its aten ops, run by selective activation checkpointing:
 :mod:`scaletrain.techniques.remat.intrablock`) and reports its saved bytes and recompute cost.
@@ -44,7 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="autocast precision")
     p.add_argument("--time-limit", type=float, default=20.0, help="ilp solver time limit, seconds (default 20)")
     p.add_argument("--measure", action="store_true", help="run each schedule once for real and measure it")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats with --measure (median kept)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed rounds with --measure: every method once a round, in rotated order, after one "
+                        "untimed warm-up round (median, min and max reported)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads while measuring (default 1: steady timings on a shared machine; "
+                        "0 = torch's default)")
     p.add_argument("--show-ops", action="store_true", help="print each schedule's operations")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per method")
     p.add_argument("--intra-block", type=int, default=None, metavar="K",
@@ -62,11 +68,14 @@ def run(args: argparse.Namespace) -> int:
     from scaletrain.measure.step import autocast, loss_for, make_batch
     from scaletrain.techniques import remat
     from scaletrain.techniques.remat.fromtrace import estimate_graph
-    from scaletrain.techniques.remat.measure_run import measure_autograd, measure_schedule, same_grads
+    from scaletrain.techniques.remat.executor import run_schedule
+    from scaletrain.techniques.remat.measure_run import measure_autograd, measure_schedule, same_grads, time_interleaved
 
     models.check_name(args.model)  # a reference model, hf:... or py:...; else one line listing them
     if args.batch < 1:
         raise UserError(f"--batch must be ≥ 1, got {args.batch}")
+    if args.repeats < 1 or args.threads < 0:
+        raise UserError(f"--repeats must be ≥ 1 and --threads ≥ 0, got {args.repeats} and {args.threads}")
     if args.budget.strip().startswith("-"):
         raise UserError(f"--budget must be ≥ 0 bytes, got {args.budget!r}: give bytes or a size like 512KiB")
     budget = remat.parse_bytes(args.budget)
@@ -99,24 +108,35 @@ def run(args: argparse.Namespace) -> int:
         row["_schedule"] = s
         rows.append(row)
     if args.measure:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.threads or threads)
         torch.manual_seed(0)
         model = models.get(args.model)
         chain = to_chain(model)
         x, y = make_batch(chain, args.batch, args.seq)
         loss_fn = loss_for(model)
+        # peaks and gradients first (one run each under the tracker, which also warms every method up) ...
         with autocast(args.precision, "cpu"):
-            ref = measure_autograd(model, chain, x, y, loss_fn, repeats=args.repeats)
+            ref = measure_autograd(model, chain, x, y, loss_fn, repeats=1)
+        steps = {"autograd": lambda: loss_fn(chain(x), y).backward()}
         for row in rows:
             if "_schedule" not in row:
                 continue
             with autocast(args.precision, "cpu"):
-                m = measure_schedule(model, chain, row["_schedule"], x, y, loss_fn, repeats=args.repeats)
-            row.update(measured_peak_bytes=m["measured_peak_bytes"], step_time_s=m["step_time_s"],
-                       grads_match=same_grads(m["grads"], ref["grads"]))
+                m = measure_schedule(model, chain, row["_schedule"], x, y, loss_fn, repeats=1)
+            row.update(measured_peak_bytes=m["measured_peak_bytes"], grads_match=same_grads(m["grads"], ref["grads"]))
+            steps[row["method"]] = (lambda s: lambda: run_schedule(chain, s, x, loss_fn, y))(row["_schedule"])
         rows.append({"method": "autograd", "budget_bytes": budget, "predicted_peak_bytes": None,
                      "predicted_time_s": None, "measured_peak_bytes": ref["measured_peak_bytes"],
-                     "step_time_s": ref["step_time_s"], "grads_match": True,
-                     "note": "plain loss.backward(), the reference"})
+                     "grads_match": True, "note": "plain loss.backward(), the reference"})
+        # ... then the times, every method in every round (time_interleaved), not one method after another
+        with autocast(args.precision, "cpu"):
+            spread = time_interleaved(model, steps, rounds=args.repeats)
+        torch.set_num_threads(threads)  # (a caller in the same process keeps its own)
+        for row in rows:
+            if row["method"] in spread:
+                s = spread[row["method"]]
+                row.update(step_time_s=s["median"], step_time_min_s=s["min"], step_time_max_s=s["max"])
     for row in rows:
         row.pop("_schedule", None)
     if args.json:
@@ -138,7 +158,7 @@ def _print_table(args, profile, graph, budget, lowest, rows) -> None:
           f"(minimum feasible {mib(lowest)} MiB, no remat {mib(none_peak)} MiB; estimated profile)")
     head = f"{'method':<10} {'pred peak MiB':>13} {'pred time':>10} {'fwds':>5}"
     if args.measure:
-        head += f" {'meas peak MiB':>13} {'step ms':>9} {'grads':>6}"
+        head += f" {'meas peak MiB':>13} {'step ms':>9} {'min-max ms':>15} {'grads':>6}"
     print(head)
     for r in rows:
         if r.get("error"):  # the table speaks MiB; the solver's message (bytes and GiB) stays in --json
@@ -154,11 +174,15 @@ def _print_table(args, profile, graph, budget, lowest, rows) -> None:
         line = f"{r['method']:<10} {mib(r['predicted_peak_bytes']):>13} {pt:>10} {r.get('forwards', '-'):>5}"
         if args.measure:
             gm = "-" if r["grads_match"] is None else ("equal" if r["grads_match"] else "DIFF")
-            line += f" {mib(r['measured_peak_bytes']):>13} {ms(r['step_time_s']):>9} {gm:>6}"
+            rng = f"{ms(r.get('step_time_min_s'))}-{ms(r.get('step_time_max_s'))}" if r.get("step_time_min_s") else "-"
+            line += f" {mib(r['measured_peak_bytes']):>13} {ms(r['step_time_s']):>9} {rng:>15} {gm:>6}"
         print(line)
         if args.show_ops and r.get("ops"):
             print(f"    {r['ops']}")
     print("pred time: predicted step time relative to no rematerialization (times estimated from FLOPs)")
+    if args.measure:
+        print(f"step ms: median of {args.repeats} interleaved rounds (every method once a round, order rotated, "
+              f"after a warm-up round) with {args.threads or 'torch default'} thread(s); min-max of those rounds")
 
 
 def _intra_block(args: argparse.Namespace, budget: int) -> int:

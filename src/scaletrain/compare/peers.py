@@ -15,8 +15,11 @@ reads exactly the samples scaletrain's DDP rank reads, in the same order); AdamW
 no-decay parameter groups and hyperparameters; the learning rate of :func:`scaletrain.train.lr.lr_factor`
 (linear warm-up, then cosine); the global gradient norm clipped to ``optim.grad_clip``; validation at the same
 steps on the same validation batches. The metrics.jsonl rows have the fields :func:`.results.read_run` reads of
-a scaletrain run: per-step ``step_time_s`` (batch fetch included, as the trainer times it), rank-averaged
-``loss``, validation rows, the last step under scaletrain's memory tracker (every rank's peak and its
+a scaletrain run: ``step_time_s`` over the trainer's span (rank 0's clock from before the batch fetch to
+after the update and, on logging steps, the loss's all-reduce over the ranks: the same
+:func:`~scaletrain.techniques.runtime.average_pending` at the same steps; every step's gradient collectives
+make rank 0 wait for the slowest rank in both), rank-averaged ``loss`` (rows on logging steps only, as the
+trainer's), validation rows, the last step under scaletrain's memory tracker (every rank's peak and its
 breakdown, the same tracker and the same step as a scaletrain cell) and the profiled step's phases, and
 ``comm_bytes`` where the traffic ledger sees every collective: FSDP2's (3 Psi (N-1)/N per step, as scaletrain's
 zero3). Not for plain DDP (its C++ reducer calls none of the wrapped functions) nor DeepSpeed (its ZeRO-3 moved
@@ -43,6 +46,7 @@ from torch import nn
 
 from scaletrain.compare.matrix import STRATEGIES
 from scaletrain.errors import ConfigError, UserError, one_line
+from scaletrain.techniques.runtime import average_pending
 
 PEERS = tuple(n for n, s in STRATEGIES.items() if s.framework != "scaletrain")
 """The strategies this worker runs (their framework's own loop, not scaletrain's trainer)."""
@@ -159,6 +163,17 @@ def rank_batches(cfg: Any, train_set: Any, micro_batch: int, rank: int, world: i
 
     return iter(build_loader(train_set, micro_batch, shuffle=True, seed=cfg.train.seed, rank=rank,
                              world_size=world, start_sample=0, infinite=True))
+
+
+class _Ranks:
+    """The data-parallel ranks of a peer run, as :func:`~scaletrain.techniques.runtime.average_pending`
+    averages the logged losses over a runtime's: the same collective at the same steps, inside the timed span."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def mean(self, values: list[float]) -> list[float]:
+        return [v / self.world for v in _all_reduce(values)]
 
 
 def _all_reduce(values: list[float]) -> list[float]:
@@ -283,9 +298,11 @@ def _loop(strategy: str, out: Path, cfg: Any, model: nn.Module, adapter: Any, tr
         return float(loss.detach())
 
     engine.forward.train()
+    losses: list[float] = []
+    ranks = _Ranks(world)
     for step in range(1, cfg.train.steps + 1):
         LEDGER.reset()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the trainer's span: batch fetch .. update, + the loss average on logging steps
         tracked: dict[str, Any] = {}
         phases: dict[str, float] = {}
         if cfg.train.measure_memory and step == cfg.train.steps:
@@ -296,16 +313,18 @@ def _loop(strategy: str, out: Path, cfg: Any, model: nn.Module, adapter: Any, tr
             loss, phases = profile_step(one_step)
         else:
             loss = one_step()
-        dt = time.perf_counter() - t0
         comm = LEDGER.total()
-        loss = _all_reduce([loss])[0] / world
+        losses.append(loss)
+        logged = step % cfg.train.log_every == 0 or step == cfg.train.steps
+        loss, _ = average_pending(ranks, losses, logged)
+        dt = time.perf_counter() - t0
         row = {"step": step, "loss": loss, "lr": engine.lr(), "grad_norm": norm[0], "step_time_s": dt,
                f"{unit}_per_s": items / max(dt, 1e-9), **tracked}
         if comm > 0 and not strategy.startswith("deepspeed"):  # module docstring: where the ledger sees it all
             row["comm_bytes"] = comm
         if phases:
             row["time_breakdown_s"] = phases
-        rows.append(row)
+        rows.append(row) if logged else None
         if step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
             rows.append({"step": step, **evaluate(engine, cfg, adapter, val_set, micro, rank, world, device)})
     if rank == 0:

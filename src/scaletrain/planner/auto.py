@@ -42,7 +42,7 @@ from scaletrain.plan import PLAN_KEYS, Plan
 PINNABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "sp": "sp", "schedule": "schedule",
             "virtual": "virtual", "micro_batch": "micro_batch"}
 """Plan field -> ``search`` fix key, for the plan keys ``plan=auto`` chooses and a user may pin."""
-KEPT = {"precision", "optimizer", "bucket_mb", "balance", "compression_rank", "topk_ratio",
+KEPT = {"precision", "optimizer", "bucket_mb", "fsdp_group", "balance", "compression_rank", "topk_ratio",
         "compression_warmup_steps"}
 """Plan fields that are the user's and kept as given (or meaningless without a refused key)."""
 WARMUP_STEPS = 2
@@ -197,7 +197,7 @@ def _plan_on_rank0(cfg: Any, world: int, fixed: dict[str, Any], plat: Any, devic
                  precision=cfg.train.precision, optimizer=cfg.optim.name, options=opts, device=device.type)
     model = models.get(name, device="meta", **over)
     for i, c in enumerate(res.ranked):
-        plan = c.plan.with_(bucket_mb=user.bucket_mb, balance=user.balance)
+        plan = c.plan.with_(bucket_mb=user.bucket_mb, fsdp_group=user.fsdp_group, balance=user.balance)
         m = plan.microbatches if plan.pp > 1 else gb // (plan.dp * plan.micro_batch)
         facts = compat.Facts.of(model, world=world, device=device.type, seq_len=seq,
                                 eval_every=cfg.train.eval_every, microbatches=m)

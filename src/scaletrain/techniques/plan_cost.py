@@ -162,7 +162,7 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
         _shrink_model_parallel(mem, plan, cfg, bounds, b, seq)
     if plan.ep > 1:
         _shard_experts(mem, plan, bounds, chain)
-    _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu")
+    _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu", accum=M, device=device)
     sim = simulate(sched, StageCosts(fwd_s=[1.0] * S, bwd_s=[2.0] * S, **mem))
     comm = _traffic(plan, model, cfg, bounds, b, seq, M, world, remat)
     out = []
@@ -239,7 +239,8 @@ def _shrink_model_parallel(mem: dict, plan: Plan, cfg: Any, bounds: list[int], b
             mem["boundary_bytes"][s] /= (plan.tp if plan.sp else 1) * plan.cp
 
 
-def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo: bool) -> None:
+def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo: bool, accum: int = 1,
+                device: str = "cpu") -> None:
     """ZeRO over the data-parallel ranks (ZeRO's cost face; rows split as torch.chunk, so ~1/N).
 
     ``gloo``: the CPU backend reduce-scatters by all-reducing a full copy of the input and keeping this
@@ -261,12 +262,12 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
                                        (N + 1) / N * w + (w if gloo else 0.0) if plan.zero in (1, 2) else 0.0)
         if plan.zero >= 2:
             mem["grad_bytes"][s] /= N
-        if plan.zero == 3:  # FSDP2 in backward: this block's parameters whole, the previous block's prefetched,
-            # this block's unsharded gradient before its reduce-scatter (and gloo's full copy of that input)
-            blocks = chain.blocks[bounds[s]:bounds[s + 1]]
-            biggest = max((sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks),
-                          default=0)
-            mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + (4 if gloo else 3) * biggest
+        if plan.zero == 3:  # FSDP2 in backward: groups of blocks gathered whole (parallel.fsdp_group), unsharded
+            # gradients before their reduce-scatter (fsdp.gathered_peak_bytes)
+            from scaletrain.techniques.data_parallel.fsdp import gathered_peak_bytes
+
+            mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + gathered_peak_bytes(
+                chain, list(chain.blocks[bounds[s]:bounds[s + 1]]), plan.fsdp_group, N, accum, "cpu" if gloo else device)
 
 
 def _shard_experts(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module) -> None:

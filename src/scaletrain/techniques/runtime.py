@@ -226,4 +226,27 @@ class Strategy:
 
 
 Runtime = Strategy
-"""The trainer's one interface (the class name kept for the runtimes built on it)."""
+
+
+class _RankMean(float):
+    """A logged loss already averaged over the ranks (marks where the pending entries begin)."""
+
+
+def average_pending(runtime: Strategy, losses: list[float], due: bool) -> tuple[float, bool]:
+    """Average the logged losses over the data-parallel ranks only when ``due`` (a logging step):
+    the trailing entries of ``losses`` not yet averaged (one per step since the last logging step,
+    this rank's own) are replaced, in place, by their rank means in ONE all-reduce of
+    ``8 x steps`` bytes, so no step outside the logging ones runs a collective the plan does not
+    price. Bookkeeping: kept out of the traffic ledger like every logged-value reduction (its
+    ``8 x log_every`` bytes once per ``log_every`` steps are not part of a step's traffic).
+    Returns (the latest loss, whether every rank holds that same value: a decision such as
+    stopping on divergence taken on it is then taken by all ranks alike)."""
+    if runtime.world == 1:
+        return losses[-1], True
+    if not due:
+        return losses[-1], False
+    start = len(losses)
+    while start > 0 and not isinstance(losses[start - 1], _RankMean):
+        start -= 1
+    losses[start:] = [_RankMean(v) for v in runtime.mean(losses[start:])]
+    return losses[-1], True

@@ -51,7 +51,7 @@ class MeshRuntime(Strategy):
 
     def __init__(self, model: nn.Module, mp: ModelParallel, ctx: RunContext, *, zero: int, bucket_mb: float,
                  forward_module: nn.Module | None = None, param_dtype: torch.dtype | None = None,
-                 predictions: dict[str, float] | None = None, offload: bool = False) -> None:
+                 predictions: dict[str, float] | None = None, offload: bool = False, fsdp_group: str = "auto") -> None:
         super().__init__(model, ctx.rank, ctx.world)
         self.mp, self.ctx, self.stage = mp, ctx, zero
         self.device = ctx.device
@@ -66,7 +66,7 @@ class MeshRuntime(Strategy):
             from scaletrain.techniques.data_parallel.fsdp import FSDPSync
 
             self.sync: Any = FSDPSync(model, self.forward_module, mp.fsdp_mesh(), param_dtype=param_dtype,
-                                      tp_replicas=mp.replicas)
+                                      tp_replicas=mp.replicas, group=fsdp_group, accum=ctx.accum)
         else:
             groups = mp.sync_groups()
             params = []

@@ -154,6 +154,7 @@ def _data_parallel(plan: Plan, model: nn.Module, ctx: RunContext, mp: Any, forwa
     plain = plan.tp == plan.cp == plan.ep == 1
     # several processes with memory.offload.optimizer=host: each rank offloads its own shard (ZeRO-Offload)
     rt = MeshRuntime(model, mp, ctx, zero=plan.zero, bucket_mb=plan.bucket_mb, forward_module=forward_module,
+                     fsdp_group=plan.fsdp_group,
                      param_dtype=half if (plain and plan.zero in (1, 2)) or plan.zero == 3 else stored,
                      offload=plan.offload.active)
     if plan.zero or plan.tp > 1:

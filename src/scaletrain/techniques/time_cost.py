@@ -208,6 +208,11 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
     passes = [{s: sum(1 for a in sched.actions[r] if a.kind == "F" and a.stage == s) for s in stages_of[r]}
               for r in range(P)]
     n_blocks = [sum(bounds[s + 1] - bounds[s] for s in stages_of[r]) for r in range(P)]
+    if plan.zero == 3 and plan.pp == 1:  # ZeRO-3's collectives: one set per FSDP group (parallel.fsdp_group)
+        from scaletrain.techniques.data_parallel.fsdp import gather_units
+
+        n_blocks = [len(gather_units(chain, list(chain.blocks), plan.fsdp_group, plan.hsdp or max(plan.dp, 1) * plan.cp,
+                                     M, plat.device_type))]
     comm_s = [_comm(plan, model, cfg, plat, b=b, seq=seq, M=M, world=world, total=comm[min(r, len(comm) - 1)],
                     bounds=bounds, rank=r, remat=remat, rank_param_bytes=parts[r]["params"], n_blocks=n_blocks[r],
                     tp_steps=sum(passes[r][s] * tp_ring_steps(bounds, s, rec, plan.tp, plan.sp) for s in stages_of[r]))

@@ -26,9 +26,10 @@ from scaletrain.errors import ConfigError, UserError, one_line
 
 
 def opt(default: Any, help: str, unit: str = "", choices: tuple | None = None, min: float | None = None,
-        max: float | None = None) -> Any:
-    """A documented config field (``help`` says what it does, ``unit`` its unit)."""
-    meta = {"help": help, "unit": unit, "choices": choices, "min": min, "max": max}
+        max: float | None = None, words: tuple = ()) -> Any:
+    """A documented config field (``help`` says what it does, ``unit`` its unit; ``words``: the values a
+    ``bytes`` field takes besides sizes)."""
+    meta = {"help": help, "unit": unit, "choices": choices, "min": min, "max": max, "words": words}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -172,6 +173,9 @@ class ParallelConfig:
     compression_warmup_steps: int = opt(10, "uncompressed steps before compression starts (1-bit Adam / DGC "
                                             "warm-up; PowerSGD needs at least 2)", "optimizer steps", min=0)
     bucket_mb: float = opt(25.0, "gradient bucket size for all-reduce / reduce-scatter (zero 0-2)", "MiB", min=0.0)
+    fsdp_group: str = opt("auto", "zero=3: consecutive blocks one FSDP all-gather / reduce-scatter moves: auto (the "
+                                  "size the cost model prices fastest), block (one group per block), or a size "
+                                  "limit such as 8MiB", "bytes", words=("auto", "block"))
     timeout_s: float = opt(600.0, "collective timeout; a rank waiting longer fails with a message naming the "
                                   "collective", "seconds", min=1.0, max=1e7)
     pp: int = opt(1, "pipeline-parallel stages (ranks); world = dp x pp x tp x cp", "ranks", min=1)
@@ -233,13 +237,14 @@ def _coerce(path: str, value: Any, typ: Any, meta: dict) -> Any:
     elif typ is str:
         if not isinstance(value, str):
             value = str(value)
-        if meta.get("unit") == "bytes":  # read every size now, used or not (a typo must not wait for its feature)
+        if meta.get("unit") == "bytes" and value not in meta.get("words", ()):  # read every size now, used or not (a typo must not wait for its feature)
             from scaletrain.techniques.remat.schedule import parse_bytes
 
             try:
                 parse_bytes(value)
             except UserError as e:
-                raise ConfigError(f"{path}={value!r} is not allowed; {one_line(e)}") from None
+                also = f"; or one of {', '.join(meta['words'])}" if meta.get("words") else ""
+                raise ConfigError(f"{path}={value!r} is not allowed; {one_line(e)}{also}") from None
     elif typ is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}={value!r} is not allowed; expected a table")

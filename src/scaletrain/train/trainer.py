@@ -42,7 +42,7 @@ from scaletrain.plan import Plan
 from scaletrain.planner import auto as plan_auto
 from scaletrain.techniques.compat import Facts
 from scaletrain.techniques.data_parallel import launch
-from scaletrain.techniques.runtime import RunContext
+from scaletrain.techniques.runtime import RunContext, average_pending
 from scaletrain.techniques.stack import build_runtime
 from scaletrain.models.adapters import adapt
 from scaletrain.train import checkpoint_io, elastic, faults, handback, interrupt, model_record, preflight
@@ -390,7 +390,8 @@ class Trainer:
         return self.parallel.clip_grad_norm(self.optimizer, self.cfg.optim.grad_clip)
 
     def _train_step(self, it: Any) -> float:
-        """One optimizer step over ``accum`` micro-batches; returns the rank-averaged loss."""
+        """One optimizer step over ``accum`` micro-batches; returns this rank's loss (averaged over
+        the ranks by :func:`~scaletrain.techniques.runtime.average_pending` on logging steps only)."""
         par = self.parallel
         self.ctx.step = self.step
         if self.cfg.train.measure_memory and self.step == self.cfg.train.steps - 1 and self.tracked is None:
@@ -411,7 +412,7 @@ class Trainer:
         self.scheduler.step()
         par.zero_grad(self.optimizer)
         self.comm_bytes = LEDGER.total() if self.world > 1 else 0.0
-        return par.mean([step_loss])[0]
+        return step_loss
 
     def _tracked_step(self, it: Any) -> float:
         """The step under the memory tracker (local shards of DTensors): every rank's peak and its
@@ -476,13 +477,14 @@ class Trainer:
                 self.step += 1
                 metrics.after_step(self.step)
                 losses.append(step_loss)
+                step_loss, agreed = average_pending(self.parallel, losses, self.ctx.counts_traffic(self.step - 1))
                 dt = time.perf_counter() - t0
                 self.auto.step_times.append(dt) if self.auto is not None else None
                 items = cfg.train.global_batch * (self.tokens_per_sample if self.task == "lm" else 1)
                 window_items += items
                 rate = items / dt if dt > 0 else float("nan")
                 bar.update(self.step, step_loss, rate)
-                if not math.isfinite(step_loss) and cfg.train.precision != "fp16":
+                if agreed and not math.isfinite(step_loss) and cfg.train.precision != "fp16":
                     raise ConfigError(f"training diverged at step {self.step} (loss {step_loss}); lower optim.lr="
                                       f"{cfg.optim.lr} or use train.precision=fp32")
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:

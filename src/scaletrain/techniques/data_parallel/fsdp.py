@@ -1,6 +1,9 @@
 """ZeRO stage 3 with torch's FSDP2 ``fully_shard``, on any data-parallel mesh: :class:`FSDPSync`.
 
-One group per Chain block whose parameters no other block uses, then the root — what runs the
+Groups of consecutive Chain blocks whose parameters no other block uses (``parallel.fsdp_group``:
+one group per block, up to a size, or ``auto``: the size :func:`.cost.fsdp_group_limit` prices
+fastest — fewer groups pay fewer collectives' latency, larger ones hold more unsharded bytes and
+expose more of their first gather), then the root — what runs the
 forward (the model, or its blocks under nested checkpoints) — which takes shared ones such as
 GPT-2's tied embedding. Parameters are sharded DTensors, all-gathered before a block runs and freed
 after it, in forward and again in backward (``reshard_after_forward=True``, root included, which is
@@ -29,6 +32,42 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from scaletrain.measure.comm import ledger_owned
 from scaletrain.techniques.data_parallel.zero import squared_norm
+
+
+def block_groups(blocks: list[nn.Module], setting: str, dp: int, accum: int, device_type: str) -> list[list[nn.Module]]:
+    """``blocks`` (:func:`shardable_blocks`) merged into consecutive FSDP groups as ``parallel.fsdp_group``
+    says (:func:`.cost.fsdp_group_limit`; the bytes are the parameters' storage bytes)."""
+    from scaletrain.techniques.data_parallel.cost import fsdp_group_limit, fsdp_groups
+
+    sizes = [float(sum(p.numel() * p.element_size() for p in b.parameters())) for b in blocks]
+    limit = fsdp_group_limit(setting, sizes, dp, accum, device_type)
+    return [[blocks[i] for i in g] for g in fsdp_groups(sizes, limit)]
+
+
+def gather_units(model: nn.Module, blocks: list[nn.Module], setting: str, dp: int, accum: int,
+                 device_type: str) -> list[float]:
+    """Bytes of each unit FSDP gathers at once among ``blocks`` (a Chain's, or a stage's): a group of
+    shardable blocks (:func:`block_groups`, as the runtime forms them) or a block left to the root
+    (shared parameters). The ZeRO-3 cost faces count them (collectives) and take the largest (peak)."""
+    shardable = {id(b) for b in shardable_blocks(model)}
+    units = [float(sum(p.numel() * p.element_size() for p in b.parameters())) for b in blocks
+             if id(b) not in shardable]
+    mine = [b for b in blocks if id(b) in shardable]
+    units += [float(sum(p.numel() * p.element_size() for b in g for p in b.parameters()))
+              for g in block_groups(mine, setting, dp, accum, device_type)]
+    return units
+
+
+def gathered_peak_bytes(model: nn.Module, blocks: list[nn.Module], setting: str, dp: int, accum: int,
+                        device_type: str) -> float:
+    """Unsharded bytes ZeRO-3 adds at its backward peak among ``blocks``: the largest unit whole and the
+    one before it prefetched (2 G), and the gradients of the block backward is in before the group's
+    reduce-scatter (B, and gloo's full copy of that input: 2 B on CPU). Per-block groups give the
+    calibrated 4 B (3 B on NCCL); a merged group's earlier gradients appear as its blocks' activations
+    are freed, so they do not add to the peak at its first block."""
+    units = gather_units(model, blocks, setting, dp, accum, device_type)
+    block = max((float(sum(p.numel() * p.element_size() for p in b.parameters())) for b in blocks), default=0.0)
+    return 2 * max(units, default=0.0) + (2 if device_type == "cpu" else 1) * block
 
 
 def shardable_blocks(model: nn.Module) -> list[nn.Module]:
@@ -80,17 +119,23 @@ class FSDPSync:
     stage = 3
 
     def __init__(self, model: nn.Module, root: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | None = None,
-                 tp_replicas: Any = None, prefetch: bool = True, reshard_root: bool = True) -> None:
+                 tp_replicas: Any = None, prefetch: bool = True, reshard_root: bool = True,
+                 group: str = "auto", accum: int = 1) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.model, self.root, self.param_dtype = model, root, param_dtype
         # ZeRO's mixed precision: compute and communicate in the half dtype, shards stay fp32.
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)
-        self.blocks = shardable_blocks(model)
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+        self.groups = block_groups(shardable_blocks(model), group, dp_mesh.size(), accum, device_type)
         # by name: fully_shard registers new (DTensor) parameters in place of the module's
         reps = {n: (tp_replicas(p) if tp_replicas is not None else 1) for n, p in model.named_parameters()}
-        for b in self.blocks:
-            fully_shard(b, mesh=dp_mesh, reshard_after_forward=True, mp_policy=mp)
+        self.blocks: list[nn.Module] = []
+        """The FSDP units in forward order: each group's first block (a group's hooks live on all its
+        modules; prefetching the unit means prefetching its first block's state, shared by the group)."""
+        for g in self.groups:
+            fully_shard(g if len(g) > 1 else g[0], mesh=dp_mesh, reshard_after_forward=True, mp_policy=mp)
+            self.blocks.append(g[0])
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_root, mp_policy=mp)
         if prefetch:
             for i, b in enumerate(self.blocks):

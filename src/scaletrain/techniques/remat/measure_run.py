@@ -64,6 +64,27 @@ def measure_step(model: nn.Module, step: Callable[[], object], *, repeats: int =
             "measured_peak_bytes": peak, "grads": grads}
 
 
+def time_interleaved(model: nn.Module, steps: dict[str, Callable[[], object]], *, rounds: int = 5,
+                     warmup: int = 1, seed: int = 0) -> dict[str, dict[str, float]]:
+    """Seconds of each of ``steps`` (name -> one forward+backward) measured side by side: ``warmup``
+    untimed rounds, then ``rounds`` rounds each running every step once, the order rotated by one place
+    a round, so a machine's drift (other processes, clocks, a warming cache) spreads over all of them
+    instead of favouring whichever ran first. Returns name -> {median, min, max} of its rounds [s]."""
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + max(1, rounds)):
+        for i in range(len(names)):
+            name = names[(i + r) % len(names)]
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            t0 = time.perf_counter()
+            steps[name]()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return {n: {"median": statistics.median(t), "min": min(t), "max": max(t)} for n, t in times.items()}
+
+
 def measure_schedule(model: nn.Module, chain, schedule: Schedule, x: torch.Tensor, y, loss_fn: Callable,
                      **kw) -> dict:
     """:func:`measure_step` of ``run_schedule(chain, schedule, x, loss_fn, y)``."""

@@ -1,0 +1,102 @@
+"""ZeRO-3 grouping (``parallel.fsdp_group``): consecutive blocks merged into one FSDP unit up to a size,
+``auto`` priced by the cost model. The cost face (group count, peak, traffic) against a 2-process run, and
+parity with one process whatever the grouping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scaletrain.errors import ConfigError
+from scaletrain.techniques.data_parallel.cost import fsdp_group_limit, fsdp_group_seconds, fsdp_groups
+from scaletrain.testing import run_distributed
+from scaletrain.train.config import load_config
+
+BASE = ["model.overrides.n_layer=4", "model.overrides.n_embd=64", "model.overrides.n_head=4", "data.seq_len=64",
+        "train.global_batch=16", "train.steps=3", "train.eval_every=0", "train.eval_batches=1", "train.log_every=2",
+        "train.progress=off", "train.measure_memory=true", "parallel.zero=3"]
+MARGIN = 0.10
+"""As tests/test_plan_cost.py: the ZeRO-3 peak's stated error."""
+
+
+def test_groups_are_consecutive_and_bounded():
+    sizes = [1.0, 3.0, 3.0, 3.0, 10.0, 1.0]
+    assert fsdp_groups(sizes, 0) == [[0], [1], [2], [3], [4], [5]]
+    assert fsdp_groups(sizes, 6.0) == [[0, 1], [2, 3], [4], [5]]  # a block over the limit is alone
+    assert fsdp_groups(sizes, sum(sizes)) == [list(range(6))]
+
+
+def test_auto_is_the_cheapest_grouping():
+    small, large = [3e5] * 8, [2e8] * 16  # a small model's blocks; GPT-scale blocks of 200 MB
+    for sizes, device in ((small, "cpu"), (large, "cuda"), (large, "cpu")):
+        best = fsdp_group_seconds([sum(sizes[i] for i in g) for g in
+                                   fsdp_groups(sizes, fsdp_group_limit("auto", sizes, 2, 1, device))], 2, 1, device)
+        for k in range(1, len(sizes) + 1):  # every grouping of k blocks each costs at least as much
+            g = fsdp_groups(sizes, k * sizes[0])
+            assert best <= fsdp_group_seconds([sum(sizes[i] for i in x) for x in g], 2, 1, device) + 1e-12
+    # small blocks on gloo (ms a collective): merged; 200 MB blocks on NCCL (us): one group each
+    assert len(fsdp_groups(small, fsdp_group_limit("auto", small, 2, 1, "cpu"))) < len(small)
+    assert len(fsdp_groups(large, fsdp_group_limit("auto", large, 2, 1, "cuda"))) == len(large)
+    assert fsdp_group_limit("block", sizes, 2, 1, "cpu") == 0
+    assert fsdp_group_limit("8MiB", sizes, 2, 1, "cpu") == 8 * 2**20
+    with pytest.raises(ConfigError, match="parallel.fsdp_group"):
+        fsdp_group_limit("large", sizes, 2, 1, "cpu")
+
+
+def _fit(extra: list[str]) -> dict:
+    from scaletrain.train.trainer import Trainer
+
+    t = Trainer(load_config(None, BASE + extra), None, log=lambda s: None)
+    r = t.fit()
+    groups = len(t.parallel.sync.groups) if hasattr(t.parallel, "sync") else 0
+    flat = torch.cat([v.reshape(-1) for _, v in sorted(t.parallel.model_state_dict().items())])
+    out = {"losses": r.losses, "params": flat, "comm": t.comm_bytes, "tracked": t.tracked, "groups": groups}
+    t.close()
+    return out
+
+
+def _worker(rank: int, world: int, runs: list[list[str]]) -> list:
+    return [_fit(extra) for extra in runs]
+
+
+def _predict(extra: list[str], world: int):
+    from scaletrain import models
+    from scaletrain.chain import to_chain
+    from scaletrain.plan import Plan
+    from scaletrain.techniques.data_parallel.fsdp import gather_units, shardable_blocks
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    cfg = load_config(None, BASE + extra)
+    model = models.get(cfg.model.name, device="meta", **cfg.model.overrides)
+    plan = Plan.from_config(cfg)
+    (cost,) = plan_costs(plan, model, world=world, global_batch=cfg.train.global_batch, seq=cfg.data.seq_len)
+    chain = to_chain(model)
+    shardable = {id(b) for b in shardable_blocks(chain)}
+    groups = len(gather_units(chain, [b for b in chain.blocks if id(b) in shardable], plan.fsdp_group, world, 1,
+                              "cpu"))
+    return cost, groups
+
+
+@pytest.mark.slow
+def test_grouping_trains_like_one_process_and_is_predicted():
+    runs = [["parallel.fsdp_group=block"], ["parallel.fsdp_group=auto"], ["parallel.fsdp_group=64MiB"]]
+    one = _fit(["parallel.zero=0"])
+    res = run_distributed(_worker, 2, runs)
+    counts = []
+    for i, extra in enumerate(runs):
+        cost, groups = _predict(extra, 2)
+        r = res[0][i]
+        counts.append(r["groups"])
+        assert r["groups"] == groups, extra
+        assert r["losses"] == pytest.approx(one["losses"], rel=1e-5), extra
+        torch.testing.assert_close(r["params"], one["params"], rtol=1e-5, atol=1e-6)
+        assert r["comm"] == cost.comm_bytes, (extra, r["comm"], cost.comm_bytes)
+        peak = max(rank[i]["tracked"]["tracked_peak_bytes_max"] for rank in res)
+        assert peak == pytest.approx(cost.peak_bytes, rel=MARGIN), (extra, peak, cost.peak_bytes)
+    assert counts[0] == 4 and counts[2] == 1, counts  # one group per block / the whole body in one
+
+
+def test_bad_grouping_is_refused_at_load():
+    assert load_config(None, ["parallel.fsdp_group=block"]).parallel.fsdp_group == "block"
+    with pytest.raises(ConfigError, match=r"parallel.fsdp_group='large' is not allowed.*auto, block"):
+        load_config(None, ["parallel.fsdp_group=large"])
