@@ -8,8 +8,11 @@ exactly where it stopped. A second signal is not caught: it interrupts at once, 
 
 Several processes save collectively, so they must agree on the step: the time interval is turned
 into a step count once (rank 0's measured step time, broadcast), and a signal seen by any rank is
-agreed on with one all-reduce of a flag per step (under torchrun every rank gets the signal, not
-necessarily within the same step).
+agreed on with an all-reduce of a flag that is started at one step boundary and read at the next
+(under torchrun every rank gets the signal, not necessarily within the same step). The flag travels
+on a gloo group of its own and is never waited for in the step it was sent: no blocking collective
+is added to a step (issue: no per-step collective outside the plan); the price is one step of delay
+before the stop.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class Guard:
         self.signum: int | None = None
         self._old: dict[int, Any] = {}
         self._group: Any = None
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        """The flag all-reduce started at the previous step boundary: (work handle, its tensor)."""
 
     def install(self) -> None:
         """Catch SIGINT/SIGTERM until :meth:`restore` (main thread only: Python's rule for handlers).
@@ -55,7 +60,11 @@ class Guard:
             self._old = {s: signal.signal(s, self._on_signal) for s in _SIGNALS}
 
     def restore(self) -> None:
-        """Put back the handlers found by :meth:`install`."""
+        """Put back the handlers found by :meth:`install`; wait for a flag still in flight (every rank
+        started it, so every rank waits for it and no collective is left behind)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old = {}
@@ -65,14 +74,20 @@ class Guard:
         signal.signal(signum, self._old.get(signum, signal.SIG_DFL))  # a second one interrupts at once
 
     def _agreed(self, flag: bool) -> bool:
+        """Any rank's flag as of the previous boundary (this boundary's own, with one process)."""
         if self.world == 1:
             return flag
         from scaletrain.measure.comm import LEDGER
 
+        seen = False
+        if self._pending is not None:
+            work, prev = self._pending
+            work.wait()
+            seen = bool(prev.item())
         t = torch.tensor([int(flag)])
         with LEDGER.paused():  # not the run's traffic
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(t.item())
+            self._pending = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group, async_op=True), t)
+        return seen
 
     def _fix_interval(self) -> None:
         step_s = statistics.median(self.times[1:]) if len(self.times) > 1 else self.times[0]
