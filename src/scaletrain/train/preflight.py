@@ -25,8 +25,11 @@ _KIND_OF_TASK = {"lm": "text", "classify": "image"}
 def build_model(cfg: Config) -> nn.Module:
     """The reference model ``cfg.model.name`` with its overrides; a shape the builder rejects in any
     way (a zero head count, a negative width...) is one line naming ``model.overrides``."""
+    from scaletrain.train.model_data import user_overrides
+
+    overrides = user_overrides(cfg)
     try:
-        return model_registry.get(cfg.model.name, **cfg.model.overrides)
+        return model_registry.get(cfg.model.name, **overrides)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - any builder failure here is caused by the overrides
@@ -43,10 +46,11 @@ def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, 
     if want is None:
         raise ConfigError(f"model {model_name!r} (task {task!r}) cannot be trained by `scaletrain train`; allowed "
                           f"tasks: language models (text data) and image classifiers (image data)")
-    if info is not None and info.kind != want:
+    kind = info.kind if info is not None else getattr(dataset, "kind", None)
+    if kind is not None and kind != want:
         allowed = ", ".join(n for n, d in DATASETS.items() if d.kind == want)
         what = "a language model" if task == "lm" else "an image classifier"
-        raise ConfigError(f"data.name={data_name!r} holds {'images' if info.kind == 'image' else info.kind} but model {model_name!r} is {what}; allowed "
+        raise ConfigError(f"data.name={data_name!r} holds {'images' if kind == 'image' else kind} but model {model_name!r} is {what}; allowed "
                           f"data.name for it: {allowed}")
     check_params_dtype(cfg, model, task, model_name)
     n_pos = getattr(getattr(model, "config", None), "n_positions", None)

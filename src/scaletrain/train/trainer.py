@@ -97,11 +97,15 @@ class Trainer:
 
     def __init__(self, cfg: Config, out_dir: Path | str | None = None, *, model: nn.Module | None = None,
                  resume: bool = False, log: Callable[[str], None] | None = None, reset_optimizer: bool = False,
-                 runtime: Callable[..., Any] | None = None):
+                 runtime: Callable[..., Any] | None = None, train_data: Any = None, eval_data: Any = None,
+                 collate_fn: Callable[[list[Any]], Any] | None = None):
         """``runtime``: builds the runtime instead of the plan's stack, called like
         :func:`~scaletrain.techniques.stack.build_runtime` (``scaletrain sweep`` passes its spilled
-        shards); everything else — data, loop, metrics, checkpoints — is this trainer's."""
+        shards); everything else — data, loop, metrics, checkpoints — is this trainer's.
+        ``train_data`` / ``eval_data`` / ``collate_fn``: your own data instead of ``data.name``
+        (:func:`~scaletrain.train.model_data.build_datasets`)."""
         self.cfg = cfg
+        self._user_data = (train_data, eval_data, collate_fn)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.resume, self.reset_optimizer = resume or elastic.resume_round(self.out_dir), reset_optimizer
         self._build_runtime = runtime or build_runtime
@@ -194,7 +198,8 @@ class Trainer:
         self.ctx.forward_backward = fn
 
     def _build_data(self) -> None:
-        self.data_name, self.train_set, self.val_set = build_datasets(self.cfg, self.adapter, self._snapshot is not None)
+        self.data_name, self.train_set, self.val_set = build_datasets(self.cfg, self.adapter, self._snapshot is not None,
+                                                                      *self._user_data)
         self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 1)
 
     def _make_train_loader(self, start_sample: int):
