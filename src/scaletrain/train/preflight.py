@@ -40,7 +40,10 @@ def build_model(cfg: Config) -> nn.Module:
 def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, data_name: str,
                      dataset: Any = None) -> None:
     """The dataset's kind fits the model's task; a language model's positions hold ``data.seq_len``;
-    an image classifier takes the dataset's image size."""
+    an image classifier takes the dataset's image size; ``train.loggers`` names known, installed sinks."""
+    from scaletrain.train.loggers import parse as parse_loggers
+
+    parse_loggers(cfg.train.loggers)
     want = _KIND_OF_TASK.get(task)
     info = DATASETS.get(data_name)
     if want is None:

@@ -432,7 +432,8 @@ class Trainer:
             path, skipped, *t_load = resuming.restore(self, self.reset_optimizer)
             self.log(f"resumed from {path} at step {self.step}")
         # the run directory is created after the first good step (config.toml, metrics trimmed to self.step)
-        metrics = rundir.RunDir(self.out_dir if self.rank == 0 else None, self.step, to_toml(cfg), self.log, skipped)
+        metrics = rundir.RunDir(self.out_dir if self.rank == 0 else None, self.step, to_toml(cfg), self.log, skipped,
+                                loggers=cfg.train.loggers)
         if metrics.restart is not None:
             metrics.restart.note_reload(t_load[0], t_load[1], self.step)
         show = cfg.train.progress == "on" or (cfg.train.progress == "auto" and sys.stderr.isatty())
