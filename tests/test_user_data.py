@@ -18,6 +18,7 @@ from scaletrain.cli import main
 from scaletrain.data.loader import build_loader
 from scaletrain.data.prepare import prepare
 from scaletrain.data.sources import user_datasets
+from scaletrain.errors import UserError
 from scaletrain.train.config import load_config
 from scaletrain.train.trainer import Trainer
 
@@ -206,3 +207,21 @@ def test_hf_disk_dataset_dict_split_by_key(tmp_path):
     assert bytes(train.tokens[:50].tolist()) == joined[:50] and len(val.tokens) == len("".join(LINES[100:]).encode())
     _, res = fit([f"data.name=hf-disk:{tmp_path / 'hf'}", "data.field=body", "train.steps=2"])
     assert len(res.losses) == 2
+
+
+def test_large_txt_files_stream_in_pieces(tmp_path, corpus, monkeypatch):
+    """A .txt file read in pieces cut after newlines gives the same tokens as read whole, one
+    end-of-document token per file, and a bad byte's offset counted from the file's start."""
+    from scaletrain.data import documents
+
+    tok = make_tokenizer(tmp_path / "tok")
+    whole = prepare(str(corpus), tmp_path / "a", str(tok))
+    monkeypatch.setattr(documents, "PIECE_BYTES", 100)
+    pieces = prepare(str(corpus), tmp_path / "b", str(tok))
+    assert (tmp_path / "a" / "tokens.bin").read_bytes() == (tmp_path / "b" / "tokens.bin").read_bytes()
+    assert whole["documents"] == pieces["documents"] == 33
+    eos = np.fromfile(tmp_path / "a" / "tokens.bin", dtype=np.uint16) == whole["eos_id"]
+    assert eos.sum() == 33
+    (tmp_path / "late.txt").write_bytes(b"ok line\n" * 40 + b"\xff")
+    with pytest.raises(UserError, match="byte 320"):
+        prepare(str(tmp_path / "late.txt"), tmp_path / "c")

@@ -1,6 +1,6 @@
 """The user's text as documents: a file, a directory or a glob of ``.txt`` / ``.jsonl``, read as UTF-8.
 
-A ``.txt`` file is one document; a ``.jsonl`` file holds one document per line, the string under
+A ``.txt`` file is one document (read in pieces, :data:`PIECE_BYTES`); a ``.jsonl`` file holds one document per line, the string under
 ``data.field`` (default ``text``). Files are read in sorted path order, so the token stream — and
 with it every sample index, the split and a resumed run's position — is the same on every rank and
 every run. Packing: documents are tokenized and concatenated into one stream, joined by the
@@ -47,21 +47,45 @@ def find_files(spec: str) -> list[Path]:
     return files
 
 
-def _decode(path: Path, raw: bytes) -> str:
+PIECE_BYTES = 4 << 20
+"""A ``.txt`` file is read in pieces of about this many bytes, cut after a newline (always a UTF-8
+character boundary), so a file larger than memory streams through ``scaletrain data prepare``."""
+
+
+def _decode(path: Path, raw: bytes, offset: int = 0) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"{str(path)!r} is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+        raise UserError(f"{str(path)!r} is not UTF-8 text (byte {offset + e.start}: {raw[e.start:e.start + 1]!r}); "
                         f"convert it, e.g. iconv -t UTF-8") from None
 
 
-def read_documents(files: list[Path], field: str = "text") -> Iterator[str]:
-    """Every document of ``files`` in order (see the module docstring)."""
+def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
+    """The text of a ``.txt`` file in pieces (see :data:`PIECE_BYTES`), the last one flagged."""
+    offset, rest = 0, b""
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(PIECE_BYTES)
+            data = rest + block
+            cut = data.rfind(b"\n") + 1 if block else len(data)
+            if block and cut == 0:  # no newline yet: keep reading
+                rest = data
+                continue
+            piece, rest = data[:cut], data[cut:]
+            if piece or (not block and offset):  # the last piece closes the document (an empty file has none)
+                yield _decode(path, piece, offset), not block
+            offset += len(piece)
+            if not block:
+                return
+
+
+def read_documents(files: list[Path], field: str = "text") -> Iterator[tuple[str, bool]]:
+    """``(text, ends_document)`` pieces of every document of ``files`` in order (see the module docstring)."""
     for path in files:
-        text = _decode(path, path.read_bytes())
         if path.suffix == ".txt":
-            yield text
+            yield from _pieces(path)
             continue
+        text = _decode(path, path.read_bytes())
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -74,7 +98,12 @@ def read_documents(files: list[Path], field: str = "text") -> Iterator[str]:
                 keys = ", ".join(sorted(row)) if isinstance(row, dict) else "none"
                 raise UserError(f"{str(path)!r} line {number} has no string field {field!r} (data.field); "
                                 f"its keys: {keys}")
-            yield value
+            yield value, True
+
+
+def whole(texts: Iterator[str]) -> Iterator[tuple[str, bool]]:
+    """Texts that are each a whole document (a list from Python, a dataset column)."""
+    return ((t, True) for t in texts)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -82,35 +111,36 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def encode_documents(docs: Iterator[str], tokenizer, batch: int = 256) -> Iterator[tuple[np.ndarray, int]]:
-    """Chunks of the packed token stream, with the characters each chunk consumed (for progress)."""
+def encode_documents(docs: Iterator[tuple[str, bool]], tokenizer, batch: int = 256
+                     ) -> Iterator[tuple[np.ndarray, int, int]]:
+    """Chunks of the packed token stream: (tokens, characters consumed, documents ended) per chunk."""
     dtype = token_dtype(tokenizer.vocab_size)
     eos = getattr(tokenizer, "eos_id", None)
     many = getattr(tokenizer, "encode_batch", None)
-    pending: list[str] = []
+    pending: list[tuple[str, bool]] = []
 
-    def flush() -> tuple[np.ndarray, int]:
-        chars = sum(len(t) for t in pending)
+    def flush() -> tuple[np.ndarray, int, int]:
+        chars, ended = sum(len(t) for t, _ in pending), sum(e for _, e in pending)
         if many is None:  # bytes: the UTF-8 encoding is the token stream (no separator)
-            flat = np.frombuffer("".join(pending).encode("utf-8"), dtype=np.uint8).astype(dtype)
+            flat = np.frombuffer("".join(t for t, _ in pending).encode("utf-8"), dtype=np.uint8).astype(dtype)
             pending.clear()
-            return flat, chars
+            return flat, chars, ended
         ids: list[int] = []
-        for doc in many(pending):
+        for doc, (_, end) in zip(many([t for t, _ in pending]), pending):
             ids += doc
-            ids += [eos] if eos is not None else []
+            ids += [eos] if eos is not None and end else []
         pending.clear()
-        return np.asarray(ids, dtype=dtype), chars
+        return np.asarray(ids, dtype=dtype), chars, ended
 
-    for doc in docs:
-        pending.append(doc)
-        if len(pending) >= batch:
+    for piece in docs:
+        pending.append(piece)
+        if len(pending) >= batch or len(piece[0]) >= PIECE_BYTES // 2:
             yield flush()
     if pending:
         yield flush()
 
 
-def tokenize_all(docs: Iterator[str], tokenizer) -> np.ndarray:
+def tokenize_all(docs: Iterator[tuple[str, bool]], tokenizer) -> np.ndarray:
     """The whole packed token stream in memory (``scaletrain data prepare`` streams it to disk instead)."""
-    chunks = [c for c, _ in encode_documents(docs, tokenizer)]
+    chunks = [c for c, _, _ in encode_documents(docs, tokenizer)]
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=token_dtype(tokenizer.vocab_size))

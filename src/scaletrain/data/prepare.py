@@ -51,15 +51,9 @@ def prepare(source: str, out: str | Path, tokenizer: str = "", field: str = "tex
 def _write(files: list[Path], tok: Any, field: str, tmp: Path, total: int, progress: IO[str] | None
            ) -> dict[str, Any]:
     n_tokens, n_docs, done, t0 = 0, 0, 0, time.perf_counter()
-
-    def counted():
-        nonlocal n_docs
-        for doc in read_documents(files, field):
-            n_docs += 1
-            yield doc
-
     with open(tmp / TOKENS_FILE, "wb") as fh:
-        for chunk, chars in encode_documents(counted(), tok):
+        for chunk, chars, ended in encode_documents(read_documents(files, field), tok):
+            n_docs += ended
             if len(chunk) and int(chunk.max()) >= tok.vocab_size:  # a tokenizer's ids are below its size
                 raise UserError(f"token id {int(chunk.max())} >= the tokenizer's vocabulary {tok.vocab_size}")
             fh.write(chunk.tobytes())

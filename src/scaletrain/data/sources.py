@@ -26,7 +26,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from scaletrain.errors import UserError
 
-from .documents import find_files, read_documents, tokenize_all
+from .documents import find_files, read_documents, tokenize_all, whole
 from .hf_tokenizer import load_tokenizer
 from .tokens import TokenWindows, is_prepared, open_prepared, split_stream
 
@@ -96,7 +96,7 @@ def texts_dataset(texts: list[str], *, seq_len: int, tokenizer: str = "", what: 
     if not all(isinstance(t, str) for t in texts):
         raise UserError(f"{what}: a list must hold texts (str); pass a Dataset for other samples")
     tok = load_tokenizer(tokenizer)
-    return TokenWindows(_nonempty(tokenize_all(iter(texts), tok), what), seq_len, tok.vocab_size, what)
+    return TokenWindows(_nonempty(tokenize_all(whole(iter(texts)), tok), what), seq_len, tok.vocab_size, what)
 
 
 def _nonempty(tokens: np.ndarray, what: str) -> np.ndarray:
@@ -214,8 +214,7 @@ def _hf_disk(path: str, field: str, seq_len: int, f: float, tokenizer: str = "")
     def stream(ds: Any) -> np.ndarray:
         if field not in ds.column_names:
             raise UserError(f"{what}: no column {field!r} (data.field); columns: {', '.join(ds.column_names)}")
-        texts = (t for t in ds[field])
-        return _nonempty(tokenize_all(texts, tok), what)
+        return _nonempty(tokenize_all(whole(iter(ds[field])), tok), what)
 
     if isinstance(loaded, datasets.DatasetDict):
         val_key = next((k for k in ("validation", "val", "test") if k in loaded), None)
