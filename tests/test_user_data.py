@@ -28,12 +28,15 @@ BASE = ["train.steps=4", "train.global_batch=4", "data.seq_len=16", "train.eval_
 LINES = [f"the quick brown fox {i} jumps over the lazy dog, {i * 7} times" for i in range(120)]
 
 
-def make_tokenizer(d: Path) -> Path:
-    """A BPE tokenizer trained on a few lines here (nothing downloaded), saved as d/tokenizer.json."""
+def make_tokenizer(d: Path, byte_level: bool = False) -> Path:
+    """A BPE tokenizer trained on a few lines here (nothing downloaded), saved as d/tokenizer.json;
+    ``byte_level``: GPT-2's pre-tokenizer (keeps whitespace runs as tokens), else whitespace splitting."""
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.train_from_iterator(LINES, tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "</s>"]))
+    pre = tokenizers.pre_tokenizers
+    tok.pre_tokenizer = pre.ByteLevel(add_prefix_space=False) if byte_level else pre.Whitespace()
+    texts = ["\n\n  \n".join(LINES), "\n".join(LINES)] if byte_level else LINES  # learns whitespace-run merges
+    tok.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "</s>"]))
     d.mkdir(parents=True, exist_ok=True)
     tok.save(str(d / "tokenizer.json"))
     return d
@@ -214,7 +217,9 @@ def test_large_txt_files_stream_in_pieces(tmp_path, corpus, monkeypatch):
     end-of-document token per file, and a bad byte's offset counted from the file's start."""
     from scaletrain.data import documents
 
-    tok = make_tokenizer(tmp_path / "tok")
+    tok = make_tokenizer(tmp_path / "tok", byte_level=True)
+    for f in corpus.glob("*.txt"):  # runs of blank lines and spaces, which a careless cut would tokenize apart
+        f.write_text(f.read_text().replace("\n", "\n\n  \n", 5))
     whole = prepare(str(corpus), tmp_path / "a", str(tok))
     monkeypatch.setattr(documents, "PIECE_BYTES", 100)
     pieces = prepare(str(corpus), tmp_path / "b", str(tok))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob as globbing
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,9 +48,10 @@ def find_files(spec: str) -> list[Path]:
     return files
 
 
-PIECE_BYTES = 4 << 20
-"""A ``.txt`` file is read in pieces of about this many bytes, cut after a newline (always a UTF-8
-character boundary), so a file larger than memory streams through ``scaletrain data prepare``."""
+PIECE_BYTES = 1 << 16
+"""A ``.txt`` file is read in pieces of about this many bytes, cut where a line ends on a word
+(:func:`_cut`), so a file larger than memory streams through ``scaletrain data prepare``."""
+_LINE_END = re.compile(rb"[^\s]\n")
 
 
 def _decode(path: Path, raw: bytes, offset: int = 0) -> str:
@@ -60,6 +62,19 @@ def _decode(path: Path, raw: bytes, offset: int = 0) -> str:
                         f"convert it, e.g. iconv -t UTF-8") from None
 
 
+def _cut(data: bytes) -> int:
+    """Just before the last newline that follows a non-space byte (0 if none): the next piece starts with
+    the whole whitespace run, so a tokenizer that splits words from whitespace (byte-level BPE,
+    whitespace) encodes the two pieces as it would the whole, and a UTF-8 character is never cut."""
+    match = None
+    for match in _LINE_END.finditer(data, max(0, len(data) - PIECE_BYTES // 4)):
+        pass
+    if match is None and len(data) > PIECE_BYTES // 4:
+        for match in _LINE_END.finditer(data):
+            pass
+    return match.start() + 1 if match is not None else 0
+
+
 def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
     """The text of a ``.txt`` file in pieces (see :data:`PIECE_BYTES`), the last one flagged."""
     offset, rest = 0, b""
@@ -67,7 +82,7 @@ def _pieces(path: Path) -> Iterator[tuple[str, bool]]:
         while True:
             block = fh.read(PIECE_BYTES)
             data = rest + block
-            cut = data.rfind(b"\n") + 1 if block else len(data)
+            cut = _cut(data) if block else len(data)
             if block and cut == 0:  # no newline yet: keep reading
                 rest = data
                 continue
@@ -134,7 +149,7 @@ def encode_documents(docs: Iterator[tuple[str, bool]], tokenizer, batch: int = 2
 
     for piece in docs:
         pending.append(piece)
-        if len(pending) >= batch or len(piece[0]) >= PIECE_BYTES // 2:
+        if len(pending) >= batch:
             yield flush()
     if pending:
         yield flush()
