@@ -230,3 +230,24 @@ def test_large_txt_files_stream_in_pieces(tmp_path, corpus, monkeypatch):
     (tmp_path / "late.txt").write_bytes(b"ok line\n" * 40 + b"\xff")
     with pytest.raises(UserError, match="byte 320"):
         prepare(str(tmp_path / "late.txt"), tmp_path / "c")
+
+
+def test_export_hf_writes_the_tokenizer_beside_the_model(tmp_path, corpus):
+    """The injected vocabulary is recorded in config.toml, so export rebuilds the trained shape; the
+    run's tokenizer lands beside the model, and transformers loads both."""
+    transformers = pytest.importorskip("transformers")
+    tok = make_tokenizer(tmp_path / "tok")
+    llama = ["model.name=hf:llama", "model.overrides={num_hidden_layers=1, hidden_size=32, intermediate_size=64}",
+             f"data.name=text:{corpus}", f"data.tokenizer={tok}", "train.steps=2"]
+    fit(llama, tmp_path / "run")
+    import tomllib
+
+    recorded = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert recorded["data"]["tokenizer"] == str(tok)
+    code, err = cli("checkpoint", "export", str(tmp_path / "run"), "--to", "hf", "--out", str(tmp_path / "hf"))
+    assert code == 0, err
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "hf" / "tokenizer.json"))
+    assert model.config.vocab_size == len(fast) == recorded["model"]["overrides"]["vocab_size"]
+    assert model(torch.tensor([fast.encode("the lazy dog")])).logits.shape[-1] == len(fast)

@@ -28,6 +28,7 @@ def build_model(cfg: Config) -> nn.Module:
     from scaletrain.train.model_data import user_overrides
 
     overrides = user_overrides(cfg)
+    cfg.model.overrides.update(overrides)  # recorded in config.toml and checkpoints: export and resume rebuild it
     try:
         return model_registry.get(cfg.model.name, **overrides)
     except UserError:
