@@ -107,6 +107,7 @@ def test_bad_data_is_one_line_exit_2_nothing_written(tmp_path, corpus):
              f"data.name=tokens:{corpus}": "scaletrain data prepare",
              f"data.name=images:{corpus}": "no class sub-directories",
              f"data.name=py:no_such_module_x:f": "cannot import",
+             f"data.name=shakespeare data.tokenizer={tok}": "has its own tokens",
              f"model.overrides.vocab_size=100 data.tokenizer={tok} data.name=text:{corpus}": "model.overrides.vocab_size >= "}
     out = tmp_path / "run"
     for arg, words in cases.items():

@@ -44,6 +44,8 @@ def build_datasets(cfg: Config, adapter: Adapter, user_model: bool, train_data: 
     ``data.name`` empty: the named model's default; a model passed from Python trains on the
     shipped text (language models with a byte vocabulary) or the digits (classifiers).
     """
+    if train_data is not None and cfg.data.name:
+        raise ConfigError(f"both data.name={cfg.data.name!r} and Trainer(train_data=...) name the data; give one")
     if train_data is not None or cfg.data.name.startswith(user_sources.PREFIXES):
         name, train, val = _user_data(cfg, adapter, train_data, eval_data)
         if collate_fn is not None:
@@ -52,6 +54,10 @@ def build_datasets(cfg: Config, adapter: Adapter, user_model: bool, train_data: 
         return name, train, val
     if eval_data is not None or collate_fn is not None:
         raise ConfigError("Trainer(eval_data=..., collate_fn=...) need train_data=... too")
+    if cfg.data.tokenizer:
+        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} tokenizes your own text; the shipped "
+                          f"data.name={cfg.data.name or 'default'!r} has its own tokens; allowed with it: data.name="
+                          f"text:PATH, tokens:DIR, hf-disk:PATH, py:module:factory, or Trainer(train_data=[texts])")
     if cfg.data.name:
         name = cfg.data.name
     elif user_model:
@@ -135,7 +141,7 @@ def user_overrides(cfg: Config) -> dict[str, Any]:
         from scaletrain.data.image_folder import image_splits
 
         over["num_classes"] = len(image_splits(name.partition(":")[2], cfg.data.val_fraction)[0])
-    elif ((user_sources.is_user(name) or cfg.data.tokenizer) and "vocab_size" not in over
+    elif ((user_sources.is_user(name) or (cfg.data.tokenizer and not name)) and "vocab_size" not in over
           and _accepts(model, "vocab_size")):
         vocab = user_sources.text_vocab(name, cfg.data.tokenizer)
         if vocab is not None:
