@@ -187,6 +187,14 @@ def test_python_datasets_lists_and_collate(tmp_path):
         torch.stack([torch.arange(16) + r[0] for r in rows]) % 256,
         torch.stack([torch.arange(1, 17) + r[0] for r in rows]) % 256), model=get("gpt2-tiny", n_layer=1))
     assert len(c.losses) == 4
+    images = [(torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(i)), torch.tensor(i % 10)) for i in range(40)]
+
+    class ImageStream(IterableDataset):  # a classifier on a stream: no length, no image-size preflight by index
+        def __iter__(self):
+            return iter(images)
+
+    _, d = fit(["model.name=mlp", "model.overrides={}"], train_data=ImageStream())
+    assert len(d.losses) == 4 and 0 <= d.val_metrics["val_acc"] <= 1
 
 
 def test_py_factory_with_split(tmp_path, monkeypatch):

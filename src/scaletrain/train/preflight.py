@@ -61,8 +61,9 @@ def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, 
     if task == "lm" and isinstance(n_pos, int) and cfg.data.seq_len > n_pos:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the {n_pos} positions of model {model_name!r}; "
                           f"allowed: 1..{n_pos} (or raise model.overrides.n_positions)")
-    if task != "lm" and dataset is not None and len(dataset) and model_name == cfg.model.name:  # ours: meta-safe
-        check_image_fits(cfg, model, model_name, tuple(dataset[0][0].shape))
+    plain = dataset is not None and hasattr(dataset, "__len__") and getattr(dataset, "collate_fn", None) is None
+    if task != "lm" and plain and len(dataset) and model_name == cfg.model.name:  # ours: meta-safe
+        check_image_fits(cfg, model, model_name, tuple(dataset[0][0].shape))  # (x, y) samples, default batching
 
 
 def check_image_fits(cfg: Config, model: nn.Module, model_name: str, sample_shape: tuple[int, ...]) -> None:
