@@ -28,6 +28,7 @@ from scaletrain.errors import UserError
 
 from .documents import find_files, read_documents, tokenize_all, whole
 from .hf_tokenizer import load_tokenizer
+from .registry import Slice
 from .tokens import TokenWindows, is_prepared, open_prepared, split_stream
 
 PREFIXES = ("text:", "tokens:", "images:", "py:", "hf-disk:")
@@ -109,26 +110,6 @@ def _windows(tokens: np.ndarray, seq_len: int, vocab: int, f: float, what: str) 
     train, val = split_stream(tokens, f)
     return (TokenWindows(train, seq_len, vocab, f"{what} (train: first {1 - f:.0%})"),
             TokenWindows(val, seq_len, vocab, f"{what} (validation: last {f:.0%} = data.val_fraction)"))
-
-
-class Slice(Dataset):
-    """Samples ``start..stop-1`` of ``dataset``; its other attributes read through."""
-
-    def __init__(self, dataset: Dataset, start: int, stop: int) -> None:
-        self.dataset, self.start, self.stop = dataset, start, stop
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def __getitem__(self, index: int) -> Any:
-        if not 0 <= index < len(self):
-            raise IndexError(f"index {index} out of range for {len(self)} samples")
-        return self.dataset[self.start + index]
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__") or "dataset" not in self.__dict__:
-            raise AttributeError(attr)
-        return getattr(self.__dict__["dataset"], attr)
 
 
 class EveryKth(IterableDataset):
