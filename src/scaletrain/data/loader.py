@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterator, Sized
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from scaletrain.errors import UserError
 
@@ -164,8 +164,17 @@ def build_loader(
 
     ``start_sample`` is the global number of samples already consumed (``steps * global_batch``);
     the loader continues from there. ``loader.sampler`` is the :class:`ResumableDistributedSampler`
-    (``position``, ``epoch``, ``samples_per_epoch``, ``set_epoch``).
+    (``position``, ``epoch``, ``samples_per_epoch``, ``set_epoch``). An ``IterableDataset`` is sharded
+    and resumed by stream position instead (:mod:`.iterable`); a ``collate_fn`` attribute of the
+    dataset (set by the trainer from ``Trainer(collate_fn=...)``) batches the samples.
     """
+    collate = getattr(dataset, "collate_fn", None)  # the user's (Trainer(collate_fn=...)), else the default
+    if isinstance(dataset, IterableDataset):  # the user's stream: sharded and resumed by position
+        from .iterable import RankShard
+
+        shard = RankShard(dataset, rank, world_size, start_sample, infinite)
+        return DataLoader(shard, batch_size=batch_size, drop_last=drop_last, num_workers=num_workers,
+                          pin_memory=pin_memory, collate_fn=collate)
     sampler = ResumableDistributedSampler(
         dataset,  # type: ignore[arg-type]
         batch_size,
@@ -184,6 +193,7 @@ def build_loader(
         drop_last=drop_last,
         num_workers=num_workers,
         pin_memory=pin_memory,
+        collate_fn=collate,
         persistent_workers=False,
         # Its own generator: creating an iterator otherwise draws a worker seed from the global
         # RNG, which would shift dropout masks after a resume and break bitwise continuation.

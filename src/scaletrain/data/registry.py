@@ -86,26 +86,27 @@ def get_dataset(
     else:  # digits
         dataset = DigitsDataset(split, image_size=image_size, channels=channels)
     if num_samples is not None and num_samples < len(dataset):  # type: ignore[arg-type]
-        return Head(dataset, num_samples)
+        return Slice(dataset, 0, num_samples)
     return dataset
 
 
-class Head(Dataset):
-    """The first ``n`` samples of ``dataset``; other attributes (``kind``, ``vocab_size``,
-    ``num_classes``, ``seq_len``...) are read through from the wrapped dataset."""
+class Slice(Dataset):
+    """Samples ``start..stop-1`` of ``dataset`` (a ``data.num_samples`` cap, a ``data.val_fraction`` split);
+    other attributes (``kind``, ``vocab_size``, ``num_classes``, ``seq_len``...) read through."""
 
-    def __init__(self, dataset: Dataset, n: int) -> None:
-        self.dataset, self.n = dataset, n
+    def __init__(self, dataset: Dataset, start: int, stop: int) -> None:
+        self.dataset, self.start, self.stop = dataset, start, stop
 
     def __len__(self) -> int:
-        return self.n
+        return self.stop - self.start
 
     def __getitem__(self, index: int):  # noqa: ANN204 - same sample type as the wrapped set
+        n = self.stop - self.start
         if index < 0:
-            index += self.n
-        if not 0 <= index < self.n:
-            raise IndexError(f"index {index} out of range for {self.n} samples")
-        return self.dataset[index]
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"index {index} out of range for {n} samples")
+        return self.dataset[self.start + index]
 
     def __getattr__(self, attr: str):  # noqa: ANN204
         if attr.startswith("__") or "dataset" not in self.__dict__:

@@ -102,13 +102,7 @@ class TextDataset(Dataset):
         return self._len
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if index < 0:
-            index += self._len
-        if not 0 <= index < self._len:
-            raise IndexError(f"index {index} out of range for {self._len} windows")
-        start = index * self.stride
-        window = torch.from_numpy(self._data[start : start + self.seq_len + 1].astype(np.int64))
-        return window[:-1], window[1:]
+        return window_pair(self._data, index, self._len, self.stride, self.seq_len)
 
     @property
     def tokens_per_sample(self) -> int:
@@ -121,3 +115,14 @@ class TextDataset(Dataset):
             f"windows={self._len}, bytes={len(self._data)})"
         )
 
+
+def window_pair(tokens: np.ndarray, index: int, n: int, stride: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window ``index`` of ``n`` (negative counts from the end): ``x = t[s : s + seq_len]``, ``y`` = ``x``
+    shifted by one token, ``s = index * stride``; int64 [seq_len] each."""
+    if index < 0:
+        index += n
+    if not 0 <= index < n:
+        raise IndexError(f"index {index} out of range for {n} windows")
+    s = index * stride
+    window = torch.from_numpy(np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64))
+    return window[:-1], window[1:]

@@ -49,7 +49,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = opt("", "dataset: shakespeare, digits, synthetic-text, synthetic-images; empty = the model's default")
+    name: str = opt("", "dataset: shakespeare, digits, synthetic-text, synthetic-images, or your own: text:PATH (a "
+                        ".txt/.jsonl file, directory or glob), tokens:DIR (scaletrain data prepare), images:PATH "
+                        "(class folders), py:module:factory, hf-disk:PATH; empty = the model's default")
+    tokenizer: str = opt("", "a local Hugging Face tokenizer directory (tokenizer.json) for text data; its vocabulary "
+                             "sizes the model; empty = bytes (vocabulary 256)")
+    field: str = opt("text", "the JSON key (.jsonl) or column (hf-disk:) holding the text")
+    val_fraction: float = opt(0.1, "share of your data kept for validation when it has no train/val split of its "
+                                   "own", min=0.0, max=1.0)
     seq_len: int = opt(128, "tokens per sample for language models", "tokens", min=1)
     image_size: int = opt(0, "image side for vision models; 0 = the model's own", "pixels", min=0)
     num_samples: int = opt(0, "samples in a synthetic dataset; 0 = a default", "samples", min=0)
@@ -88,6 +95,8 @@ class TrainConfig:
     eval_every: int = opt(200, "validate every N steps (and at the end); 0 = only at the end", "steps", min=0)
     eval_batches: int = opt(8, "validation micro-batches per evaluation", "batches", min=1)
     log_every: int = opt(10, "write a metrics row every N steps", "steps", min=1)
+    loggers: str = opt("jsonl", "where metrics rows go, comma-separated: jsonl (metrics.jsonl, always), tensorboard "
+                                "(tb/ event files), csv (metrics.csv), wandb (offline, wandb/)")
     checkpoint_every: int = opt(0, "save a checkpoint every N steps; 0 = only at the end (and every "
                                    "train.checkpoint_every_s)", "steps", min=0)
     checkpoint_every_s: float = opt(300.0, "also save a checkpoint about every this many seconds of training (turned "

@@ -95,4 +95,27 @@ def export_hf(path: Path, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     d = export.export_safetensors(path, out / "model.safetensors", rename=rename)
     write_atomic(out / "config.json", json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
-    return {**d, "path": str(out), "model": name}
+    return {**d, "path": str(out), "model": name, "tokenizer": _copy_tokenizer(path, out)}
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _copy_tokenizer(path: Path, out: Path) -> str | None:
+    """The run's ``data.tokenizer`` files, copied beside the model so ``AutoTokenizer.from_pretrained(out)``
+    finds them; None when the run used bytes (or the directory is gone: the model is still written)."""
+    import shutil
+
+    text = export.saved_config(path)
+    try:
+        tok = str(tomllib.loads(text).get("data", {}).get("tokenizer", "")) if text else ""
+    except tomllib.TOMLDecodeError:
+        tok = ""
+    src = Path(tok).expanduser()
+    src = src.parent if src.is_file() else src
+    if not tok or not (src / "tokenizer.json").is_file():
+        return None
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return str(src)

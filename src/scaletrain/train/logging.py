@@ -1,4 +1,5 @@
-"""Run outputs a person and a program can read: metrics.jsonl rows and a terminal progress bar."""
+"""Run outputs a person and a program can read: metrics.jsonl rows (and the other ``train.loggers``) and a
+terminal progress bar."""
 
 from __future__ import annotations
 
@@ -10,14 +11,22 @@ from pathlib import Path
 from typing import IO, Any
 
 from scaletrain.train.safe_write import open_append
+from scaletrain.train.loggers import parse as parse_loggers
 
 
 class MetricsWriter:
     """Appends one JSON object per line to ``metrics.jsonl`` (flushed per row, so a crash loses nothing)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, loggers: str = "jsonl", start_step: int = 0):
+        """``loggers``: ``train.loggers``; the other sinks (:mod:`.loggers`) get the same rows."""
         self.path = path
         self._f: IO[str] | None = open_append(path) if path is not None else None  # never a symlink
+        self._sinks = None
+        names = parse_loggers(loggers)
+        if path is not None and names:
+            from scaletrain.train.loggers import Sinks
+
+            self._sinks = Sinks(path.parent, names, start_step)
 
     def write(self, row: dict[str, Any]) -> None:
         if self._f is None:
@@ -25,11 +34,16 @@ class MetricsWriter:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self._f.write(json.dumps(clean) + "\n")
         self._f.flush()
+        if self._sinks is not None:
+            self._sinks.write(row)
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+        if self._sinks is not None:
+            self._sinks.close()
+            self._sinks = None
 
 
 def _fmt_duration(seconds: float) -> str:

@@ -7,11 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from scaletrain import models as model_registry
 from scaletrain.data import get_dataset
-from scaletrain.errors import ConfigError, one_line
+from scaletrain.data import sources as user_sources
+from scaletrain.errors import ConfigError, UserError, one_line
 from scaletrain.models.adapters import Adapter
 from scaletrain.train.config import Config
 
@@ -35,12 +36,29 @@ class MappedDataset(Dataset):
         return getattr(self.base, name)
 
 
-def build_datasets(cfg: Config, adapter: Adapter, user_model: bool) -> tuple[str, Dataset, Dataset]:
+def build_datasets(cfg: Config, adapter: Adapter, user_model: bool, train_data: Any = None, eval_data: Any = None,
+                   collate_fn: Any = None) -> tuple[str, Dataset, Dataset]:
     """(dataset name, train split, validation split) for ``cfg`` and the model ``adapter`` drives.
 
+    ``train_data`` / ``eval_data`` (``Trainer(...)``): the user's Dataset, IterableDataset or list of
+    texts (name ``python``); without ``eval_data`` the last ``data.val_fraction`` of ``train_data`` validates.
     ``data.name`` empty: the named model's default; a model passed from Python trains on the
     shipped text (language models with a byte vocabulary) or the digits (classifiers).
     """
+    if train_data is not None and cfg.data.name:
+        raise ConfigError(f"both data.name={cfg.data.name!r} and Trainer(train_data=...) name the data; give one")
+    if train_data is not None or cfg.data.name.startswith(user_sources.PREFIXES):
+        name, train, val = _user_data(cfg, adapter, train_data, eval_data)
+        if collate_fn is not None:
+            for ds in (train, val):
+                ds.collate_fn = collate_fn  # build_loader batches with it
+        return name, train, val
+    if eval_data is not None or collate_fn is not None:
+        raise ConfigError("Trainer(eval_data=..., collate_fn=...) need train_data=... too")
+    if cfg.data.tokenizer:
+        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} tokenizes your own text; the shipped "
+                          f"data.name={cfg.data.name or 'default'!r} has its own tokens; allowed with it: data.name="
+                          f"text:PATH, tokens:DIR, hf-disk:PATH, py:module:factory, or Trainer(train_data=[texts])")
     if cfg.data.name:
         name = cfg.data.name
     elif user_model:
@@ -116,8 +134,10 @@ class DictPairs(Dataset):
 
 def as_pairs(dataset: Dataset, adapter: Adapter) -> Dataset:
     """``dataset`` as the (inputs, targets) pairs every runtime reads: pairs as they are, dict samples
-    through :class:`DictPairs`; anything else is one line naming what is allowed."""
-    if isinstance(dataset, (DictPairs, MappedDataset)) or not len(dataset):  # type: ignore[arg-type]
+    through :class:`DictPairs`; anything else is one line naming what is allowed. A stream
+    (``IterableDataset``) is passed as it is: its samples are checked as they come (the collate step)."""
+    if (isinstance(dataset, (DictPairs, MappedDataset, IterableDataset)) or getattr(dataset, "collate_fn", None)
+            or not len(dataset)):  # type: ignore[arg-type]  (the user's collate_fn makes the batches itself)
         return dataset
     try:
         first = dataset[0]
@@ -133,3 +153,69 @@ def as_pairs(dataset: Dataset, adapter: Adapter) -> Dataset:
     raise ConfigError(f"a training sample is a {what}; allowed: (inputs, targets) pairs, or dicts with input_ids "
                       f"(+ labels, attention_mask) for language models or input_ids/pixel_values + label(s) for "
                       f"classifiers")
+
+
+def _user_data(cfg: Config, adapter: Adapter, train_data: Any, eval_data: Any) -> tuple[str, Any, Any]:
+    """The user's data (:mod:`scaletrain.data.sources`), checked against the model's vocabulary / classes."""
+    d, lm = cfg.data, adapter.task == "lm"
+    seq = dict(seq_len=d.seq_len, tokenizer=d.tokenizer)
+    if train_data is None:
+        name = d.name
+        train, val = user_sources.user_datasets(name, **seq, field=d.field, val_fraction=d.val_fraction,
+                                                image_size=d.image_size or adapter.image_size or 32,
+                                                channels=adapter.channels or 3)
+    else:
+        name = "python"
+
+        def own(ds: Any, what: str) -> Any:
+            if isinstance(ds, (list, tuple)) and ds and isinstance(ds[0], str):
+                return user_sources.texts_dataset(list(ds), **seq, what=what)
+            return user_sources.check_dataset(ds, what)
+
+        train = own(train_data, "train_data")
+        if eval_data is None:
+            train, val = user_sources.split_fraction(train, d.val_fraction, "train_data")
+        else:
+            val = own(eval_data, "eval_data")
+    need = getattr(train, "vocab_size", None) if lm else getattr(train, "num_classes", None)
+    have = (adapter.vocab_size if lm else adapter.num_classes)
+    if need and have and need > have:
+        what = "vocabulary" if lm else "classes"
+        key = "vocab_size" if lm else "num_classes"
+        raise ConfigError(f"data.name={name!r} has {need} {what} but the model has {have}; allowed: a model with "
+                          f"model.overrides.{key} >= {need}" + (" (or a smaller data.tokenizer)" if lm else ""))
+    if lm and train_data is None and adapter.sample_transform is not None:
+        train, val = MappedDataset(train, adapter.sample_transform), MappedDataset(val, adapter.sample_transform)
+    return name, train, val
+
+
+def _accepts(model: str, key: str) -> bool:
+    """Whether model ``model`` (a reference name or an ``hf:`` family) takes the shape option ``key``."""
+    from scaletrain.models.external import HF_FAMILIES, is_external
+    from scaletrain.models.registry import resolve_args
+
+    if model.startswith("hf:"):
+        return model[3:] in HF_FAMILIES and key in HF_FAMILIES[model[3:]].defaults
+    if is_external(model):
+        return False
+    try:
+        resolve_args(model, **{key: 1})
+    except UserError:
+        return False
+    return True
+
+
+def user_overrides(cfg: Config) -> dict[str, Any]:
+    """``model.overrides`` with the vocabulary (text with a tokenizer, prepared tokens) or class count
+    (``images:``) of the user's data filled in where the model has that key and the user did not set it."""
+    name, model, over = cfg.data.name, cfg.model.name, dict(cfg.model.overrides)
+    if name.startswith("images:") and "num_classes" not in over and _accepts(model, "num_classes"):
+        from scaletrain.data.image_folder import image_splits
+
+        over["num_classes"] = len(image_splits(name.partition(":")[2], cfg.data.val_fraction)[0])
+    elif ((user_sources.is_user(name) or (cfg.data.tokenizer and not name)) and "vocab_size" not in over
+          and _accepts(model, "vocab_size")):
+        vocab = user_sources.text_vocab(name, cfg.data.tokenizer)
+        if vocab is not None:
+            over["vocab_size"] = vocab + (1 if model == "hf:bert" else 0)  # BERT: one mask id past the text's
+    return over

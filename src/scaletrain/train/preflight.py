@@ -27,8 +27,12 @@ def build_model(cfg: Config) -> nn.Module:
     """The reference model ``cfg.model.name`` with its overrides; a shape the builder rejects in any
     way (a zero head count, a negative width...) is one line naming ``model.overrides``."""
     model_record.check_buildable(cfg.model.name)  # a model that was passed from Python: say how to resume
+    from scaletrain.train.model_data import user_overrides
+
+    overrides = user_overrides(cfg)
+    cfg.model.overrides.update(overrides)  # recorded in config.toml and checkpoints: export and resume rebuild it
     try:
-        return model_registry.get(cfg.model.name, **cfg.model.overrides)
+        return model_registry.get(cfg.model.name, **overrides)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - any builder failure here is caused by the overrides
@@ -73,24 +77,29 @@ def _walk(obj: Any, dotted: str) -> Any:
 def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, data_name: str,
                      dataset: Any = None) -> None:
     """The dataset's kind fits the model's task; a language model's positions hold ``data.seq_len``;
-    an image classifier takes the dataset's image size."""
+    an image classifier takes the dataset's image size; ``train.loggers`` names known, installed sinks."""
+    from scaletrain.train.loggers import parse as parse_loggers
+
+    parse_loggers(cfg.train.loggers)
     want = _KIND_OF_TASK.get(task)
     info = DATASETS.get(data_name)
     if want is None:
         raise ConfigError(f"model {model_name!r} (task {task!r}) cannot be trained by `scaletrain train`; allowed "
                           f"tasks: language models (text data) and image classifiers (image data)")
-    if info is not None and info.kind != want:
+    kind = info.kind if info is not None else getattr(dataset, "kind", None)
+    if kind is not None and kind != want:
         allowed = ", ".join(n for n, d in DATASETS.items() if d.kind == want)
         what = "a language model" if task == "lm" else "an image classifier"
-        raise ConfigError(f"data.name={data_name!r} holds {'images' if info.kind == 'image' else info.kind} but model {model_name!r} is {what}; allowed "
+        raise ConfigError(f"data.name={data_name!r} holds {'images' if kind == 'image' else kind} but model {model_name!r} is {what}; allowed "
                           f"data.name for it: {allowed}")
     check_params_dtype(cfg, model, task, model_name)
     n_pos = getattr(getattr(model, "config", None), "n_positions", None)
     if task == "lm" and isinstance(n_pos, int) and cfg.data.seq_len > n_pos:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the {n_pos} positions of model {model_name!r}; "
                           f"allowed: 1..{n_pos} (or raise model.overrides.n_positions)")
-    if task != "lm" and dataset is not None and len(dataset) and model_name == cfg.model.name:  # ours: meta-safe
-        check_image_fits(cfg, model, model_name, tuple(dataset[0][0].shape))
+    plain = dataset is not None and hasattr(dataset, "__len__") and getattr(dataset, "collate_fn", None) is None
+    if task != "lm" and plain and len(dataset) and model_name == cfg.model.name:  # ours: meta-safe
+        check_image_fits(cfg, model, model_name, tuple(dataset[0][0].shape))  # (x, y) samples, default batching
 
 
 def check_image_fits(cfg: Config, model: nn.Module, model_name: str, sample_shape: tuple[int, ...]) -> None:

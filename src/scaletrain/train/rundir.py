@@ -118,8 +118,11 @@ class RunDir:
     """
 
     def __init__(self, path: Path | None, start_step: int, config_text: str,
-                 log: Callable[[str], None] = lambda s: None, unloadable: list[Path] | None = None):
+                 log: Callable[[str], None] = lambda s: None, unloadable: list[Path] | None = None,
+                 loggers: str = "jsonl"):
         self.path, self.start_step, self.config_text, self.log = path, start_step, config_text, log
+        self.loggers = loggers
+        """``train.loggers``: the sinks beside metrics.jsonl (:mod:`.loggers`)."""
         self.unloadable = list(unloadable or [])
         """Checkpoints the resume skipped: renamed ``*.corrupt`` on open, out of rotation's reach."""
         self._metrics: MetricsWriter | None = None
@@ -148,7 +151,7 @@ class RunDir:
             if bad.exists():
                 os.replace(bad, bad.with_name(bad.name + ".corrupt"))
                 self.log(f"set aside unloadable checkpoint {str(bad)!r} as {bad.name}.corrupt")
-        self._metrics = MetricsWriter(self.path / "metrics.jsonl")
+        self._metrics = MetricsWriter(self.path / "metrics.jsonl", self.loggers, self.start_step)
         for row in self._pending:
             self._metrics.write(row)
         self._pending.clear()

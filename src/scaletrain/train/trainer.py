@@ -47,6 +47,7 @@ from scaletrain.techniques.stack import build_runtime
 from scaletrain.models.adapters import adapt
 from scaletrain.train import checkpoint_io, elastic, faults, handback, interrupt, model_record, preflight
 from scaletrain.train import resume as resuming, rundir
+from scaletrain.train.callbacks import Hooks
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
@@ -98,11 +99,17 @@ class Trainer:
 
     def __init__(self, cfg: Config, out_dir: Path | str | None = None, *, model: nn.Module | None = None,
                  resume: bool = False, log: Callable[[str], None] | None = None, reset_optimizer: bool = False,
-                 runtime: Callable[..., Any] | None = None):
+                 runtime: Callable[..., Any] | None = None, train_data: Any = None, eval_data: Any = None,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, callbacks: list[Any] | None = None,
+                 eval_fn: Callable[..., dict[str, float]] | None = None):
         """``runtime``: builds the runtime instead of the plan's stack, called like
         :func:`~scaletrain.techniques.stack.build_runtime` (``scaletrain sweep`` passes its spilled
-        shards); everything else — data, loop, metrics, checkpoints — is this trainer's."""
+        shards); everything else — data, loop, metrics, checkpoints — is this trainer's.
+        ``train_data`` / ``eval_data`` / ``collate_fn``: your own data instead of ``data.name``
+        (:func:`~scaletrain.train.model_data.build_datasets`). ``callbacks`` / ``eval_fn``: your code at
+        each step, evaluation and checkpoint (:mod:`.callbacks`)."""
         self.cfg = cfg
+        self._user_data, self._user_hooks = (train_data, eval_data, collate_fn), (callbacks, eval_fn)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.resume, self.reset_optimizer = resume or elastic.resume_round(self.out_dir), reset_optimizer
         self._build_runtime = runtime or build_runtime
@@ -124,6 +131,7 @@ class Trainer:
 
     def _setup(self, cfg: Config, model: nn.Module | None, log: Callable[[str], None] | None) -> None:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.hooks = Hooks(*self._user_hooks, self.rank)
         say = log or (lambda s: print(s, flush=True))
         self.log = say if self.rank == 0 else (lambda s: None)
         preflight.check_unused(cfg)  # a value set for a feature that is off is one line, not ignored
@@ -205,7 +213,8 @@ class Trainer:
         self.ctx.forward_backward = fn
 
     def _build_data(self) -> None:
-        self.data_name, self.train_set, self.val_set = build_datasets(self.cfg, self.adapter, self._snapshot is not None)
+        self.data_name, self.train_set, self.val_set = build_datasets(self.cfg, self.adapter, self._snapshot is not None,
+                                                                      *self._user_data)
         self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 1)
 
     def _make_train_loader(self, start_sample: int):
@@ -366,11 +375,13 @@ class Trainer:
         par = self.parallel
         loader = build_loader(as_pairs(self.val_set, self.adapter), self.micro_batch, shuffle=False, seed=0,
                               rank=par.data_rank, world_size=par.data_world, drop_last=True)
-        total, correct, count = 0.0, 0, 0
+        total, correct, count, batches = 0.0, 0, 0, []
         for i, (x, y) in enumerate(loader):  # eval_batches global batches: the same samples under every layout
             if i >= self.cfg.train.eval_batches * self.accum:
                 break
-            loss_sum, right, n = par.eval_batch(self.ctx, x.to(self.device), y.to(self.device))
+            x, y = x.to(self.device), y.to(self.device)
+            batches += [(x, y)] if self.hooks.eval_fn is not None else []
+            loss_sum, right, n = par.eval_batch(self.ctx, x, y)
             total, correct, count = total + loss_sum, correct + right, count + n
         self.model.train(was_training)
         total, correct, count = self.parallel.sum([total, correct, count])  # over ranks' shards
@@ -380,6 +391,9 @@ class Trainer:
             metrics["val_ppl"] = math.exp(min(val_loss, 50.0))
         else:
             metrics["val_acc"] = correct / max(count, 1)
+        self.model.eval()
+        metrics.update(self.hooks.user_metrics(self.forward_module, batches, self.step, par.mean))
+        self.model.train(was_training)
         return metrics
 
     # ------------------------------------------------------------------ the loop
@@ -442,7 +456,8 @@ class Trainer:
             path, skipped, *t_load = resuming.restore(self, self.reset_optimizer)
             self.log(f"resumed from {path} at step {self.step}")
         # the run directory is created after the first good step (config.toml, metrics trimmed to self.step)
-        metrics = rundir.RunDir(self.out_dir if self.rank == 0 else None, self.step, to_toml(cfg), self.log, skipped)
+        metrics = rundir.RunDir(self.out_dir if self.rank == 0 else None, self.step, to_toml(cfg), self.log, skipped,
+                                loggers=cfg.train.loggers)
         if metrics.restart is not None:
             metrics.restart.note_reload(t_load[0], t_load[1], self.step)
         show = cfg.train.progress == "on" or (cfg.train.progress == "auto" and sys.stderr.isatty())
@@ -508,17 +523,22 @@ class Trainer:
                             row["model_state_bytes"] = sum(self.model_state_bytes.values())
                     metrics.write(row)
                     window_t, window_items = now, 0
+                self.hooks.call("on_step_end", self, self.step, {"loss": step_loss, "grad_norm": grad_norm,
+                                                                 "lr": self.scheduler.get_last_lr()[0]})
                 last = self.step == cfg.train.steps
                 if last or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0):
                     val = self.evaluate()
                     metrics.write({"step": self.step, **val})
                     bar.close() if show else None
                     self.log(self._val_line(val))
+                    self.hooks.call("on_eval", self, self.step, val)
                     bar = ProgressBar(cfg.train.steps, self.step, unit, enabled=show and self.rank == 0)
                 periodic, stop = guard.periodic(self.step, dt), guard.stop()  # the same on every rank
                 every = cfg.train.checkpoint_every
                 if last or stop or periodic or (every and self.step % every == 0):
-                    self.save_checkpoint()
+                    saved = self.save_checkpoint()
+                    if saved is not None:
+                        self.hooks.call("on_checkpoint", self, self.step, saved)
                 if stop and not last:
                     raise guard.interrupted(self.step, self.out_dir)
         finally:
