@@ -36,7 +36,7 @@ from scaletrain.platform import Platform
 from scaletrain.techniques import compat
 from scaletrain.techniques.data_parallel import cost as zero_cost
 
-FIX_KEYS = {"dp": int, "tp": int, "pp": int, "zero": int, "micro_batch": int, "virtual": int,
+FIX_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "cp": int, "zero": int, "micro_batch": int, "virtual": int,
             "schedule": str, "remat": str, "sp": bool, "offload": str}
 """What ``--fix KEY=VALUE`` may pin, and the type of its value."""
 REMATS = ("none", "selective", "full")
@@ -117,6 +117,12 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     price a system that keeps 16-bit parameters with fp32 masters, as DeepSpeed does)."""
     t0 = time.perf_counter()
     fx = dict(fixed or {})
+    if fx.get("cp", 1) != 1:
+        raise UserError(f"--fix cp={fx['cp']}: the planner does not search context parallelism yet (run it with "
+                        f"parallel.cp={fx['cp']} and plan=manual; `scaletrain estimate` prices it)")
+    if fx.get("ep", 1) != 1:
+        raise UserError(f"--fix ep={fx['ep']}: a dense decoder shape has no experts to shard (ep is searched for "
+                        f"mixture-of-experts models such as gpt2-moe)")
     opts = options or Options()
     world = nodes * gpus_per_node
     plat = plat.with_(devices_per_node=gpus_per_node)
