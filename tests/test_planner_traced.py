@@ -58,3 +58,8 @@ def test_plan_auto_picks_a_plan_for_a_non_decoder_and_it_runs(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["predicted_step_time_s"] > 0 and summary["predicted_peak_bytes"] > 0
     assert 'plan = "manual"' in (out / "config.toml").read_text()
+
+
+def test_micro_batches_are_not_capped():
+    got = scaletrain.plan("gpt2-tiny", devices=1, global_batch=256, seq=64, fix={"micro_batch": 128})
+    assert got and all(g["plan"]["micro_batch"] == 128 for g in got)

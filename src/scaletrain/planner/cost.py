@@ -47,6 +47,7 @@ reserve (CUDA context, NCCL buffers, allocator fragmentation).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
 from scaletrain.cost import collective_seconds, exposed_seconds, roofline_seconds
 from scaletrain.techniques.data_parallel import cost as zero_cost
+from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
 from scaletrain.techniques.optim.registry import optimizer_step_bytes  # noqa: F401  (priced here, defined there)
 
 def optim_state_bytes(name: str, hidden: int) -> float:
@@ -200,10 +202,6 @@ def tp_wire_bytes(shape: Shape, t: int, b: int, s: int, sp: bool, elem: int) -> 
     (embedding, loss, SP's replicated-gradient all-reduce), from the TP cost face the runtime is tested
     against (:func:`~scaletrain.techniques.tensor_parallel.cost.tp_comm_bytes_per_step`: with SP the
     backward re-gathers the inputs it needs, 1.5x the forward's bytes)."""
-    from types import SimpleNamespace
-
-    from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
-
     def cfg(l: int) -> SimpleNamespace:
         return SimpleNamespace(n_embd=shape.hidden, n_layer=l, n_positions=shape.position_rows)
 

@@ -5,7 +5,7 @@ Pruning, cheapest first, each rejected region kept with its reason:
 
 1. **divisibility** — tp divides the GPUs of a node (TP stays on NVLink) and the heads and vocabulary
    (the compatibility table's rule), pp divides the layers, dp·tp·pp = world, dp divides the global
-   batch and dp·b divides it too (micro-batch b);
+   batch and dp·b divides it too (micro-batch b: every divisor, no fixed cap);
 2. **memory lower bound** — a (tp, pp) pair whose model states alone, sharded as far as any ZeRO
    stage the runtime allows there, exceed the device is dropped before any time is priced;
 3. **the compatibility table** (:mod:`scaletrain.techniques.compat`) — what the runtime refuses;
@@ -44,7 +44,6 @@ SCHEDULES = ("1f1b", "interleaved", "gpipe")
 OFFLOADS = ("none", "optimizer")
 """none, or optimizer: ZeRO-Offload (fp32 masters, gradients and Adam states on the host, the update on
 the CPU); searched only when nothing fits without it, or when pinned with ``--fix offload=optimizer``."""
-MAX_MICRO_BATCH = 64
 
 
 @dataclass
@@ -179,7 +178,7 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     def _scan_region(tp: int, pp: int, dp: int, region: str, zeros: list[int], offload: str) -> None:
         per_rank = global_batch // dp
         for b in _divisors(per_rank):
-            if b > MAX_MICRO_BATCH or ("micro_batch" in fx and b != fx["micro_batch"]):
+            if "micro_batch" in fx and b != fx["micro_batch"]:
                 continue
             m = per_rank // b
             scheds: list[tuple[str, int]] = [("1f1b", 1)]
