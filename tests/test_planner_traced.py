@@ -63,3 +63,8 @@ def test_plan_auto_picks_a_plan_for_a_non_decoder_and_it_runs(tmp_path, capsys):
 def test_micro_batches_are_not_capped():
     got = scaletrain.plan("gpt2-tiny", devices=1, global_batch=256, seq=64, fix={"micro_batch": 128})
     assert got and all(g["plan"]["micro_batch"] == 128 for g in got)
+
+
+def test_no_plan_fits_names_the_rule_that_removed_a_pinned_pipeline():
+    with pytest.raises(UserError, match=r"no plan fits: .*pp=4 does not divide the 10 layers"):
+        scaletrain.plan("gpt2-small", devices=8, global_batch=8, seq=512, overrides={"n_layer": 10}, fix={"pp": 4})

@@ -145,6 +145,11 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                 reject(f"tp={tp}", "divisibility", f"tp must divide n_head={shape.heads}, the key/value heads "
                        f"({shape.kv_heads or shape.heads}) and vocab_size={shape.vocab}")
                 continue
+            for pp in _divisors(world // tp):
+                if ("pp" in fx and pp != fx["pp"]) or not shape.layers % pp:
+                    continue
+                reject(f"tp={tp} pp={pp}", "divisibility", f"pp={pp} does not divide the {shape.layers} layers: the "
+                       f"analytic planner gives every stage l/pp layers (uneven splits are not searched yet)")
             for pp in _divisors(shape.layers):
                 if "pp" in fx and pp != fx["pp"]:
                     continue
