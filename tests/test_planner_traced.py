@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from torch import nn
 
 import scaletrain
 from scaletrain.cli import main
@@ -68,3 +70,22 @@ def test_micro_batches_are_not_capped():
 def test_no_plan_fits_names_the_rule_that_removed_a_pinned_pipeline():
     with pytest.raises(UserError, match=r"no plan fits: .*pp=4 does not divide the 10 layers"):
         scaletrain.plan("gpt2-small", devices=8, global_batch=8, seq=512, overrides={"n_layer": 10}, fix={"pp": 4})
+
+
+class _Net(nn.Sequential):
+    """A model object handed to scaletrain.plan: 64 features in, 10 classes out."""
+
+    task = "classify"
+
+    def input_spec(self, batch: int, seq: int | None = None) -> torch.Tensor:
+        return torch.empty(batch, 64, device="meta")
+
+
+def test_a_model_object_is_planned_and_one_without_an_input_is_one_line():
+    got = scaletrain.plan(_Net(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)), devices=2, global_batch=8,
+                          fix={"zero": 0, "pp": 1})
+    assert got and {g["plan"]["dp"] for g in got} == {2}
+    bare = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    with pytest.raises(UserError, match="input_spec") as e:
+        scaletrain.plan(bare, devices=2, global_batch=8, fix={"zero": 0, "pp": 1})
+    assert "\n" not in str(e.value)
