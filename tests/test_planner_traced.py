@@ -21,11 +21,11 @@ def test_python_and_cli_rank_the_same_plans_for_a_non_decoder(capsys):
     """hf:bert is planned (not refused as 'not a decoder shape'); scaletrain.plan(...) returns the CLI's
     --json list; tensor parallelism is pruned by the compatibility table with the rule named."""
     got = scaletrain.plan("hf:bert", platform="a100-80g", devices=2, global_batch=4, seq=32, overrides=BERT_OVER,
-                          fix={"zero": 0})
+                          fix={"zero": 0, "pp": 1})
     assert got and all(g["fits"] and g["step_time_s"] > 0 and g["peak_bytes"] > 0 for g in got)
     assert [g["step_time_s"] for g in got] == sorted(g["step_time_s"] for g in got)
     assert main(["plan", "--model", "hf:bert", *BERT, "--gpus-per-node", "2", "--global-batch", "4", "--seq", "32",
-                 "--fix", "zero=0", "--top", "100", "--json", "--json-rejected"]) == 0
+                 "--fix", "zero=0", "--fix", "pp=1", "--top", "100", "--json", "--json-rejected"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["describe"] for r in out["ranked"]] == [g["describe"] for g in got]
     assert [r["step_time_s"] for r in out["ranked"]] == pytest.approx([g["step_time_s"] for g in got])

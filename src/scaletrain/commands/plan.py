@@ -278,14 +278,15 @@ def _explain(n: int, r, shape) -> None:
     """Plan ``n`` in full: one micro-batch per block, the step by phase, the heaviest rank's peak."""
     c, p = r.cost, r.cost.plan
     print(f"plan {n} in full: {p.describe()}, micro-batch {p.micro_batch}")
-    print(f"  one micro-batch on one rank ({shape.layers // p.pp} {'layers' if shape.layers != getattr(shape, 'blocks', 0) else 'blocks'} per pipeline rank):")
+    if c.blocks_s:  # the analytic planner's per-layer figures (a traced model's are in `scaletrain estimate`)
+        print(f"  one micro-batch on one rank ({shape.layers // p.pp} layers per pipeline rank):")
     for k, v in c.blocks_s.items():
-        print(f"    {k:22s} {v * 1e3:10.2f} ms")
+        print(f"    {k:22s} {_ms(v):>10s} ms")
     print("  the step by phase:")
     for k, v in c.phases_s.items():
-        print(f"    {k:22s} {v * 1e3:10.1f} ms")
-    print(f"    {'step':22s} {c.step_time_s * 1e3:10.1f} ms")
-    print(f"  the heaviest rank ({c.heaviest_rank} stage) at its peak:")
+        print(f"    {k:22s} {_ms(v):>10s} ms")
+    print(f"    {'step':22s} {_ms(c.step_time_s):>10s} ms")
+    print(f"  the heaviest rank ({c.heaviest_rank}{' stage' if c.heaviest_rank in ('first', 'last') else ''}) at its peak:")
     for k, v in c.peak_bytes.items():
-        print(f"    {k:22s} {v / 2**30:10.2f} GiB")
+        print(f"    {k:22s} {_gib(v):>10s}" + ("" if _gib(v).endswith("MiB") else " GiB"))
     print(f"    {'device':22s} {c.device_bytes / 2**30:10.2f} GiB (2 GiB of it reserved)")

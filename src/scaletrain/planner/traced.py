@@ -194,7 +194,7 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                     continue
                 if fx.get("virtual", v) != v and not (v == 1 and fx.get("virtual") in (0, 1)):
                     continue
-                for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
+                for zero in ((0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1)):  # ZeRO shards over dp
                     if fx.get("zero", zero) != zero:
                         continue
                     for sp in ((False, True) if tp > 1 else (False,)):
