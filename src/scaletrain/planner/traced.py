@@ -241,7 +241,8 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
         if not any(r.plan.tp == tp and r.plan.pp == pp and r.plan.ep == ep for r in ranked):
             over = c.peak_bytes["total"] + opts.reserve_bytes - c.device_bytes
             reject(f"tp={tp} pp={pp} dp={dp}" + (f" ep={ep}" if ep > 1 else ""), "memory",
-                   f"every plan is out of memory; the smallest by {over / 2**30:.2f} GiB ({c.plan.describe()}, "
+                   f"every plan is out of memory; the smallest by "
+                   f"{f'{over / 2**30:.2f} GiB' if over >= 2**28 else f'{over / 2**20:.2f} MiB'} ({c.plan.describe()}, "
                    f"micro-batch {c.plan.micro_batch})")
     return SearchResult(ranked=ranked, out_of_memory=list(oom.values()), rejected=_merge(rejected),
                         evaluated=count[0], seconds=time.perf_counter() - t0, world=world,
