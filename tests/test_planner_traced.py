@@ -89,3 +89,11 @@ def test_a_model_object_is_planned_and_one_without_an_input_is_one_line():
     with pytest.raises(UserError, match="input_spec") as e:
         scaletrain.plan(bare, devices=2, global_batch=8, fix={"zero": 0, "pp": 1})
     assert "\n" not in str(e.value)
+
+
+def test_zero_bubble_is_searched_for_traced_models_and_refused_on_paper():
+    got = scaletrain.plan("hf:gpt2", devices=2, global_batch=4, seq=32, overrides={"n_layer": 2, "n_embd": 32,
+                          "n_head": 2}, fix={"pp": 2, "schedule": "zb1p", "micro_batch": 1})
+    assert got and all(g["plan"]["schedule"] == "zb1p" for g in got)
+    with pytest.raises(UserError, match="analytic planner prices"):
+        scaletrain.plan("gpt2-tiny", devices=2, global_batch=4, fix={"schedule": "zb1p"})

@@ -41,6 +41,9 @@ FIX_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "cp": int, "zero": int, 
 """What ``--fix KEY=VALUE`` may pin, and the type of its value."""
 REMATS = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
+TRACED_SCHEDULES = ("zb1p", "chimera")
+"""Synchronous schedules only the traced planner prices (the pipeline simulator runs them); the analytic
+planner's closed forms are 1F1B's, GPipe's and the interleaved schedule's."""
 OFFLOADS = ("none", "optimizer")
 """none, or optimizer: ZeRO-Offload (fp32 masters, gradients and Adam states on the host, the update on
 the CPU); searched only when nothing fits without it, or when pinned with ``--fix offload=optimizer``."""
@@ -81,7 +84,7 @@ def parse_fixed(items: list[str]) -> dict[str, Any]:
             if out[k] < (0 if k == "zero" else 1):
                 raise UserError(f"--fix {k}={v}: must be >= {0 if k == 'zero' else 1}")
         else:
-            allowed = {"remat": REMATS, "schedule": SCHEDULES, "offload": OFFLOADS}[k]
+            allowed = {"remat": REMATS, "schedule": SCHEDULES + TRACED_SCHEDULES, "offload": OFFLOADS}[k]
             if v not in allowed:
                 raise UserError(f"--fix {k}={v}: allowed: {', '.join(allowed)}")
             out[k] = v
@@ -119,6 +122,9 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     if fx.get("cp", 1) != 1:
         raise UserError(f"--fix cp={fx['cp']}: the planner does not search context parallelism yet (run it with "
                         f"parallel.cp={fx['cp']} and plan=manual; `scaletrain estimate` prices it)")
+    if fx.get("schedule") in TRACED_SCHEDULES:
+        raise UserError(f"--fix schedule={fx['schedule']}: the analytic planner prices {', '.join(SCHEDULES)} only; "
+                        f"`scaletrain estimate --plan` prices {fx['schedule']} for a decoder by its trace")
     if fx.get("ep", 1) != 1:
         raise UserError(f"--fix ep={fx['ep']}: a dense decoder shape has no experts to shard (ep is searched for "
                         f"mixture-of-experts models such as gpt2-moe)")

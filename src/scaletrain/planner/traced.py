@@ -11,8 +11,9 @@ roofline, α–β collectives and the pipeline simulator of :mod:`scaletrain.tec
 The space: tp (divisors of a node's devices) × pp (divisors of the world, at most one stage per
 block; the runtime's cost-balanced split) × ep (MoE models: divisors of dp and of the experts) ×
 dp × ZeRO 0–3 (0–1 with a pipeline) × remat none / selective (attention models) / full ×
-sequence parallelism × schedule (1F1B, interleaved; GPipe — 1F1B's time with more micro-batches alive —
-when pinned) × micro-batch. Recomputation only adds time, so a heavier remat is priced only where the
+sequence parallelism × schedule (1F1B, interleaved, ZB-1P; GPipe — 1F1B's time with more micro-batches
+alive — and Chimera — two copies of the weights — when pinned; each priced by the pipeline simulator) ×
+micro-batch. Recomputation only adds time, so a heavier remat is priced only where the
 lighter one does not fit. What the model cannot
 run is pruned by the compatibility table (:mod:`scaletrain.techniques.compat`) with the rule's name;
 a plan the cost model cannot price is rejected with the reason it gave. Units: seconds, bytes.
@@ -187,8 +188,9 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                 continue
             m = per_rank // b
             scheds: list[tuple[str, int]] = [("1f1b", 1)]
-            if pp > 1:  # GPipe: 1F1B's time with more micro-batches alive, so only when pinned
-                scheds += [("interleaved", 2)] + ([("gpipe", 1)] if fx.get("schedule") == "gpipe" else [])
+            if pp > 1:  # GPipe: 1F1B's time with more micro-batches alive; Chimera: two pipelines' weights
+                scheds += [("interleaved", 2), ("zb1p", 1)] + [(k, 1) for k in ("gpipe", "chimera")
+                                                                if fx.get("schedule") == k]
             for sched, v in scheds:
                 if (pp == 1 and "schedule" in fx) or fx.get("schedule", sched) != sched:
                     continue
@@ -218,9 +220,11 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
             return False
         try:
             c = price(target, plan, plat, global_batch=global_batch, seq=seq, device=device, options=opts)
-        except UserError as e:
-            reject(where.replace("  ", " "), "unpriced", f"the cost model cannot price it: {e}",
-                   key=f"{region} {str(e)[:60]}")
+        except Exception as e:  # noqa: BLE001 - a plan the cost model cannot price is a named rejected region
+            why = str(e).splitlines()[0] if str(e) else ""
+            why = why if isinstance(e, UserError) else f"{type(e).__name__}: {why}"
+            reject(where.replace("  ", " "), "unpriced", f"the cost model cannot price {plan.describe()}: {why}",
+                   key=f"{region} {plan.schedule} {why[:60]}")
             return False
         count[0] += 1
         if c.fits:
