@@ -44,7 +44,7 @@ def test_moe_plans_search_expert_parallelism():
 
 
 def test_what_cannot_be_priced_is_one_line(capsys):
-    for argv in (["--fix", "cp=2"], ["--timeline", "t.png"], ["--fix", "tp=2"]):
+    for argv in (["--fix", "cp=2"], ["--timeline", "t.png"], ["--fix", "attention=flash"], ["--fix", "tp=2"]):
         assert main(["plan", "--model", "mlp", "--gpus-per-node", "2", "--global-batch", "4", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1, err
@@ -97,3 +97,9 @@ def test_zero_bubble_is_searched_for_traced_models_and_refused_on_paper():
     assert got and all(g["plan"]["schedule"] == "zb1p" for g in got)
     with pytest.raises(UserError, match="analytic planner prices"):
         scaletrain.plan("gpt2-tiny", devices=2, global_batch=4, fix={"schedule": "zb1p"})
+
+
+def test_params_dtype_and_attention_are_pinnable_on_paper():
+    got = scaletrain.plan("gpt2-tiny", devices=2, global_batch=8, seq=64,
+                          fix={"params_dtype": "bf16", "attention": "materialized"})
+    assert got and all(g["plan"]["params_dtype"] == "bf16" for g in got)

@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: the model's n_positions)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
-                   help="pin a dimension: dp, tp, pp, ep, zero, micro_batch, schedule, virtual, remat, sp, offload "
+                   help="pin a dimension: dp, tp, pp, ep, zero, micro_batch, schedule, virtual, remat, sp, params_dtype, attention, offload "
                         "(none|optimizer) (repeatable)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute precision")
     p.add_argument("--optimizer", default="adamw", help="optimizer (default adamw)")

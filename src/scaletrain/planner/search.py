@@ -23,6 +23,7 @@ recompute does not combine with it (compat rule offload-remat).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ from scaletrain.techniques import compat
 from scaletrain.techniques.data_parallel import cost as zero_cost
 
 FIX_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "cp": int, "zero": int, "micro_batch": int, "virtual": int,
-            "schedule": str, "remat": str, "sp": bool, "offload": str}
+            "schedule": str, "remat": str, "sp": bool, "offload": str, "params_dtype": str, "attention": str}
 """What ``--fix KEY=VALUE`` may pin, and the type of its value."""
 REMATS = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
@@ -84,7 +85,8 @@ def parse_fixed(items: list[str]) -> dict[str, Any]:
             if out[k] < (0 if k == "zero" else 1):
                 raise UserError(f"--fix {k}={v}: must be >= {0 if k == 'zero' else 1}")
         else:
-            allowed = {"remat": REMATS, "schedule": SCHEDULES + TRACED_SCHEDULES, "offload": OFFLOADS}[k]
+            allowed = {"remat": REMATS, "schedule": SCHEDULES + TRACED_SCHEDULES, "offload": OFFLOADS,
+                       "params_dtype": ("fp32", "bf16", "fp16"), "attention": ("flash", "materialized")}[k]
             if v not in allowed:
                 raise UserError(f"--fix {k}={v}: allowed: {', '.join(allowed)}")
             out[k] = v
@@ -129,6 +131,10 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
         raise UserError(f"--fix ep={fx['ep']}: a dense decoder shape has no experts to shard (ep is searched for "
                         f"mixture-of-experts models such as gpt2-moe)")
     opts = options or Options()
+    # pinned, not searched: the stored parameters' type and how attention is priced (flash or materialized)
+    params_dtype = fx.pop("params_dtype", params_dtype)
+    if "attention" in fx:
+        opts = dataclasses.replace(opts, attention=fx.pop("attention"))
     world = nodes * gpus_per_node
     plat = plat.with_(devices_per_node=gpus_per_node)
     k = optim_state_bytes(optimizer, shape.hidden)

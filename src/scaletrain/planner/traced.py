@@ -167,9 +167,12 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
     if "offload" in fx and fx["offload"] != "none":
         raise UserError(f"--fix offload={fx['offload']}: the traced planner does not search offloading yet; "
                         f"searched: dp, tp, pp, ep, zero, remat, sp, schedule, virtual, micro_batch")
-    for k in ("cp",):
-        if k in fx and fx[k] != 1:
-            raise UserError(f"--fix {k}={fx[k]}: the planner does not search context parallelism yet")
+    if fx.get("cp", 1) != 1:
+        raise UserError(f"--fix cp={fx['cp']}: the planner does not search context parallelism yet")
+    if "attention" in fx:
+        raise UserError(f"--fix attention={fx['attention']}: a traced model is priced with the attention kernels it "
+                        f"runs; attention= applies to decoder shapes priced on paper")
+    params_dtype = fx.pop("params_dtype", params_dtype)
 
     def reject(region: str, kind: str, reason: str, key: str = "") -> None:
         rejected.append({"region": region, "kind": kind, "reason": reason, "key": key or reason})
