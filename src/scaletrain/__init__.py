@@ -8,6 +8,7 @@ The stable public surface (the internal layout may move behind it)::
     from scaletrain import Trainer, Config, Plan, load_config, adapt, to_chain
     from scaletrain.optim import AdamW8bit, Adafactor, CAME, LAMB, LARS, CPUAdam
     from scaletrain import remat, offload, estimate
+    scaletrain.plan("vgg-mini", platform="a100-80g", devices=8, global_batch=64)  # ranked plans, best first
 
 Names are imported on first use, so ``import scaletrain`` stays cheap.
 """
@@ -25,12 +26,12 @@ _LAZY = {
     "ConfigError": "scaletrain.errors",
 }
 
-__all__ = [*_LAZY, "estimate", "models", "offload", "optim", "remat"]
+__all__ = [*_LAZY, "estimate", "models", "offload", "optim", "plan", "remat"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
-    if name in ("estimate", "models", "offload", "optim", "remat"):
+    if name in ("estimate", "models", "offload", "optim", "plan", "remat"):  # plan: a module, callable
         return import_module(f"scaletrain.{name}")
     raise AttributeError(f"module 'scaletrain' has no attribute {name!r}")

@@ -8,13 +8,18 @@ import json
 from pathlib import Path
 
 from scaletrain.errors import UserError
+from scaletrain.planner.api import entry  # noqa: F401 - the JSON of one ranked plan (--json)
+from scaletrain.planner.shape import analytic
 
 NAME = "plan"
-HELP = "choose the fastest plan that fits a GPT-style model on a platform (analytic, nothing run)"
-DESCRIPTION = """Search data / tensor (+ sequence) / pipeline parallelism, schedule and virtual stages,
-micro-batch, ZeRO stage and rematerialization (none / selective / full) for a GPT-2-style model on
---nodes x --gpus-per-node devices of a --platform, price every runnable plan analytically
-(scaletrain.planner.cost: step time by phase, per-rank peak by category) and rank those that fit.
+HELP = "choose the fastest plan that fits any model on a platform (priced on paper, nothing run)"
+DESCRIPTION = """Search data / tensor (+ sequence) / pipeline / expert parallelism, schedule and virtual stages,
+micro-batch, ZeRO stage and rematerialization (none / selective / full) for a model on --nodes x
+--gpus-per-node devices of a --platform, price every runnable plan (step time by phase, per-rank peak by
+category) and rank those that fit. Decoder shapes (gpt2-*, hf:llama, hf:mistral, llama3.1-8b) are priced
+analytically (scaletrain.planner.cost), so any size is free; every other model the runtime trains
+(vgg-mini, resnet-mini, mlp, gpt2-moe, hf:gpt2, hf:bert, py:module:factory) is built on the meta device
+and priced by its fake-tensor trace, the cost model of `scaletrain estimate` (scaletrain.planner.traced).
 
 Budgeted training: --tokens or --samples states the run, so each plan gets its training time and, with a
 price per device-hour (platform field price_per_device_hour, or --price NAME=USD), its cost = devices x
@@ -32,8 +37,8 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a gpt2-* reference model, llama3.1-8b, or hf:llama / hf:mistral with --set (the shape priced; "
-                        "see `scaletrain models`)")
+    p.add_argument("--model", required=True, help="any model `scaletrain train` takes: a reference model, llama3.1-8b, "
+                        "hf:gpt2|llama|mistral|bert with --set, or py:module:factory (see `scaletrain models`)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="model config override, e.g. --set n_layer=96 (repeatable)")
     p.add_argument("--platform", action="append", default=None,
@@ -44,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: the model's n_positions)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
-                   help="pin a dimension: dp, tp, pp, zero, micro_batch, schedule, virtual, remat, sp, offload "
+                   help="pin a dimension: dp, tp, pp, ep, zero, micro_batch, schedule, virtual, remat, sp, params_dtype, attention, offload "
                         "(none|optimizer) (repeatable)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute precision")
     p.add_argument("--optimizer", default="adamw", help="optimizer (default adamw)")
@@ -148,54 +153,24 @@ def _platforms(args: argparse.Namespace, nodes: list[int]) -> list:
     return plats
 
 
-def entry(r, best=None, objective: str = "time") -> dict:
-    """One ranked plan (a :class:`~scaletrain.planner.budget.Rental`) as JSON: the issue's schema, plus
-    phases and bubble, and where it runs and what the stated run costs (null when unknown)."""
-    from scaletrain.planner.budget import why_lost
-
-    c = r.cost
-    # "plan" is the Plan's own JSON (flat fields, remat and offload as objects): `scaletrain train --plan`
-    # reads this entry back; "summary" says the same in a few words (remat none / selective / full ...)
-    d = {"plan": c.plan.to_dict(), "summary": c.to_dict()["plan"], "describe": c.plan.describe(), "fits": c.fits,
-         "step_time_s": c.step_time_s, "tokens_per_s": c.tokens_per_s,
-         "tflops_per_device": c.tflops_per_device, "mfu": c.mfu, "peak_bytes": c.peak_bytes["total"],
-         "peak_bytes_by_category": c.peak_bytes, "device_bytes": c.device_bytes, "heaviest_rank": c.heaviest_rank,
-         "bubble_fraction": c.bubble_fraction, "exposed_comm_s": c.exposed_comm_s, "phases_s": c.phases_s,
-         "blocks_s": c.blocks_s, "platform": r.platform.name, "nodes": r.nodes, "devices": r.devices,
-         "price_per_device_hour": r.platform.price_per_device_hour or None, "train_steps": r.steps or None,
-         "train_time_s": r.train_time_s, "train_cost": r.train_cost}
-    if best is not None and best is not r:
-        d["why_not_first"] = why_lost(best, r, objective)
-    return d
-
-
 def run(args: argparse.Namespace) -> int:
-    from scaletrain.measure import optimizers
     from scaletrain.measure.report import parse_overrides
-    from scaletrain.planner import Shape
     from scaletrain.planner import budget as bud
-    from scaletrain.planner.search import parse_fixed
+    from scaletrain.planner.api import rank
 
     _check(args)
-    shape = Shape.of(args.model, **parse_overrides(args.set))
     nodes = bud.parse_nodes(args.nodes)
     plats = _platforms(args, nodes)
-    fixed = parse_fixed(args.fix)
-    seq = args.seq or shape.positions
-    if seq > shape.positions:
-        raise UserError(f"--seq {seq} exceeds the model's n_positions={shape.positions}; add --set n_positions={seq}")
-    optimizers.check(args.optimizer)
     workload = bud.Workload(tokens=bud.parse_count("--tokens", args.tokens) if args.tokens else 0.0,
                             samples=bud.parse_count("--samples", args.samples) if args.samples else 0.0)
     deadline = bud.parse_duration(args.deadline) if args.deadline else None
-    res = bud.plan_rentals(shape, plats, nodes, gpus_per_node=args.gpus_per_node, global_batch=args.global_batch,
-                           seq=seq, workload=workload, objective=args.objective, deadline_s=deadline,
-                           max_cost=args.max_cost, fixed=fixed, precision=args.precision, optimizer=args.optimizer)
-    where = (f"{'/'.join(map(str, nodes))} x {args.gpus_per_node} {'/'.join(p.name for p in plats)}")
-    if not res.ranked:
-        what = "no plan fits" if all(not r.ranked for _, _, r in res.searches) else "no plan meets the constraints"
-        raise UserError(f"{what}: {args.model} on {where} with global batch {args.global_batch}: "
-                        + "; ".join(f"{r['region']}: {r['reason']}" for r in res.rejected[:3]))
+    if args.timeline and not analytic(args.model):
+        raise UserError(f"--timeline draws the analytic planner's step of a decoder shape; {args.model} is priced by "
+                        f"its trace: see `scaletrain estimate --model {args.model} --platform ...` for its phases")
+    shape, seq, res = rank(args.model, parse_overrides(args.set), plats, nodes, gpus_per_node=args.gpus_per_node,
+                           global_batch=args.global_batch, seq=args.seq, fix=args.fix, precision=args.precision,
+                           optimizer=args.optimizer, workload=workload, objective=args.objective,
+                           deadline_s=deadline, max_cost=args.max_cost)
     best = res.ranked[0]
     if args.explain > len(res.ranked):
         raise UserError(f"--explain {args.explain}: only {len(res.ranked)} plans fit")
@@ -226,8 +201,23 @@ def run(args: argparse.Namespace) -> int:
     if args.out:  # the plan file holds how to train; what to train stays on the command line
         sets = "".join(f" model.overrides.{kv}" for kv in args.set)
         print(f"wrote {args.out}; run it with: scaletrain train --nproc-per-node {best.gpus_per_node} --plan {args.out} "
-              f"model.name={args.model}{sets} train.global_batch={args.global_batch} data.seq_len={seq}")
+              f"model.name={args.model}{sets} train.global_batch={args.global_batch}" + (f" data.seq_len={seq}" if seq else ""))
     return 0
+
+
+def _n(n: float) -> str:
+    """A parameter count: billions (as before), or millions / thousands for small models."""
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else (f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}K")
+
+
+def _ms(s: float) -> str:
+    """Seconds as milliseconds: whole ones from 10 ms, three significant figures below."""
+    return f"{s * 1e3:.0f}" if s >= 0.01 else f"{s * 1e3:.3g}"
+
+
+def _gib(b: float) -> str:
+    """Bytes as GiB with one decimal, or as MiB below 0.1 GiB (small models)."""
+    return f"{b / 2**30:.1f}" if b >= 0.1 * 2**30 or b == 0 else f"{b / 2**20:.1f} MiB"
 
 
 def _print(args, shape, seq, plats, nodes, workload, res, top) -> None:
@@ -237,14 +227,14 @@ def _print(args, shape, seq, plats, nodes, workload, res, top) -> None:
     several = len(res.searches) > 1
     best = res.ranked[0]
     if several:
-        print(f"{args.model} ({shape.params() / 1e9:.2f}B parameters) on {', '.join(p.name for p in plats)} x "
-              f"{', '.join(map(str, nodes))} node(s) of {args.gpus_per_node}, global batch {args.global_batch} x "
-              f"{seq} tokens: {len(res.ranked)} plans kept of {res.evaluated} priced in {res.seconds:.1f} s")
+        print(f"{args.model} ({_n(shape.params())} parameters) on {', '.join(p.name for p in plats)} x "
+              f"{', '.join(map(str, nodes))} node(s) of {args.gpus_per_node}, global batch {args.global_batch}"
+              f"{f' x {seq} tokens' if seq else ' samples'}: {len(res.ranked)} plans kept of {res.evaluated} priced in {res.seconds:.1f} s")
     else:
         plat = plats[0]
-        print(f"{args.model} ({shape.params() / 1e9:.2f}B parameters) on {nodes[0]} x {args.gpus_per_node} "
-              f"{plat.name} ({plat.device_memory_bytes / 2**30:.0f} GiB each), global batch {args.global_batch} x "
-              f"{seq} tokens: {len(res.ranked)} plans fit of {res.evaluated} priced in {res.seconds:.1f} s")
+        print(f"{args.model} ({_n(shape.params())} parameters) on {nodes[0]} x {args.gpus_per_node} "
+              f"{plat.name} ({plat.device_memory_bytes / 2**30:.0f} GiB each), global batch {args.global_batch}"
+              f"{f' x {seq} tokens' if seq else ' samples'}: {len(res.ranked)} plans fit of {res.evaluated} priced in {res.seconds:.1f} s")
     if workload.stated:
         print(f"training run: {workload.describe()} = {best.steps:,} steps; ranked by "
               + ("the run's cost" if args.objective == "cost" else "predicted step time"))
@@ -253,10 +243,12 @@ def _print(args, shape, seq, plats, nodes, workload, res, top) -> None:
         print(f"{i}. {(r.where + ': ') if several else ''}{p.describe()}, micro-batch {p.micro_batch}"
               + (f" x {p.microbatches} per step" if p.pp > 1 else f" x {args.global_batch // (p.dp * p.micro_batch)} "
                  f"accumulated"))
-        print(f"   step {c.step_time_s * 1e3:.0f} ms, {c.tokens_per_s:,.0f} tokens/s, {c.tflops_per_device:.0f} TFLOP/s "
-              f"per device, MFU {c.mfu:.1%}, bubble {c.bubble_fraction:.1%}, exposed comm {c.exposed_comm_s * 1e3:.0f} ms")
-        print(f"   peak {pk['total'] / 2**30:.1f} of {c.device_bytes / 2**30:.0f} GiB ({c.heaviest_rank} stage): "
-              + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in pk.items() if k != "total" and v))
+        print(f"   step {_ms(c.step_time_s)} ms, {c.tokens_per_s:,.0f} {'tokens' if seq else 'samples'}/s, "
+              f"{c.tflops_per_device:.0f} TFLOP/s per device, MFU {c.mfu:.1%}, bubble {c.bubble_fraction:.1%}, "
+              f"exposed comm {_ms(c.exposed_comm_s)} ms")
+        print(f"   peak {_gib(pk['total'])} of {c.device_bytes / 2**30:.0f} GiB ({c.heaviest_rank}"
+              f"{' stage' if c.heaviest_rank in ('first', 'last') else ''}): "
+              + ", ".join(f"{k} {_gib(v)}" for k, v in pk.items() if k != "total" and v))
         if r.steps:
             print(f"   run: {bud.fmt_duration(r.train_time_s)} on {r.where}, "
                   + (f"{bud.fmt_usd(r.train_cost)} at {bud.fmt_usd(r.platform.price_per_device_hour)} per device-hour"
@@ -286,14 +278,15 @@ def _explain(n: int, r, shape) -> None:
     """Plan ``n`` in full: one micro-batch per block, the step by phase, the heaviest rank's peak."""
     c, p = r.cost, r.cost.plan
     print(f"plan {n} in full: {p.describe()}, micro-batch {p.micro_batch}")
-    print(f"  one micro-batch on one rank ({shape.layers // p.pp} layers per pipeline rank):")
+    if c.blocks_s:  # the analytic planner's per-layer figures (a traced model's are in `scaletrain estimate`)
+        print(f"  one micro-batch on one rank ({shape.layers // p.pp} layers per pipeline rank):")
     for k, v in c.blocks_s.items():
-        print(f"    {k:22s} {v * 1e3:10.2f} ms")
+        print(f"    {k:22s} {_ms(v):>10s} ms")
     print("  the step by phase:")
     for k, v in c.phases_s.items():
-        print(f"    {k:22s} {v * 1e3:10.1f} ms")
-    print(f"    {'step':22s} {c.step_time_s * 1e3:10.1f} ms")
-    print(f"  the heaviest rank ({c.heaviest_rank} stage) at its peak:")
+        print(f"    {k:22s} {_ms(v):>10s} ms")
+    print(f"    {'step':22s} {_ms(c.step_time_s):>10s} ms")
+    print(f"  the heaviest rank ({c.heaviest_rank}{' stage' if c.heaviest_rank in ('first', 'last') else ''}) at its peak:")
     for k, v in c.peak_bytes.items():
-        print(f"    {k:22s} {v / 2**30:10.2f} GiB")
+        print(f"    {k:22s} {_gib(v):>10s}" + ("" if _gib(v).endswith("MiB") else " GiB"))
     print(f"    {'device':22s} {c.device_bytes / 2**30:10.2f} GiB (2 GiB of it reserved)")

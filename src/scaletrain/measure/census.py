@@ -105,7 +105,19 @@ def census(chain: Any, example_input: torch.Tensor, target: torch.Tensor, loss_f
            precision: str = "fp32") -> list[BlockOps]:
     """The operators of every block of ``chain`` (a :class:`~scaletrain.chain.Chain` or a module
     :func:`~scaletrain.chain.to_chain` cuts) on one micro-batch, then of the loss (last entry).
-    Inputs may be real, meta or fake: only shapes and dtypes are read; nothing is allocated."""
+    Inputs may be real, meta or fake: only shapes and dtypes are read; nothing is allocated. Inside
+    :func:`scaletrain.measure.estimate.trace_cache` an equal call is traced once."""
+    from scaletrain.measure import estimate as est
+
+    if est._CACHE is not None:
+        key = ("census", est.chain_key(chain), est.spec_key(example_input), est.spec_key(target), id(loss_fn),
+               precision)
+        return est.cached(key, lambda: _census(chain, example_input, target, loss_fn, precision))
+    return _census(chain, example_input, target, loss_fn, precision)
+
+
+def _census(chain: Any, example_input: torch.Tensor, target: torch.Tensor, loss_fn: Callable,
+            precision: str) -> list[BlockOps]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from scaletrain.chain import to_chain

@@ -25,7 +25,8 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -94,6 +95,43 @@ def _times(profile: Profile, flops_per_s: float) -> None:
         b.bwd_time_s = b.flops_bwd / flops_per_s
 
 
+_CACHE: dict[tuple, Any] | None = None
+"""Traces kept while :func:`trace_cache` is active (None: every call traces)."""
+
+
+@contextmanager
+def trace_cache() -> Iterator[None]:
+    """Within it, :func:`estimate_chain` and :func:`~scaletrain.measure.census.census` trace one model on
+    one input shape once and hand out copies: the planner prices hundreds of plans of one model, and a
+    trace (seconds) depends only on the blocks, the shapes, the precision and the loss, never on the plan."""
+    global _CACHE
+    outer = _CACHE
+    _CACHE = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _CACHE = outer
+
+
+def cached(key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()`` once per ``key`` inside :func:`trace_cache` (a deep copy each time), else every time."""
+    if _CACHE is None:
+        return make()
+    if key not in _CACHE:
+        _CACHE[key] = make()
+    return copy.deepcopy(_CACHE[key])
+
+
+def chain_key(chain: Any) -> tuple:
+    """Identity of a model's blocks across :func:`to_chain` calls: its parameters' and blocks' ids."""
+    ch = to_chain(chain)
+    return (tuple(ch.names), tuple(id(p) for p in ch.parameters()), id(getattr(ch, "source", None)))
+
+
+def spec_key(t: Any) -> tuple | None:
+    return None if t is None else (tuple(t.shape), str(t.dtype))
+
+
 def estimate_chain(chain: Chain | nn.Module, example_input: torch.Tensor, *, target: torch.Tensor | None = None,
                    loss_fn: Callable | None = None, precision: str = "fp32", accum: int = 1,
                    flops_per_s: float | None = None, device: str = "cpu", name: str = "",
@@ -103,7 +141,23 @@ def estimate_chain(chain: Chain | nn.Module, example_input: torch.Tensor, *, tar
     ``example_input`` may be real, meta or fake: only its shape and dtype are used. ``target``
     (shape/dtype likewise) and ``loss_fn`` define the loss, profiled into ``meta["loss"]``;
     by default the model's task gives both (see :func:`scaletrain.measure.step.make_batch`).
+    Inside :func:`trace_cache` an equal call is traced once.
     """
+    if _CACHE is not None:
+        key = ("estimate", chain_key(chain), spec_key(example_input), spec_key(target), id(loss_fn), precision,
+               accum, flops_per_s, device, name, params_dtype, repr(platform), _return_traces)
+        return cached(key, lambda: _estimate_chain(
+            chain, example_input, target=target, loss_fn=loss_fn, precision=precision, accum=accum,
+            flops_per_s=flops_per_s, device=device, name=name, params_dtype=params_dtype, platform=platform,
+            _return_traces=_return_traces))
+    return _estimate_chain(chain, example_input, target=target, loss_fn=loss_fn, precision=precision, accum=accum,
+                           flops_per_s=flops_per_s, device=device, name=name, params_dtype=params_dtype,
+                           platform=platform, _return_traces=_return_traces)
+
+
+def _estimate_chain(chain: Chain | nn.Module, example_input: torch.Tensor, *, target: torch.Tensor | None,
+                    loss_fn: Callable | None, precision: str, accum: int, flops_per_s: float | None, device: str,
+                    name: str, params_dtype: str, platform: Any, _return_traces: bool):
     check_precision(precision)
     plat = _platform(platform)
     if plat is not None:

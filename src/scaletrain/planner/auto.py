@@ -11,7 +11,8 @@ What happens, in order (every rank calls :func:`choose` at the same point of the
    ``parallel.microbatches``) is not planned: one line, exit 2 (:func:`check`).
 2. **This machine** (:func:`scaletrain.planner.local.measure`): every rank measures matmul, copy and
    all-reduce rates at once, so the figures are what one of N processes sharing the cores gets.
-3. **Search** on rank 0 (:func:`scaletrain.planner.search.search`, one node of N devices): only plans
+3. **Search** on rank 0 (one node of N devices; a decoder shape by :func:`scaletrain.planner.search.search`,
+   any other model by its trace, :func:`scaletrain.planner.traced.search`): only plans
    whose mathematics equals one process's (synchronous schedules, no compression, the precision and
    optimizer given) are candidates; the first in predicted step time that the compatibility table
    accepts for the real model on this device is chosen. Its per-rank peak and traffic come from
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.plan import PLAN_KEYS, Plan
 
-PINNABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "sp": "sp", "schedule": "schedule",
+PINNABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "zero": "zero", "sp": "sp", "schedule": "schedule",
             "virtual": "virtual", "micro_batch": "micro_batch"}
 """Plan field -> ``search`` fix key, for the plan keys ``plan=auto`` chooses and a user may pin."""
 KEPT = {"precision", "optimizer", "bucket_mb", "fsdp_group", "balance", "compression_rank", "topk_ratio",
@@ -180,22 +181,24 @@ def _plan_on_rank0(cfg: Any, world: int, fixed: dict[str, Any], plat: Any, devic
     from scaletrain import models
     from scaletrain.planner.cost import Options
     from scaletrain.planner.search import search
-    from scaletrain.planner.shape import Shape
+    from scaletrain.planner.shape import analytic, target
+    from scaletrain.planner.traced import search as traced_search
     from scaletrain.techniques import compat
     from scaletrain.techniques.plan_cost import heaviest, plan_costs
 
     t0 = time.perf_counter()
     name, over = cfg.model.name, dict(cfg.model.overrides)
     try:
-        shape = Shape.of(name, **over)
+        shape = target(name, **over)
     except UserError as e:
         raise ConfigError(f"plan=auto: {e}") from None
     seq, gb = cfg.data.seq_len, cfg.train.global_batch
     user = Plan.from_config(cfg)
     opts = Options(reserve_bytes=0.5 * 2**30)  # CPU: the interpreter and torch, no CUDA context
-    res = search(shape, plat, nodes=1, gpus_per_node=world, global_batch=gb, seq=seq, fixed=fixed,
-                 precision=cfg.train.precision, optimizer=cfg.optim.name, options=opts, device=device.type)
-    model = models.get(name, device="meta", **over)
+    find = search if analytic(name) else traced_search  # decoder shapes on paper, any other model by its trace
+    res = find(shape, plat, nodes=1, gpus_per_node=world, global_batch=gb, seq=seq, fixed=fixed,
+               precision=cfg.train.precision, optimizer=cfg.optim.name, options=opts, device=device.type)
+    model = shape.model if not analytic(name) else models.get(name, device="meta", **over)
     for i, c in enumerate(res.ranked):
         plan = c.plan.with_(bucket_mb=user.bucket_mb, fsdp_group=user.fsdp_group, balance=user.balance)
         m = plan.microbatches if plan.pp > 1 else gb // (plan.dp * plan.micro_batch)

@@ -31,6 +31,7 @@ from scaletrain.errors import UserError
 from scaletrain.planner.cost import Options, PlanCost
 from scaletrain.planner.search import SearchResult, search, why_lost as step_why_lost
 from scaletrain.planner.shape import Shape
+from scaletrain.planner.traced import search as traced_search
 from scaletrain.platform import Platform
 
 OBJECTIVES = ("time", "cost")
@@ -203,7 +204,8 @@ def plan_rentals(shape: Shape, platforms: list[Platform], nodes: list[int], *, g
     over: dict[tuple[str, int], list[Rental]] = {}
     for plat in platforms:
         for n in nodes:
-            res = search(shape, plat, nodes=n, gpus_per_node=gpus_per_node, global_batch=global_batch, seq=seq,
+            find = search if isinstance(shape, Shape) else traced_search
+            res = find(shape, plat, nodes=n, gpus_per_node=gpus_per_node, global_batch=global_batch, seq=seq,
                          fixed=fixed, precision=precision, optimizer=optimizer, options=options)
             searches.append((plat, n, res))
             where = f"{n * gpus_per_node} x {plat.name}"

@@ -47,6 +47,7 @@ reserve (CUDA context, NCCL buffers, allocator fragmentation).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,7 +56,9 @@ from scaletrain.plan import Plan
 from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
+from scaletrain.cost import collective_seconds, exposed_seconds, roofline_seconds
 from scaletrain.techniques.data_parallel import cost as zero_cost
+from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
 from scaletrain.techniques.optim.registry import optimizer_step_bytes  # noqa: F401  (priced here, defined there)
 
 def optim_state_bytes(name: str, hidden: int) -> float:
@@ -143,28 +146,12 @@ def offload_kind(plan: Plan) -> str:
     return "other"
 
 
-def allreduce_time(nbytes: float, n: int, bytes_per_s: float, latency_s: float) -> float:
-    """Ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n−1)/n·S/B + 2(n−1)α (REFERENCES, α–β)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / bytes_per_s + 2 * (n - 1) * latency_s
-
-
 def _mm(plat: Platform, precision: str, m: float, n: float, k: float, batch: float = 1.0) -> float:
-    """Seconds of a (batched) [m, k] x [k, n] matmul: a roofline, the larger of its FLOPs at the
-    achieved fraction for its size and its bytes (both operands read, the output written) at HBM's."""
+    """Seconds of a (batched) [m, k] x [k, n] matmul on the one roofline (:func:`scaletrain.cost.roofline_seconds`):
+    2mnk FLOPs, both operands read and the output written."""
     e = 4 if precision == "fp32" else 2
-    flops = 2 * m * n * k * batch
-    fraction = plat.matmul_fraction(flops)
-    if e == 2 and plat.unaligned_matmul_fraction and any(float(d) % 8 for d in (m, n, k)):
-        fraction = min(fraction, plat.unaligned_matmul_fraction)  # alignment-1 kernels (Platform docstring)
-    compute = flops / (plat.flops(precision) * fraction) + plat.kernel_overhead_s
-    return max(compute, _mb(plat, e * (m * k + k * n + m * n) * batch))
-
-
-def _mb(plat: Platform, nbytes: float) -> float:
-    """Seconds of one memory-bound kernel moving ``nbytes`` (:meth:`Platform.memory_bound_seconds`)."""
-    return plat.memory_bound_seconds(nbytes)
+    return roofline_seconds(plat, 2 * m * n * k * batch, e * (m * k + k * n + m * n) * batch, precision=precision,
+                            unaligned=any(float(d) % 8 for d in (m, n, k)))
 
 
 def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: bool, precision: str,
@@ -193,16 +180,16 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
         elementwise[2:3] = [2 * s * b * f * e / t, 3 * s * b * f * e / t]
     if shape.rotary:  # rotary on q and k: read and write each
         elementwise.append(2 * s * b * (h + shape.kv_width) * e / t)
-    ew = sum(_mb(plat, x) for x in elementwise)
+    ew = sum(plat.memory_bound_seconds(x) for x in elementwise)
     if opts.attention == "materialized":
         n2 = b * a * s * s / t
-        attn += _mb(plat, 2 * e * n2) + (_mb(plat, (2 * e + 1) * n2) if drop else 0.0)
+        attn += plat.memory_bound_seconds(2 * e * n2) + (plat.memory_bound_seconds((2 * e + 1) * n2) if drop else 0.0)
     fwd = fwd_mm + attn + ew
     tp = tp_wire_bytes(shape, t, b, s, sp, e)
     bw, alpha = plat.intra_node_bytes_per_s * plat.intra_node_efficiency, plat.intra_node_latency_s
     # latency: per layer 4 ring collectives' worth of (t-1) steps each way, 6 backward with SP's regathers
-    tp_fwd = tp["fwd"] / bw + 4 * (t - 1) * alpha if t > 1 else 0.0
-    tp_bwd = tp["bwd"] / bw + (6 if sp else 4) * (t - 1) * alpha if t > 1 else 0.0
+    tp_fwd = collective_seconds(tp["fwd"], 4 * (t - 1), bw, alpha) if t > 1 else 0.0
+    tp_bwd = collective_seconds(tp["bwd"], (6 if sp else 4) * (t - 1), bw, alpha) if t > 1 else 0.0
     # torchtitan's op-level selective recompute redoes every other matmul (the 2nd, 4th, ...) and every
     # memory-bound kernel of the layer; the attention and the other matmuls' outputs are kept
     op_recompute = sum(mms[1::2]) + ew
@@ -215,10 +202,6 @@ def tp_wire_bytes(shape: Shape, t: int, b: int, s: int, sp: bool, elem: int) -> 
     (embedding, loss, SP's replicated-gradient all-reduce), from the TP cost face the runtime is tested
     against (:func:`~scaletrain.techniques.tensor_parallel.cost.tp_comm_bytes_per_step`: with SP the
     backward re-gathers the inputs it needs, 1.5x the forward's bytes)."""
-    from types import SimpleNamespace
-
-    from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
-
     def cfg(l: int) -> SimpleNamespace:
         return SimpleNamespace(n_embd=shape.hidden, n_layer=l, n_positions=shape.position_rows)
 
@@ -252,12 +235,12 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     # the 16-bit copy of each weight made by every forward (read 4, write 2; recomputed forwards too)
     forwards = 2 if remat == "full" else 1
     casts = 6 * forwards if plan.precision != "fp32" and plan.params_dtype == "fp32" else 0
-    weight_traffic = _mb(plat, (12 + casts) * shape.layer_params() / tp)
+    weight_traffic = plat.memory_bound_seconds((12 + casts) * shape.layer_params() / tp)
     layer += weight_traffic
     # the logits (tied head, vocabulary-parallel) and the loss in fp32 on the last stage
     sbV = seq * b * shape.vocab / tp
-    head = 3 * _mm(plat, plan.precision, seq * b, shape.vocab / tp, shape.hidden) + 2 * _mb(plat, sbV * (e + 8))
-    embed = 3 * _mb(plat, seq * b * shape.hidden * e * 2) + lt["tp_stage"]
+    head = 3 * _mm(plat, plan.precision, seq * b, shape.vocab / tp, shape.hidden) + 2 * plat.memory_bound_seconds(sbV * (e + 8))
+    embed = 3 * plat.memory_bound_seconds(seq * b * shape.hidden * e * 2) + lt["tp_stage"]
     first_mb, last_mb = L * layer + embed, L * layer + head
     if pp == 1:
         t_mb = L * layer + embed + head
@@ -270,7 +253,7 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
         inter = tp * dp >= plat.devices_per_node
         bw = (plat.inter_node_bytes_per_s * plat.inter_node_efficiency if inter
               else plat.intra_node_bytes_per_s * plat.intra_node_efficiency)
-        p2p_msg = (plat.inter_node_latency_s if inter else plat.intra_node_latency_s) + nbytes / bw
+        p2p_msg = collective_seconds(nbytes, 1, bw, plat.inter_node_latency_s if inter else plat.intra_node_latency_s)
     per_mb = t_mb + 2 * v * p2p_msg
     slots = m + (pp - 1) / v if pp > 1 else m
     pipeline = slots * per_mb
@@ -284,20 +267,18 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     if pp == 1 and plan.zero != 1:
         window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: m * L * (lt["fwd"] + lt["bwd"])}[plan.zero]
         last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4, bucket_bytes=plan.bucket_mb * 1e6)[0]
-        hidden = min(dp_time, window)
         # an overlapped collective still slows the compute it hides behind: NCCL's kernels take SMs and
         # HBM bandwidth — Calculon's "processor_usage": 0.15 of the device while NVLink traffic runs, 0.02
         # while InfiniBand's does (calculon-ai/calculon systems/a100_80e.json)
         share = dp_intra / dp_time if dp_time else 0.0
-        contention = hidden * (0.15 * share + 0.02 * (1 - share))
-        dp_exposed = max(0.0, dp_time - window) + min(last_bucket, dp_time) + contention
+        dp_exposed = exposed_seconds(dp_time, window, min(last_bucket, dp_time), 0.15 * share + 0.02 * (1 - share))
     else:
         dp_exposed = dp_time
     k = optim_state_bytes(plan.optimizer, shape.hidden)
     opt_params = n_rank / (dp if plan.zero >= 1 else 1)
     offloaded = offload_kind(plan) == "optimizer"
     # the update's bytes per (sharded) parameter (optimizer_step_bytes) — on the device unless offloaded
-    optimizer = 0.0 if offloaded else _mb(plat, opt_params * optimizer_step_bytes(plan.optimizer, k))
+    optimizer = 0.0 if offloaded else plat.memory_bound_seconds(opt_params * optimizer_step_bytes(plan.optimizer, k))
     host = offload_time(shape, plan, plat, n_rank=n_rank, opt_params=opt_params, m=m, tp=tp,
                         backward_s=L * lt["bwd"], compute_s=pipeline) if offloaded else {"s": 0.0, "host_bytes": 0.0}
     step = pipeline + dp_exposed + optimizer + host["s"]
@@ -343,13 +324,13 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     nodes = dp // k
     bi, bo = plat.intra_node_bytes_per_s * plat.intra_node_efficiency, plat.inter_node_bytes_per_s * plat.inter_node_efficiency
     scale = received / (2 * (dp - 1) / dp * S)
-    intra = allreduce_time(S, k, bi, 0.0) * scale
-    inter = allreduce_time(S / k, nodes, bo, 0.0) * scale
     buckets = max(1, math.ceil(S / bucket_bytes))
     # (reduce-scatters + all-gathers) issued per step; an all-reduce is one of each
     halves = {0: 2 * buckets, 1: 2 * buckets, 2: (m + 1) * buckets, 3: 3 * m * blocks}[zero]
-    intra += halves * (k - 1) * plat.intra_node_latency_s
-    inter += halves * (nodes - 1) * plat.inter_node_latency_s
+    # ring bytes of the all-reduce-equivalent inside the node (k ranks) and across (dp/k), scaled to ZeRO's
+    intra = collective_seconds(2 * (k - 1) / k * S * scale, halves * (k - 1), bi, plat.intra_node_latency_s)
+    inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, halves * (nodes - 1), bo,
+                               plat.inter_node_latency_s) if nodes > 1 else 0.0
     return intra + inter, intra
 
 

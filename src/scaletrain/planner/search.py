@@ -5,7 +5,7 @@ Pruning, cheapest first, each rejected region kept with its reason:
 
 1. **divisibility** — tp divides the GPUs of a node (TP stays on NVLink) and the heads and vocabulary
    (the compatibility table's rule), pp divides the layers, dp·tp·pp = world, dp divides the global
-   batch and dp·b divides it too (micro-batch b);
+   batch and dp·b divides it too (micro-batch b: every divisor, no fixed cap);
 2. **memory lower bound** — a (tp, pp) pair whose model states alone, sharded as far as any ZeRO
    stage the runtime allows there, exceed the device is dropped before any time is priced;
 3. **the compatibility table** (:mod:`scaletrain.techniques.compat`) — what the runtime refuses;
@@ -23,6 +23,7 @@ recompute does not combine with it (compat rule offload-remat).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,15 +37,17 @@ from scaletrain.platform import Platform
 from scaletrain.techniques import compat
 from scaletrain.techniques.data_parallel import cost as zero_cost
 
-FIX_KEYS = {"dp": int, "tp": int, "pp": int, "zero": int, "micro_batch": int, "virtual": int,
-            "schedule": str, "remat": str, "sp": bool, "offload": str}
+FIX_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "cp": int, "zero": int, "micro_batch": int, "virtual": int,
+            "schedule": str, "remat": str, "sp": bool, "offload": str, "params_dtype": str, "attention": str}
 """What ``--fix KEY=VALUE`` may pin, and the type of its value."""
 REMATS = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
+TRACED_SCHEDULES = ("zb1p", "chimera")
+"""Synchronous schedules only the traced planner prices (the pipeline simulator runs them); the analytic
+planner's closed forms are 1F1B's, GPipe's and the interleaved schedule's."""
 OFFLOADS = ("none", "optimizer")
 """none, or optimizer: ZeRO-Offload (fp32 masters, gradients and Adam states on the host, the update on
 the CPU); searched only when nothing fits without it, or when pinned with ``--fix offload=optimizer``."""
-MAX_MICRO_BATCH = 64
 
 
 @dataclass
@@ -82,7 +85,8 @@ def parse_fixed(items: list[str]) -> dict[str, Any]:
             if out[k] < (0 if k == "zero" else 1):
                 raise UserError(f"--fix {k}={v}: must be >= {0 if k == 'zero' else 1}")
         else:
-            allowed = {"remat": REMATS, "schedule": SCHEDULES, "offload": OFFLOADS}[k]
+            allowed = {"remat": REMATS, "schedule": SCHEDULES + TRACED_SCHEDULES, "offload": OFFLOADS,
+                       "params_dtype": ("fp32", "bf16", "fp16"), "attention": ("flash", "materialized")}[k]
             if v not in allowed:
                 raise UserError(f"--fix {k}={v}: allowed: {', '.join(allowed)}")
             out[k] = v
@@ -117,7 +121,20 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     price a system that keeps 16-bit parameters with fp32 masters, as DeepSpeed does)."""
     t0 = time.perf_counter()
     fx = dict(fixed or {})
+    if fx.get("cp", 1) != 1:
+        raise UserError(f"--fix cp={fx['cp']}: the planner does not search context parallelism yet (run it with "
+                        f"parallel.cp={fx['cp']} and plan=manual; `scaletrain estimate` prices it)")
+    if fx.get("schedule") in TRACED_SCHEDULES:
+        raise UserError(f"--fix schedule={fx['schedule']}: the analytic planner prices {', '.join(SCHEDULES)} only; "
+                        f"`scaletrain estimate --plan` prices {fx['schedule']} for a decoder by its trace")
+    if fx.get("ep", 1) != 1:
+        raise UserError(f"--fix ep={fx['ep']}: a dense decoder shape has no experts to shard (ep is searched for "
+                        f"mixture-of-experts models such as gpt2-moe)")
     opts = options or Options()
+    # pinned, not searched: the stored parameters' type and how attention is priced (flash or materialized)
+    params_dtype = fx.pop("params_dtype", params_dtype)
+    if "attention" in fx:
+        opts = dataclasses.replace(opts, attention=fx.pop("attention"))
     world = nodes * gpus_per_node
     plat = plat.with_(devices_per_node=gpus_per_node)
     k = optim_state_bytes(optimizer, shape.hidden)
@@ -140,6 +157,11 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                 reject(f"tp={tp}", "divisibility", f"tp must divide n_head={shape.heads}, the key/value heads "
                        f"({shape.kv_heads or shape.heads}) and vocab_size={shape.vocab}")
                 continue
+            for pp in _divisors(world // tp):
+                if ("pp" in fx and pp != fx["pp"]) or not shape.layers % pp:
+                    continue
+                reject(f"tp={tp} pp={pp}", "divisibility", f"pp={pp} does not divide the {shape.layers} layers: the "
+                       f"analytic planner gives every stage l/pp layers (uneven splits are not searched yet)")
             for pp in _divisors(shape.layers):
                 if "pp" in fx and pp != fx["pp"]:
                     continue
@@ -173,7 +195,7 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     def _scan_region(tp: int, pp: int, dp: int, region: str, zeros: list[int], offload: str) -> None:
         per_rank = global_batch // dp
         for b in _divisors(per_rank):
-            if b > MAX_MICRO_BATCH or ("micro_batch" in fx and b != fx["micro_batch"]):
+            if "micro_batch" in fx and b != fx["micro_batch"]:
                 continue
             m = per_rank // b
             scheds: list[tuple[str, int]] = [("1f1b", 1)]

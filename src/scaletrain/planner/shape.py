@@ -196,6 +196,33 @@ class Shape:
         return batch * seq * ((4 if recompute else 3) * layer_fwd + 3 * head_fwd)
 
 
+def analytic(model: Any) -> bool:
+    """Whether :meth:`Shape.of` prices ``model`` on paper (a gpt2-* decoder, hf:llama / hf:mistral, a
+    :data:`NAMED` shape); every other model is priced by its trace (:mod:`.traced`)."""
+    if not isinstance(model, str):
+        return False
+    if model in NAMED or model in HF_DECODERS:
+        return True
+    if model.startswith(("hf:", "py:")):
+        return False
+    from scaletrain.models import registry
+
+    try:
+        return registry.entry(model).builder is registry._gpt2
+    except UserError:
+        return False
+
+
+def target(model: Any, **overrides: Any) -> Any:
+    """What the planner prices: the decoder :class:`Shape` on paper, or any other model (a name or an
+    ``nn.Module``) built on the meta device and traced (:class:`.traced.Traced`)."""
+    if analytic(model):
+        return Shape.of(model, **overrides)
+    from scaletrain.planner.traced import Traced
+
+    return Traced.of(model, **overrides)
+
+
 def _positive(model: str, a: dict[str, Any], keys: tuple[str, ...], hidden: str, heads: str) -> None:
     """One-line UserError unless every ``keys`` value is a positive integer and heads divide hidden."""
     for k in keys:

@@ -8,7 +8,7 @@ GPT shapes on paper). Units: seconds, bytes, FLOPs.
 * **compute** — every operator of every block (:func:`scaletrain.measure.census.census`, fake
   tensors, one micro-batch) on a roofline: an operator with FLOPs costs
   ``max(FLOPs / (peak × matmul_fraction(FLOPs)) + kernel_overhead, bytes / (HBM × mem_fraction(bytes))
-  + kernel_overhead)`` (the planner's ``_mm``, with the bytes the operator really moves), any other
+  + kernel_overhead)`` (:func:`scaletrain.cost.roofline_seconds`, the planner's too, with the bytes the operator really moves), any other
   ``bytes / (HBM × mem_fraction(bytes)) + kernel_overhead`` (``Platform.memory_bound_seconds``, as the planner prices it). Peak is
   the platform's bf16 figure for an operator writing 16 bits, its fp32 one otherwise. Under tensor
   parallelism every operator with FLOPs (Megatron splits all of a layer's matmuls, the attention
@@ -54,19 +54,18 @@ from typing import Any
 
 from torch import nn
 
+from scaletrain.cost import collective_seconds, exposed_seconds, roofline_seconds
 from scaletrain.errors import UserError
 from scaletrain.measure.census import BlockOps, Op
 from scaletrain.platform import Platform
 from scaletrain.techniques.cost import StepSeconds
 
 def op_seconds(op: Op, plat: Platform, *, work_split: float = 1.0, mem_split: float = 1.0) -> float:
-    """Seconds of one operator on ``plat`` (module docstring); ``work_split`` divides an operator with
-    FLOPs (its FLOPs and bytes), ``mem_split`` a memory-bound one."""
-
+    """Seconds of one operator on ``plat`` on the one roofline (:func:`scaletrain.cost.roofline_seconds`);
+    ``work_split`` divides an operator with FLOPs (its FLOPs and bytes), ``mem_split`` a memory-bound one."""
     if op.flops > 0:
-        f = op.flops / work_split
-        peak = plat.flops("bf16" if op.half else "fp32")
-        return max(f / (peak * plat.matmul_fraction(f)) + plat.kernel_overhead_s, plat.memory_bound_seconds(op.nbytes / work_split))
+        return roofline_seconds(plat, op.flops / work_split, op.nbytes / work_split,
+                                precision="bf16" if op.half else "fp32")
     return plat.memory_bound_seconds(op.nbytes / mem_split)
 
 
@@ -104,16 +103,6 @@ def recompute_counts(plan: Any, bounds: list[int], remat: list | None) -> list[i
     elif plan.remat.blocks != "none":
         out = counts_of(blocks_tree(n, plan.remat.blocks), n)
     return out
-
-
-def collective_seconds(nbytes: float, steps: float, bytes_per_s: float, latency_s: float) -> float:
-    """α–β: ``nbytes`` received over a link of ``bytes_per_s`` (achieved) plus ``steps`` ring steps of α."""
-    if nbytes <= 0 and steps <= 0:
-        return 0.0
-    if bytes_per_s <= 0:
-        raise UserError("the platform has no link bandwidth (intra_node_bytes_per_s / inter_node_bytes_per_s = 0); "
-                        "a multi-process plan needs them: give a preset or a platform file with both")
-    return nbytes / bytes_per_s + steps * latency_s
 
 
 def tp_ring_steps(bounds: list[int], stage: int, rec: list[int], t: int, sp: bool) -> float:
@@ -275,8 +264,7 @@ def _exposed(kind: str, seconds: float, plat: Platform, plan: Any, window: float
         return seconds
     buckets = max(1, math.ceil(param_bytes / (plan.bucket_mb * 2**20)))
     issued = {0: buckets, 2: (M + 1) * buckets, 3: 3 * n_blocks * M}[plan.zero]
-    last = seconds / issued  # the last collective starts when the backward ends
-    return seconds - min(seconds - last, window)
+    return exposed_seconds(seconds, window, seconds / issued)  # the last starts when the backward ends
 
 
 def _optimizer_seconds(plat: Platform, plan: Any, params: float, states: float) -> float:

@@ -129,7 +129,10 @@ class Link:
     latency_s: float = 0.0
 
     def time(self, nbytes: float) -> float:
-        return self.latency_s + (nbytes / self.bandwidth_Bps if nbytes else 0.0)
+        """One message: α–β with one step (:func:`scaletrain.cost.collective_seconds`)."""
+        from scaletrain.cost import collective_seconds
+
+        return collective_seconds(nbytes, 1, self.bandwidth_Bps, self.latency_s)
 
 
 @dataclass

@@ -1,0 +1,286 @@
+"""Plan any model the runtime trains: the search over plans priced by the traced cost model.
+
+The analytic planner (:mod:`.cost`, :mod:`.search`) prices decoder shapes on paper; every other model
+— VGG, ResNet, an MLP, a mixture of experts, ``hf:gpt2`` / ``hf:bert`` / ``hf:llama`` configs, a
+``py:module:factory`` model or an ``nn.Module`` — is priced here by the cost model ``scaletrain
+estimate`` uses: the model is built on the meta device (nothing allocated), cut into its Chain of
+blocks and traced with fake tensors (:func:`scaletrain.techniques.plan_cost.plan_costs`: each
+rank's peak bytes by category, its traffic, and with a platform its step's seconds by phase on the
+roofline, α–β collectives and the pipeline simulator of :mod:`scaletrain.techniques.time_cost`).
+
+The space: tp (divisors of a node's devices) × pp (divisors of the world, at most one stage per
+block; the runtime's cost-balanced split) × ep (MoE models: divisors of dp and of the experts) ×
+dp × ZeRO 0–3 (0–1 with a pipeline) × remat none / selective (attention models) / full ×
+sequence parallelism × schedule (1F1B, interleaved, ZB-1P; GPipe — 1F1B's time with more micro-batches
+alive — and Chimera — two copies of the weights — when pinned; each priced by the pipeline simulator) ×
+micro-batch. Recomputation only adds time, so a heavier remat is priced only where the
+lighter one does not fit. What the model cannot
+run is pruned by the compatibility table (:mod:`scaletrain.techniques.compat`) with the rule's name;
+a plan the cost model cannot price is rejected with the reason it gave. Units: seconds, bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from scaletrain.errors import UserError
+from scaletrain.plan import Plan, RematPlan
+from scaletrain.planner.cost import Options, PlanCost, remat_kind
+from scaletrain.platform import Platform
+from scaletrain.techniques import compat
+
+MAX_MICRO_BATCH = 64
+"""Largest micro-batch searched (each is one fake-tensor trace of the model)."""
+REMATS = ("none", "selective", "full")
+
+
+@dataclass
+class Traced:
+    """A model as the traced planner sees it: the module (on the meta device) and what the search asks of it."""
+
+    name: str
+    model: nn.Module
+    blocks: int
+    """Blocks of its Chain (embedding and head count as blocks): the most pipeline stages."""
+    n_params: int
+    positions: int = 0
+    """Longest sequence the model takes (0: no limit known, or not a sequence model)."""
+
+    @property
+    def layers(self) -> int:
+        return self.blocks
+
+    def params(self) -> int:
+        return self.n_params
+
+    @classmethod
+    def of(cls, model: str | nn.Module, **overrides: Any) -> "Traced":
+        """Build ``model`` (a registry name, ``hf:…``, ``py:module:factory`` with config ``overrides``) on
+        the meta device, or take an ``nn.Module`` as it is; one-line UserError when it cannot be cut into blocks."""
+        from scaletrain.chain import to_chain
+        from scaletrain.measure.estimate import resolve_model
+
+        name, module = resolve_model(model, **overrides)
+        try:
+            blocks = len(to_chain(module))
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the one line names what the planner needs
+            raise UserError(f"scaletrain plan: {name} cannot be cut into a Chain of blocks, which the traced cost "
+                            f"model needs ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        cfg = getattr(module, "config", None)
+        pos = int(getattr(cfg, "n_positions", 0) or getattr(cfg, "max_position_embeddings", 0) or 0)
+        return cls(name=name, model=module, blocks=blocks, n_params=sum(p.numel() for p in module.parameters()),
+                   positions=pos)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _remat(kind: str) -> RematPlan:
+    return {"none": RematPlan(), "selective": RematPlan(selective="attention"), "full": RematPlan(blocks="all")}[kind]
+
+
+def price(target: Traced, plan: Plan, plat: Platform, *, global_batch: int, seq: int, device: str = "cuda",
+          options: Options | None = None) -> PlanCost:
+    """One plan (dp resolved, micro_batch set) priced by the traced cost model, as the planner's
+    :class:`~.cost.PlanCost` (the heaviest rank's peak, the slowest rank's step by phase)."""
+    from scaletrain.techniques.plan_cost import heaviest, plan_costs
+
+    opts = options or Options()
+    world = plan.world()
+    mb = 0 if plan.pp > 1 else plan.micro_batch
+    costs = plan_costs(plan, target.model, world=world, global_batch=global_batch, seq=seq, micro_batch=mb,
+                       device=device, platform=plat)
+    top = heaviest(costs)
+    slow = max(costs, key=lambda c: c.step_time_s or 0.0)
+    t = slow.time_s
+    assert t is not None  # plan_costs with a platform times every rank
+    step = t.step_s
+    if not step > 0:
+        raise UserError(f"the traced cost model priced {target.name} under {plan.describe()} at {step} s; "
+                        f"a plan must cost time")
+    exposed = sum(t.comm_exposed_s.values())
+    phases = {"compute": t.compute, "recompute": t.recompute, "pipeline_bubble": t.bubble,
+              **{f"{k}_comm": v for k, v in t.comm_exposed_s.items()},
+              "optimizer": t.optimizer, "offload": sum(t.copies_exposed_s.values())}
+    flops = _flops(target, plan, global_batch, seq)
+    peak = {k: float(v) for k, v in top.bytes.items()}
+    peak["total"] = float(top.peak_bytes)
+    busy = step - t.bubble
+    return PlanCost(plan=plan, step_time_s=step, tokens_per_s=global_batch * max(seq, 1) / step,
+                    tflops_per_device=flops / step / world / 1e12, mfu=flops / step / world / plat.flops(plan.precision),
+                    peak_bytes=peak, device_bytes=float(plat.device_memory_bytes),
+                    fits=top.peak_bytes + opts.reserve_bytes <= plat.device_memory_bytes,
+                    bubble_fraction=t.bubble / step if busy < step else 0.0, exposed_comm_s=exposed, phases_s=phases,
+                    heaviest_rank=top.rank, blocks_s={})
+
+
+_FLOPS: dict[tuple[int, int, str], float] = {}
+
+
+def _flops(target: Traced, plan: Plan, global_batch: int, seq: int) -> float:
+    """Model FLOPs of one step (forward and backward of every sample, no recompute): the traced
+    operators' FLOPs of one sample times the global batch."""
+    key = (id(target.model), seq, plan.precision)
+    if key not in _FLOPS:
+        import torch
+
+        from scaletrain.chain import to_chain
+        from scaletrain.measure.census import census
+        from scaletrain.models.adapters import adapt
+        from scaletrain.techniques.plan_cost import _loss
+
+        a = adapt(target.model)
+        lm = a.task == "lm"
+        x = a.input_spec(1, seq if lm else None)
+        y = torch.zeros(x.shape if lm else (1,), dtype=torch.long, device="meta")
+        ops = census(to_chain(target.model), x, y, _loss, plan.precision)
+        _FLOPS[key] = float(sum(o.flops for b in ops for o in (*b.fwd, *b.bwd)))
+    return _FLOPS[key] * global_batch
+
+
+def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, global_batch: int, seq: int,
+           fixed: dict[str, Any] | None = None, precision: str = "bf16", optimizer: str = "adamw",
+           options: Options | None = None, device: str = "cuda", params_dtype: str = "fp32") -> Any:
+    """Every plan the model can run on ``nodes × gpus_per_node`` devices, priced and ranked (module
+    docstring); returns a :class:`~.search.SearchResult` like the analytic search."""
+    from scaletrain.planner.search import SearchResult, _merge
+
+    t0 = time.perf_counter()
+    fx = dict(fixed or {})
+    opts = options or Options()
+    world = nodes * gpus_per_node
+    plat = plat.with_(devices_per_node=gpus_per_node)
+    base = compat.Facts.of(target.model, world=world, device=device, seq_len=seq)
+    attention = base.gpt2 or base.hf
+    rejected: list[dict[str, Any]] = []
+    ranked: list[PlanCost] = []
+    oom: dict[tuple, PlanCost] = {}
+    count = [0]
+
+    if "offload" in fx and fx["offload"] != "none":
+        raise UserError(f"--fix offload={fx['offload']}: the traced planner does not search offloading yet; "
+                        f"searched: dp, tp, pp, ep, zero, remat, sp, schedule, virtual, micro_batch")
+    if fx.get("cp", 1) != 1:
+        raise UserError(f"--fix cp={fx['cp']}: the planner does not search context parallelism yet")
+    if "attention" in fx:
+        raise UserError(f"--fix attention={fx['attention']}: a traced model is priced with the attention kernels it "
+                        f"runs; attention= applies to decoder shapes priced on paper")
+    params_dtype = fx.pop("params_dtype", params_dtype)
+
+    def reject(region: str, kind: str, reason: str, key: str = "") -> None:
+        rejected.append({"region": region, "kind": kind, "reason": reason, "key": key or reason})
+
+    def check(plan: Plan, region: str, m: int) -> bool:
+        facts = compat.Facts(**{**base.__dict__, "microbatches": m})
+        bad = compat.violations(plan, facts)
+        if bad:
+            reject(region, "compat", f"{bad[0].name}: {bad[0].message(plan, facts)}", key=f"{region} {bad[0].name}")
+        return not bad
+
+    def _region(tp: int, pp: int, dp: int, ep: int, region: str) -> None:
+        per_rank = global_batch // dp
+        for b in _divisors(per_rank):
+            if b > MAX_MICRO_BATCH or fx.get("micro_batch", b) != b:
+                continue
+            m = per_rank // b
+            scheds: list[tuple[str, int]] = [("1f1b", 1)]
+            if pp > 1:  # GPipe: 1F1B's time with more micro-batches alive; Chimera: two pipelines' weights
+                scheds += [("interleaved", 2), ("zb1p", 1)] + [(k, 1) for k in ("gpipe", "chimera")
+                                                                if fx.get("schedule") == k]
+            for sched, v in scheds:
+                if (pp == 1 and "schedule" in fx) or fx.get("schedule", sched) != sched:
+                    continue
+                if fx.get("virtual", v) != v and not (v == 1 and fx.get("virtual") in (0, 1)):
+                    continue
+                for zero in ((0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1)):  # ZeRO shards over dp
+                    if fx.get("zero", zero) != zero:
+                        continue
+                    for sp in ((False, True) if tp > 1 else (False,)):
+                        if fx.get("sp", sp) != sp:
+                            continue
+                        # recomputation only adds time: the next remat is priced only when the lighter one
+                        # does not fit (or when pinned)
+                        for remat in REMATS:
+                            if fx.get("remat", remat) != remat or (remat == "selective" and not attention):
+                                continue
+                            plan = Plan(dp=dp, tp=tp, pp=pp, ep=ep, sp=sp, zero=zero, micro_batch=b,
+                                        microbatches=m if pp > 1 else 0, schedule=sched if pp > 1 else "1f1b",
+                                        virtual=v if v > 1 else 0, remat=_remat(remat), precision=precision,
+                                        params_dtype=params_dtype, optimizer=optimizer)
+                            if _priced(plan, region, m, f"{region} {sched if pp > 1 else ''} b={b}"):
+                                break
+
+    def _priced(plan: Plan, region: str, m: int, where: str) -> bool:
+        """Price one plan; True when it fits (no heavier remat needed)."""
+        if not check(plan, region, m):
+            return False
+        try:
+            c = price(target, plan, plat, global_batch=global_batch, seq=seq, device=device, options=opts)
+        except Exception as e:  # noqa: BLE001 - a plan the cost model cannot price is a named rejected region
+            why = str(e).splitlines()[0] if str(e) else ""
+            why = why if isinstance(e, UserError) else f"{type(e).__name__}: {why}"
+            reject(where.replace("  ", " "), "unpriced", f"the cost model cannot price {plan.describe()}: {why}",
+                   key=f"{region} {plan.schedule} {why[:60]}")
+            return False
+        count[0] += 1
+        if c.fits:
+            ranked.append(c)
+            return True
+        key = (plan.tp, plan.pp, plan.dp, plan.ep)
+        if key not in oom or c.peak_bytes["total"] < oom[key].peak_bytes["total"]:
+            oom[key] = c
+        return False
+
+    from scaletrain.measure.estimate import trace_cache
+
+    with trace_cache():
+        _scan(target, world, gpus_per_node, global_batch, fx, base, check, reject, _region)
+    ranked.sort(key=lambda c: (round(c.step_time_s, 9), c.plan.zero, REMATS.index(remat_kind(c.plan)), c.plan.sp,
+                               c.peak_bytes["total"]))
+    for (tp, pp, dp, ep), c in sorted(oom.items()):
+        if not any(r.plan.tp == tp and r.plan.pp == pp and r.plan.ep == ep for r in ranked):
+            over = c.peak_bytes["total"] + opts.reserve_bytes - c.device_bytes
+            reject(f"tp={tp} pp={pp} dp={dp}" + (f" ep={ep}" if ep > 1 else ""), "memory",
+                   f"every plan is out of memory; the smallest by "
+                   f"{f'{over / 2**30:.2f} GiB' if over >= 2**28 else f'{over / 2**20:.2f} MiB'} ({c.plan.describe()}, "
+                   f"micro-batch {c.plan.micro_batch})")
+    return SearchResult(ranked=ranked, out_of_memory=list(oom.values()), rejected=_merge(rejected),
+                        evaluated=count[0], seconds=time.perf_counter() - t0, world=world,
+                        notes=[f"{target.name} priced by its fake-tensor trace (the estimate's cost model)"])
+
+
+def _scan(target: Traced, world: int, gpus_per_node: int, global_batch: int, fx: dict[str, Any], base: Any,
+          check: Any, reject: Any, region_fn: Any) -> None:
+    """tp x pp x dp x ep regions, pruned by divisibility, batch and the compatibility table."""
+    for tp in _divisors(gpus_per_node):
+        if fx.get("tp", tp) != tp:
+            continue
+        if tp > 1 and not check(Plan(tp=tp), f"tp={tp}", 0):
+            continue
+        for pp in _divisors(world // tp):
+            if fx.get("pp", pp) != pp:
+                continue
+            if pp > target.blocks:
+                reject(f"pp={pp}", "divisibility", f"pp={pp} exceeds the model's {target.blocks} blocks (one stage "
+                       f"holds at least one block)")
+                continue
+            dp = world // (tp * pp)
+            if fx.get("dp", dp) != dp:
+                continue
+            region = f"tp={tp} pp={pp} dp={dp}"
+            if global_batch % dp:
+                reject(region, "batch", f"dp={dp} does not divide the global batch {global_batch}")
+                continue
+            eps = [e for e in _divisors(dp) if e == 1 or (base.moe and base.n_experts % e == 0)]
+            for ep in eps:
+                if fx.get("ep", ep) != ep:
+                    continue
+                region_fn(tp, pp, dp, ep, region + (f" ep={ep}" if ep > 1 else ""))
+

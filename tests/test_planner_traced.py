@@ -1,0 +1,105 @@
+"""The planner for any model the runtime trains (priced by its fake-tensor trace): properties, never timings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import scaletrain
+from scaletrain.cli import main
+from scaletrain.errors import UserError
+
+BERT = ["--set", "num_hidden_layers=2", "--set", "hidden_size=32", "--set", "num_attention_heads=2",
+        "--set", "intermediate_size=64"]
+BERT_OVER = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+
+
+def test_python_and_cli_rank_the_same_plans_for_a_non_decoder(capsys):
+    """hf:bert is planned (not refused as 'not a decoder shape'); scaletrain.plan(...) returns the CLI's
+    --json list; tensor parallelism is pruned by the compatibility table with the rule named."""
+    got = scaletrain.plan("hf:bert", platform="a100-80g", devices=2, global_batch=4, seq=32, overrides=BERT_OVER,
+                          fix={"zero": 0, "pp": 1})
+    assert got and all(g["fits"] and g["step_time_s"] > 0 and g["peak_bytes"] > 0 for g in got)
+    assert [g["step_time_s"] for g in got] == sorted(g["step_time_s"] for g in got)
+    assert main(["plan", "--model", "hf:bert", *BERT, "--gpus-per-node", "2", "--global-batch", "4", "--seq", "32",
+                 "--fix", "zero=0", "--fix", "pp=1", "--top", "100", "--json", "--json-rejected"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["describe"] for r in out["ranked"]] == [g["describe"] for g in got]
+    assert [r["step_time_s"] for r in out["ranked"]] == pytest.approx([g["step_time_s"] for g in got])
+    tp = [r for r in out["rejected"] if r["region"].startswith("tp=2")]
+    assert tp and tp[0]["kind"] == "compat" and tp[0]["reason"].startswith("mp-model")
+
+
+def test_moe_plans_search_expert_parallelism():
+    got = scaletrain.plan("gpt2-moe", platform="a100-80g", devices=2, global_batch=4, seq=32,
+                          fix={"tp": 1, "pp": 1, "zero": 0, "remat": "none"})
+    eps = {g["plan"]["ep"] for g in got}
+    assert eps == {1, 2}, eps
+    one = next(g for g in got if g["plan"]["ep"] == 1 and g["plan"]["micro_batch"] == 2)
+    two = next(g for g in got if g["plan"]["ep"] == 2 and g["plan"]["micro_batch"] == 2)
+    assert two["peak_bytes"] < one["peak_bytes"]  # each rank holds half the experts (and their states)
+
+
+def test_what_cannot_be_priced_is_one_line(capsys):
+    for argv in (["--fix", "cp=2"], ["--timeline", "t.png"], ["--fix", "attention=flash"], ["--fix", "tp=2"]):
+        assert main(["plan", "--model", "mlp", "--gpus-per-node", "2", "--global-batch", "4", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+    assert "mp-model" in err[0]  # tp=2 on an MLP: the rule that removed it
+    with pytest.raises(UserError, match="ep"):
+        scaletrain.plan("gpt2-tiny", devices=2, global_batch=4, fix={"ep": 2})
+
+
+def test_plan_auto_picks_a_plan_for_a_non_decoder_and_it_runs(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--json", "plan=auto", "model.name=mlp", "train.steps=2",
+                 "train.global_batch=8", "train.eval_every=0", "train.progress=off", "train.log_every=1"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["predicted_step_time_s"] > 0 and summary["predicted_peak_bytes"] > 0
+    assert 'plan = "manual"' in (out / "config.toml").read_text()
+
+
+def test_micro_batches_are_not_capped():
+    got = scaletrain.plan("gpt2-tiny", devices=1, global_batch=256, seq=64, fix={"micro_batch": 128})
+    assert got and all(g["plan"]["micro_batch"] == 128 for g in got)
+
+
+def test_no_plan_fits_names_the_rule_that_removed_a_pinned_pipeline():
+    with pytest.raises(UserError, match=r"no plan fits: .*pp=4 does not divide the 10 layers"):
+        scaletrain.plan("gpt2-small", devices=8, global_batch=8, seq=512, overrides={"n_layer": 10}, fix={"pp": 4})
+
+
+class _Net(nn.Sequential):
+    """A model object handed to scaletrain.plan: 64 features in, 10 classes out."""
+
+    task = "classify"
+
+    def input_spec(self, batch: int, seq: int | None = None) -> torch.Tensor:
+        return torch.empty(batch, 64, device="meta")
+
+
+def test_a_model_object_is_planned_and_one_without_an_input_is_one_line():
+    got = scaletrain.plan(_Net(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)), devices=2, global_batch=8,
+                          fix={"zero": 0, "pp": 1})
+    assert got and {g["plan"]["dp"] for g in got} == {2}
+    bare = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    with pytest.raises(UserError, match="input_spec") as e:
+        scaletrain.plan(bare, devices=2, global_batch=8, fix={"zero": 0, "pp": 1})
+    assert "\n" not in str(e.value)
+
+
+def test_zero_bubble_is_searched_for_traced_models_and_refused_on_paper():
+    got = scaletrain.plan("hf:gpt2", devices=2, global_batch=4, seq=32, overrides={"n_layer": 2, "n_embd": 32,
+                          "n_head": 2}, fix={"pp": 2, "schedule": "zb1p", "micro_batch": 1})
+    assert got and all(g["plan"]["schedule"] == "zb1p" for g in got)
+    with pytest.raises(UserError, match="analytic planner prices"):
+        scaletrain.plan("gpt2-tiny", devices=2, global_batch=4, fix={"schedule": "zb1p"})
+
+
+def test_params_dtype_and_attention_are_pinnable_on_paper():
+    got = scaletrain.plan("gpt2-tiny", devices=2, global_batch=8, seq=64,
+                          fix={"params_dtype": "bf16", "attention": "materialized"})
+    assert got and all(g["plan"]["params_dtype"] == "bf16" for g in got)
