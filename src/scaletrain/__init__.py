@@ -1,6 +1,6 @@
 """scaletrain: train an unmodified PyTorch model as fast as possible without running out of memory.
 
-The flow (see DESIGN.md): nn.Module -> Chain -> Profile -> planner -> Plan -> runtime -> Trainer,
+The flow (docs/ARCHITECTURE.md): nn.Module -> Chain -> Profile -> planner -> Plan -> runtime -> Trainer,
 with the measurement tools checking every prediction against what happened.
 
 The stable public surface (the internal layout may move behind it)::

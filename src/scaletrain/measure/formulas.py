@@ -3,7 +3,7 @@
 Units: bytes (decimal GB = 1e9 bytes where a paper quotes GB), FLOPs (2 per multiply-add).
 Ψ = parameter count; l layers, h hidden, a heads, s sequence, b micro-batch, V vocabulary.
 
-Sources (see /work/shared/REFERENCES.md):
+Sources (each cited with its section below):
 
 - ZeRO: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
   Models", SC20 — §3.1 model states: fp32 weights 4Ψ, gradients 4Ψ, Adam moments 8Ψ; mixed
