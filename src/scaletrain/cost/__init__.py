@@ -9,7 +9,7 @@ plan``, ``plan=auto`` and ``scaletrain estimate``. Memory-bound kernels are
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from scaletrain.errors import UserError
 
@@ -43,12 +43,38 @@ def collective_seconds(nbytes: float, steps: float, bytes_per_s: float, latency_
     return nbytes / bytes_per_s + steps * latency_s
 
 
+def exposed_seconds(comm_s: Sequence[float], window_s: Sequence[float], slowdown: float = 0.0) -> float:
+    """The one overlap rule: collectives on one stream beside compute, cut into windows. ``comm_s[k]``
+    seconds of collectives must finish before the compute after window ``k`` (``window_s[k]`` seconds)
+    may go on, so what outlasts its window is exposed: Σ max(0, c_k − w_k). A window of 0 s is a
+    collective nothing hides. What hides still slows the compute it runs beside by ``slowdown`` of its
+    time (NCCL's kernels take SMs and HBM bandwidth: Calculon's processor usage). Returns the seconds
+    the step waits for.
 
-def exposed_seconds(total_s: float, window_s: float, last_s: float, slowdown: float = 0.0) -> float:
-    """The one overlap rule: of ``total_s`` seconds of collectives issued beside ``window_s`` seconds
-    of compute (a backward, or ZeRO-3's forward and backward), what outlasts the window is exposed, and
-    so is the last collective (``last_s``: issued when the compute ends, and the window's share of the
-    link is taken by the ones before it); what hides still slows the compute it runs beside by
-    ``slowdown`` of its time (NCCL's kernels take SMs and HBM bandwidth: Calculon's processor usage).
-    Returns the seconds the step waits for."""
-    return max(0.0, total_s - window_s) + min(last_s, total_s) + slowdown * min(total_s, window_s)
+    DDP's and ZeRO-1/2's buckets are one window (the backward; nothing waits for a bucket, so a backlog
+    carries over to the window's end) and a 0 s window for the bucket issued when it ends; ZeRO-3's are
+    one window per gather unit and pass (:func:`prefetch_windows`)."""
+    return sum(max(0.0, c - w) + slowdown * min(c, w) for c, w in zip(comm_s, window_s, strict=True))
+
+
+def prefetch_windows(gather_s: Sequence[float], reduce_s: Sequence[float], fwd_s: Sequence[float],
+                     bwd_s: Sequence[float]) -> tuple[list[float], list[float]]:
+    """ZeRO-3's (FSDP's) collectives of one micro-batch as :func:`exposed_seconds` windows. Units
+    1..n in forward order, each with one all-gather ``gather_s``, one reduce-scatter ``reduce_s`` and
+    its forward / backward compute (recompute included) ``fwd_s`` / ``bwd_s``. FSDP prefetches one unit
+    ahead and issues every collective on one communicator, so they run in issue order (Zhao et al.,
+    "PyTorch FSDP", VLDB 2023: backward and forward prefetching over one communication stream; PyTorch's
+    "FSDP Notes", *FSDP Prefetch Nuances*: "the 1st all-gather will not be able to overlap with
+    anything"; scaletrain's FSDP2 prefetches explicitly the same way): unit 1's gather has nothing to hide
+    behind; unit k's forward hides unit k+1's gather; the backward's first gather (every unit was
+    resharded after its forward, the root too) waits; unit k's backward hides unit k+1's reduce-scatter
+    (issued as k's backward starts) and unit k−1's gather, which queues behind it; unit 1's
+    reduce-scatter ends the pass exposed. Gathers are per unit, so a large unit (an embedding) beside
+    little compute is exposed even when the step's collectives add up to less than its compute."""
+    n = len(gather_s)
+    comm = [gather_s[0]] + [gather_s[k + 1] for k in range(n - 1)] + [0.0, gather_s[-1]]
+    window = [0.0] + list(fwd_s[:-1]) + [fwd_s[-1], 0.0]
+    for k in range(n - 1, -1, -1):  # backward: unit n first
+        comm.append((reduce_s[k + 1] if k + 1 < n else 0.0) + (gather_s[k - 1] if k > 0 else 0.0))
+        window.append(bwd_s[k])
+    return comm + [reduce_s[0]], window + [0.0]

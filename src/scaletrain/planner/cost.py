@@ -21,8 +21,10 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   comm_bytes_per_step`, fp32 gradients: scaletrain keeps fp32 parameters under autocast), timed
   hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across), α per ring step
   of every bucket's or (ZeRO-3) every block's collective. Overlap, stated:
-  without a pipeline DDP/ZeRO-2/3 overlap it with the backward of the last micro-batch (ZeRO-2: every
-  micro-batch's backward; ZeRO-3: forward and backward), all but the last bucket, and the hidden part
+  without a pipeline DDP/ZeRO-2 overlap it with the backward of the last micro-batch (ZeRO-2: every
+  micro-batch's backward), all but the last bucket; ZeRO-3 (FSDP) per gather unit (the root: embedding
+  and head; each layer) and pass, one unit prefetched ahead on one stream, so a unit's gathers hide only
+  behind the compute of the unit before it (:func:`scaletrain.cost.prefetch_windows`); the hidden part
   still slows compute by Calculon's processor usage (0.15 over NVLink, 0.02 over InfiniBand); ZeRO-1
   and every pipeline synchronise after the flush, fully exposed.
 * **optimizer step**: memory-bound, 12 + 2K bytes per (sharded) parameter: read p, g, write p, read and write
@@ -56,7 +58,7 @@ from scaletrain.plan import Plan
 from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
-from scaletrain.cost import collective_seconds, exposed_seconds, roofline_seconds
+from scaletrain.cost import collective_seconds, exposed_seconds, prefetch_windows, roofline_seconds
 from scaletrain.techniques.data_parallel import cost as zero_cost
 from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
 from scaletrain.techniques.optim.registry import optimizer_step_bytes  # noqa: F401  (priced here, defined there)
@@ -265,13 +267,23 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, e if plan.zero == 3 else 4,
                                  blocks=int(L) + 2, bucket_bytes=plan.bucket_mb * 1e6)
     if pp == 1 and plan.zero != 1:
-        window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: m * L * (lt["fwd"] + lt["bwd"])}[plan.zero]
+        window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: 0.0}[plan.zero]
         last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4, bucket_bytes=plan.bucket_mb * 1e6)[0]
         # an overlapped collective still slows the compute it hides behind: NCCL's kernels take SMs and
         # HBM bandwidth — Calculon's "processor_usage": 0.15 of the device while NVLink traffic runs, 0.02
         # while InfiniBand's does (calculon-ai/calculon systems/a100_80e.json)
         share = dp_intra / dp_time if dp_time else 0.0
-        dp_exposed = exposed_seconds(dp_time, window, min(last_bucket, dp_time), 0.15 * share + 0.02 * (1 - share))
+        slowdown = 0.15 * share + 0.02 * (1 - share)
+        if plan.zero == 3:  # per gather unit and pass: FSDP prefetches one unit ahead (prefetch_windows)
+            root = n_rank - L * shape.layer_params() / tp
+            one = [_dp_time(plat, n, 3, dp, tp, 1, e, blocks=1)[0] / 3 for n in (root, shape.layer_params() / tp)]
+            fwd = lt["fwd"] + lt["tp_fwd"]
+            comm, win = prefetch_windows([one[0]] + [one[1]] * int(L), [one[0]] + [one[1]] * int(L),
+                                         [(embed + head) / 3] + [fwd] * int(L),
+                                         [2 * (embed + head) / 3] + [layer - fwd] * int(L))
+            dp_exposed = m * exposed_seconds(comm, win, slowdown)
+        else:  # buckets: the backward's window, then the last bucket issued when it ends
+            dp_exposed = exposed_seconds([dp_time, min(last_bucket, dp_time)], [window, 0.0], slowdown)
     else:
         dp_exposed = dp_time
     k = optim_state_bytes(plan.optimizer, shape.hidden)

@@ -26,9 +26,10 @@ GPT shapes on paper). Units: seconds, bytes, FLOPs.
 * **overlap** (what the runtime overlaps, stated): tp / cp / ep collectives run inside the layer's
   forward and backward and are waited for (Megatron); the norm and loss all-reduces likewise; without
   a pipeline DDP's bucket all-reduces run during the last micro-batch's backward (``no_sync`` before),
-  ZeRO-2's reduce-scatters during every micro-batch's backward and ZeRO-3's gathers and
-  reduce-scatters during every forward and backward — hidden up to that window, the last bucket
-  always exposed; ZeRO-1 and every pipeline reduce after the flush: exposed. On a platform whose
+  ZeRO-2's reduce-scatters during every micro-batch's backward — hidden up to that window, the last
+  bucket always exposed; ZeRO-3's gathers and reduce-scatters per FSDP group, one group prefetched
+  ahead on one stream (:func:`scaletrain.cost.prefetch_windows`; each group's collectives by its bytes,
+  the micro-batch's forward and backward, recompute included, spread evenly over the groups); ZeRO-1 and every pipeline reduce after the flush: exposed. On a platform whose
   copies do not run beside compute (``copy_overlaps_compute=False``: the CPU pool, where gloo's
   threads take the same cores) nothing is hidden.
 * **pipeline** — the schedule simulator (:func:`.pipeline.simulate.simulate`) with each stage's
@@ -54,7 +55,7 @@ from typing import Any
 
 from torch import nn
 
-from scaletrain.cost import collective_seconds, exposed_seconds, roofline_seconds
+from scaletrain.cost import collective_seconds, exposed_seconds, prefetch_windows, roofline_seconds
 from scaletrain.errors import UserError
 from scaletrain.measure.census import BlockOps, Op
 from scaletrain.platform import Platform
@@ -197,11 +198,13 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
     passes = [{s: sum(1 for a in sched.actions[r] if a.kind == "F" and a.stage == s) for s in stages_of[r]}
               for r in range(P)]
     n_blocks = [sum(bounds[s + 1] - bounds[s] for s in stages_of[r]) for r in range(P)]
+    units: list[float] = [1.0] * n_blocks[0]
     if plan.zero == 3 and plan.pp == 1:  # ZeRO-3's collectives: one set per FSDP group (parallel.fsdp_group)
         from scaletrain.techniques.data_parallel.fsdp import gather_units
 
-        n_blocks = [len(gather_units(chain, list(chain.blocks), plan.fsdp_group, plan.hsdp or max(plan.dp, 1) * plan.cp,
-                                     M, plat.device_type))]
+        units = gather_units(chain, list(chain.blocks), plan.fsdp_group, plan.hsdp or max(plan.dp, 1) * plan.cp,
+                             M, plat.device_type) or [1.0]
+        n_blocks = [len(units)]
     comm_s = [_comm(plan, model, cfg, plat, b=b, seq=seq, M=M, world=world, total=comm[min(r, len(comm) - 1)],
                     bounds=bounds, rank=r, remat=remat, rank_param_bytes=parts[r]["params"], n_blocks=n_blocks[r],
                     tp_steps=sum(passes[r][s] * tp_ring_steps(bounds, s, rec, plan.tp, plan.sp) for s in stages_of[r]))
@@ -238,9 +241,10 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
         t.recompute = sum(passes[r][s] * stage_r[s] for s in mine)
         t.bubble = max(bare.makespan_s - bare.busy_s[r], 0.0)
         t.comm_s = dict(comm_s[r])
-        window = {0: sum(stage_b[s] for s in mine), 2: M * sum(stage_b[s] for s in mine),
-                  3: M * sum(stage_f[s] + stage_b[s] for s in mine)}.get(plan.zero, 0.0) if plan.pp == 1 else 0.0
-        t.comm_exposed_s = {k: _exposed(k, v, plat, plan, window, parts[r]["params"], M, n_blocks[r])
+        window = {0: sum(stage_b[s] for s in mine), 2: M * sum(stage_b[s] for s in mine)}.get(plan.zero, 0.0) \
+            if plan.pp == 1 else 0.0
+        t.comm_exposed_s = {k: _exposed(k, v, plat, plan, window, parts[r]["params"], M, units,
+                                        sum(f_s[s] for s in mine), sum(b_s[s] for s in mine))
                             for k, v in comm_s[r].items()}
         if plan.pp > 1:
             t.comm_s["p2p"] = p2p_total[r]
@@ -258,13 +262,20 @@ def _shards(plan: Any) -> int:
 
 
 def _exposed(kind: str, seconds: float, plat: Platform, plan: Any, window: float, param_bytes: float, M: int,
-             n_blocks: int) -> float:
-    """Seconds of a collective kind the step waits for (the overlap rules of the module docstring)."""
+             units: list[float], fwd: float, bwd: float) -> float:
+    """Seconds of a collective kind the step waits for (the overlap rules of the module docstring).
+    ZeRO-3: ``units`` the bytes of each gather unit (its 3 collectives per micro-batch share the kind's
+    seconds by bytes), ``fwd`` / ``bwd`` one micro-batch's compute, spread evenly over the units."""
     if kind != "dp" or not plat.copy_overlaps_compute or plan.pp > 1 or plan.zero == 1:
         return seconds
+    if plan.zero == 3:
+        n, total = len(units), sum(units) or 1.0
+        one = [seconds / M / 3 * u / total for u in units]
+        return M * exposed_seconds(*prefetch_windows(one, one, [fwd / n] * n, [bwd / n] * n))
     buckets = max(1, math.ceil(param_bytes / (plan.bucket_mb * 2**20)))
-    issued = {0: buckets, 2: (M + 1) * buckets, 3: 3 * n_blocks * M}[plan.zero]
-    return exposed_seconds(seconds, window, seconds / issued)  # the last starts when the backward ends
+    issued = {0: buckets, 2: (M + 1) * buckets}[plan.zero]
+    last = min(seconds / issued, seconds)  # the last starts when the backward ends
+    return exposed_seconds([seconds, last], [window, 0.0])
 
 
 def _optimizer_seconds(plat: Platform, plan: Any, params: float, states: float) -> float:
