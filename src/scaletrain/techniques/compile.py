@@ -1,0 +1,112 @@
+"""torch.compile as a plan key (``train.compile``): its apply face, its auto rule and its cost face.
+
+**Where it sits in the stack** (:mod:`.stack`): after tensor/context/expert parallelism and
+rematerialization, before data parallelism, as torchtitan does — each block of the model's
+:class:`~scaletrain.chain.Chain` is compiled *in place* (``nn.Module.compile``), so
+
+* parameter names and the state dict are unchanged (checkpoints load either way);
+* the model's own forward, the remat tree's checkpoints around the blocks and DDP/FSDP's wrappers
+  all call the compiled blocks, because they call the same module objects;
+* one block = one graph: blocks of equal shape share a compiled graph (torch's cache), which bounds
+  compile time by the number of distinct block shapes rather than the depth.
+
+**auto** compiles only on CUDA. On a CPU, inductor's compile costs tens of seconds (measured on this
+project's 2-core machine: ``scaletrain calibrate`` records it) before the first step, more than the
+whole default job (gpt2-tiny) runs, and its generated C++ kernels on a small model gain little
+(the measured factor is printed by ``scaletrain calibrate``), so ``auto`` keeps eager there.
+
+**Cost face**: a compiled block's compute time is the eager time times the platform's measured
+``compile_factor`` (``scaletrain calibrate`` times one compiled vs eager transformer block's
+forward + backward); 0 means not measured, and then the plan's estimate says compile is not priced.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.errors import ConfigError
+
+CHOICES = ("false", "true", "auto")
+"""Values of ``train.compile``."""
+
+
+def resolve(value: str, device_type: str) -> bool:
+    """Whether ``train.compile=value`` compiles on ``device_type`` (``auto``: only on CUDA, see the
+    module docstring for why not on a CPU)."""
+    if value not in CHOICES:
+        raise ConfigError(f"train.compile={value!r} is not allowed; allowed: {', '.join(CHOICES)}")
+    return value == "true" or (value == "auto" and device_type == "cuda")
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """Compile every block of ``model``'s Chain in place (step 3c of the stack); returns how many."""
+    from scaletrain.chain import to_chain
+
+    blocks = list(to_chain(model).blocks)
+    for b in blocks:
+        b.compile()  # in place: the module keeps its parameters, names and hooks; its __call__ runs the graph
+    return len(blocks)
+
+
+def apply(plan: Any, model: nn.Module, ctx: Any) -> None:
+    """The stack's face: compile the blocks when the plan asks (after TP/remat, before DDP/FSDP)."""
+    if not resolve(plan.compile, ctx.device.type):
+        if plan.compile == "auto":
+            ctx.log("compile: auto -> eager on cpu (compile time exceeds what a CPU run gains; see train.compile)")
+        return
+    n = compile_blocks(model)
+    ctx.log(f"compile: {n} Chain blocks compiled with torch.compile (inductor); the first step compiles them")
+
+
+# --------------------------------------------------------------------------- the cost face
+
+def priced_note(plan: Any, factor: float, device_type: str = "cpu") -> str:
+    """One line for a plan's estimate: how compile is priced ('' when the plan does not compile)."""
+    if not resolve(getattr(plan, "compile", "false"), device_type):
+        return ""
+    if factor > 0:
+        return f"compile: compute time x {factor:.2f} (measured compiled/eager block, scaletrain calibrate)"
+    return "compile: not priced (no measured factor on this platform; run `scaletrain calibrate`)"
+
+
+def compute_factor(plan: Any, factor: float, device_type: str = "cpu") -> float:
+    """What the cost model multiplies compute time by: the measured factor when the plan compiles
+    and a factor was measured, else 1 (and :func:`priced_note` says it is not priced)."""
+    return factor if factor > 0 and resolve(getattr(plan, "compile", "false"), device_type) else 1.0
+
+
+def measure_factor(device: str = "cpu", hidden: int = 128, seq: int = 64, batch: int = 4,
+                   repeats: int = 5) -> tuple[float, float]:
+    """(compiled / eager seconds of one transformer block's forward + backward, compile seconds):
+    a gpt2-tiny-sized block on ``device``, best of ``repeats`` after warm-up."""
+    from scaletrain.models.gpt2 import GPT2Block, GPT2Config
+
+    cfg = GPT2Config(n_embd=hidden, n_head=4, n_layer=1, n_positions=seq, vocab_size=256)
+    torch.manual_seed(0)
+    block = GPT2Block(cfg).to(device)
+    x = torch.randn(batch, seq, hidden, device=device, requires_grad=True)
+
+    def step(fn: Any) -> None:
+        fn(x).sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def best(fn: Any) -> float:
+        out = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step(fn)
+            out = min(out, time.perf_counter() - t0)
+        return out
+
+    step(block)
+    eager = best(block)
+    compiled = torch.compile(block)
+    t0 = time.perf_counter()
+    step(compiled)
+    compile_s = time.perf_counter() - t0
+    return best(compiled) / eager, compile_s
