@@ -339,6 +339,14 @@ RULES: list[Rule] = [
          lambda p, f: f"train.compile=true with {f.world} processes (tp={p.tp}, cp={p.cp}, ep={p.ep}, "
                       f"zero={p.zero})", "compiled blocks under DDP/FSDP/DTensor are not verified yet",
          "train.compile=true with one process", "one process only (not verified)"),
+    Rule("compile-compress", lambda p, f: _compiles(p, f) and p.activation_compression,
+         "train.compile=true with memory.activation_compression=true", "it packs saved tensors with autograd "
+         "hooks; that they reach the tensors a compiled graph saves is not verified (the losses match, the bytes "
+         "were not measured)", "one of them", "not verified with 8-bit act."),
+    Rule("compile-selective", lambda p, f: _compiles(p, f) and p.remat.selective != "none",
+         "train.compile=true with memory.remat.selective=attention", "dynamo cannot trace the checkpoint around "
+         "the attention core (its context_fn is a nested function: NotImplementedError in torch's dynamo)",
+         "memory.remat.blocks or memory.remat.method with train.compile", "dynamo cannot trace it"),
     Rule("compile-sweep", lambda p, f: _compiles(p, f) and f.sweep, "train.compile=true in a sweep",
          "the sweep runs shards of blocks in worker processes of its own", "train.compile=false",
          "sweep runs its shards"),
@@ -419,6 +427,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     "bf16": {"precision": "bf16"},
     "fp16": {"precision": "fp16"},
     "bf16 params": {"params_dtype": "bf16", "precision": "bf16"},
+    "compile": {"compile": "true"},
 }
 """One minimal plan per technique, combined pairwise for the matrix."""
 
