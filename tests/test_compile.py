@@ -61,8 +61,8 @@ def test_cost_multiplies_by_the_measured_factor_or_says_not_priced():
 
 @pytest.mark.parametrize("keys,rule", [
     ({"pp": 2}, "compile-pp"), ({"offload": {"optimizer": "host"}}, "compile-offload"),
-    ({"remat": {"method": "dtr", "budget": "1MiB"}}, "compile-remat-ops"), ({"dp": 2}, "compile-parallel"),
-    ({"tp": 2}, "compile-parallel"),
+    ({"remat": {"method": "dtr", "budget": "1MiB"}}, "compile-remat-ops"), ({"tp": 2}, "compile-parallel"),
+    ({"activation_compression": True}, "compile-compress"), ({"remat": {"selective": "attention"}}, "compile-selective"),
 ])
 def test_refused_where_unverified(keys, rule):
     plan = Plan(compile="true").with_(**keys)

@@ -335,10 +335,11 @@ RULES: list[Rule] = [
          lambda p, f: f"train.compile=true with memory.remat.method={p.remat.method}",
          "its executor replays the blocks' operators one by one outside their forward, so the compiled graphs "
          "would never run", "memory.remat.method=optimal, revolve, periodic or blocks", "op-by-op schedule"),
-    Rule("compile-parallel", lambda p, f: _compiles(p, f) and (f.world > 1 or _mp(p)),
-         lambda p, f: f"train.compile=true with {f.world} processes (tp={p.tp}, cp={p.cp}, ep={p.ep}, "
-                      f"zero={p.zero})", "compiled blocks under DDP/FSDP/DTensor are not verified yet",
-         "train.compile=true with one process", "one process only (not verified)"),
+    Rule("compile-parallel", lambda p, f: _compiles(p, f) and (_mp(p) or p.hsdp > 0 or p.compression != "none"),
+         lambda p, f: f"train.compile=true with tp={p.tp}, cp={p.cp}, ep={p.ep}, hsdp={p.hsdp}, "
+                      f"compression={p.compression}", "compiled blocks over DTensor shards, hybrid sharding or a "
+         "compression hook are not verified yet (DDP and ZeRO-1/2/3 are: equal losses over 2 processes)",
+         "train.compile=true with plain data parallelism or parallel.zero=1, 2, 3", "not verified yet"),
     Rule("compile-compress", lambda p, f: _compiles(p, f) and p.activation_compression,
          "train.compile=true with memory.activation_compression=true", "it packs saved tensors with autograd "
          "hooks; that they reach the tensors a compiled graph saves is not verified (the losses match, the bytes "
