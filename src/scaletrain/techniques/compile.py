@@ -70,7 +70,7 @@ def priced_note(plan: Any, factor: float, device_type: str = "cpu") -> str:
         return ""
     if factor > 0:
         return f"compile: compute time x {factor:.2f} (measured compiled/eager block, scaletrain calibrate)"
-    return "compile: not priced (no measured factor on this platform; run `scaletrain calibrate`)"
+    return "compile: not priced (no measured factor on this platform; run `scaletrain calibrate --compile`)"
 
 
 def compute_factor(plan: Any, factor: float, device_type: str = "cpu") -> float:
