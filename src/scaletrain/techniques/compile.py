@@ -6,17 +6,15 @@ rematerialization, before data parallelism, as torchtitan does — each block of
 
 * parameter names and the state dict are unchanged (checkpoints load either way);
 * the model's own forward, the remat tree's checkpoints around the blocks and DDP/FSDP's wrappers
-  all call the compiled blocks, because they call the same module objects;
-* one block = one graph: blocks of equal shape share a compiled graph (torch's cache), which bounds
-  compile time by the number of distinct block shapes rather than the depth.
+  all call the compiled blocks, because they call the same module objects.
 
-**auto** compiles only on CUDA. On a CPU, inductor's compile costs tens of seconds (measured on this
-project's 2-core machine: ``scaletrain calibrate`` records it) before the first step, more than the
-whole default job (gpt2-tiny) runs, and its generated C++ kernels on a small model gain little
-(the measured factor is printed by ``scaletrain calibrate``), so ``auto`` keeps eager there.
+**auto** compiles only on CUDA. On a CPU the default job must never get slower, and measured on this
+project's 2-core machine (``measure_factor``, one thread) a compiled gpt2-tiny block's forward + backward
+runs at 0.95 of eager while compiling it takes ~38 s — more than the default job (gpt2-tiny, 800 steps
+of a few ms each) could save — so ``auto`` keeps eager there (identical to ``false``).
 
 **Cost face**: a compiled block's compute time is the eager time times the platform's measured
-``compile_factor`` (``scaletrain calibrate`` times one compiled vs eager transformer block's
+``compile_factor`` (``scaletrain calibrate --compile`` times one compiled vs eager transformer block's
 forward + backward); 0 means not measured, and then the plan's estimate says compile is not priced.
 """
 
