@@ -79,3 +79,20 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "train.compile=true" in r.stderr and "allowed" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_cost_multiplies_compute_by_the_platform_factor():
+    from scaletrain import models
+    from scaletrain.platform import get
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    model = models.get("gpt2-tiny", device="meta", n_layer=1)
+    plat = get("h100").with_(compile_factor=0.5)
+
+    def compute(plan: Plan) -> float:
+        c = plan_costs(plan, model, world=1, global_batch=2, seq=32, micro_batch=2, device="cuda", platform=plat)
+        return c[0].to_dict()["time_s"]["compute"]
+
+    eager, compiled = compute(Plan(dp=1)), compute(Plan(dp=1, compile="true"))
+    assert eager > 0 and compiled == pytest.approx(0.5 * eager, rel=1e-9)
+    assert compute(Plan(dp=1, compile="auto")) == pytest.approx(compiled, rel=1e-9)  # auto compiles on cuda
