@@ -103,6 +103,8 @@ class Plan:
     precision: str = "fp32"
     params_dtype: str = "fp32"
     optimizer: str = "adamw"
+    compile: str = "false"
+    """torch.compile of each Chain block (``train.compile``): false, true, auto (CUDA only)."""
 
     # -------------------------------------------------------------- derived
     def world(self, dp: int | None = None) -> int:
@@ -169,6 +171,8 @@ class Plan:
             parts.append("8-bit activations")
         parts.append(self.precision + (f" params {self.params_dtype}" if self.params_dtype != "fp32" else ""))
         parts.append(self.optimizer)
+        if self.compile != "false":
+            parts.append("compiled" if self.compile == "true" else "compile auto")
         return ", ".join(parts)
 
     # -------------------------------------------------------------- the one schema
@@ -259,6 +263,7 @@ PLAN_KEYS: dict[str, str] = {
        if f.name != "device_budget"},
     "offload.device_budget": "memory.device_budget",
     "precision": "train.precision", "params_dtype": "train.params_dtype", "optimizer": "optim.name",
+    "compile": "train.compile",
 }
 """Plan field (``remat.method`` for nested ones) -> dotted config key: the plan is this part of the config."""
 

@@ -99,6 +99,11 @@ class Platform:
     """Fixed seconds per kernel the planner prices (dispatch, autograd bookkeeping, launch), on top of its
     roofline time. 0 on the GPU presets (not modelled there); measured by :mod:`scaletrain.planner.local`
     on a CPU, where eager PyTorch's per-operator cost dominates a small model's small kernels."""
+    compile_factor: float = 0.0
+    """Compute seconds of a torch.compile'd block over its eager seconds (forward + backward of one
+    gpt2-tiny-sized block, best of 5), measured by ``scaletrain calibrate --compile``; the cost model
+    multiplies compute by it when a plan sets ``train.compile``. 0 = not measured: compile is not priced
+    (the estimate says so)."""
     price_per_device_hour: float = 0.0
     """What renting one device for one hour costs, in USD per device per hour (on-demand; the node's
     share of host, network and storage included if the provider bills it per GPU). 0 = unknown: the

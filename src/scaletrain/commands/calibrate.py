@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="", help="write the platform JSON here (default: print it)")
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds (default 300)")
     p.add_argument("--json", action="store_true", help="print the platform as JSON (also without --out)")
+    p.add_argument("--compile", action="store_true", help="also time a torch.compile'd gpt2 block against eager "
+                   "(compile_factor, what the cost model multiplies compute by under train.compile; tens of seconds "
+                   "on a CPU)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +52,14 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"calibration with {args.nproc_per_node} process(es) failed or took over "
                               f"{args.timeout:g} s; allowed: fewer processes or a larger --timeout")
         text = path.read_text()
+    if args.compile:
+        from scaletrain.techniques.compile import measure_factor
+
+        device = "cuda" if plat.device_type == "cuda" else "cpu"
+        factor, compile_s = measure_factor(device)
+        plat = plat.with_(compile_factor=factor)
+        text = json.dumps(plat.to_dict())
+        print(f"compile: compiled/eager block = {factor:.3f} on {device} (compiling took {compile_s:.1f} s)")
     if out is not None:
         out.write_text(text)
     if args.json or out is None:

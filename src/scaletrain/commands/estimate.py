@@ -192,6 +192,9 @@ def _plan(args: argparse.Namespace, overrides: dict, plat: Any = None) -> dict:
                    platform_source=priced.source)
     else:
         out["time_note"] = why
+    from scaletrain.techniques.compile import priced_note
+
+    out["compile_note"] = priced_note(plan, priced.compile_factor if priced is not None else 0.0, args.device)
     return out
 
 
@@ -210,6 +213,8 @@ def _platform(name: str, precision: str, model: tuple[str, dict]) -> Any:
 
 def print_times(pl: dict) -> None:
     """The ranks' seconds by phase (milliseconds), one row per pipeline rank, or why there are none."""
+    if pl.get("compile_note"):  # train.compile: priced by the measured factor, or said not to be
+        print(pl["compile_note"])
     if pl.get("step_time_s") is None:
         print(f"time: {pl.get('time_note', 'no platform')}")
         return

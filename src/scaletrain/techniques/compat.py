@@ -321,6 +321,36 @@ RULES: list[Rule] = [
     Rule("compress-mp", lambda p, f: p.activation_compression and _mp(p), "memory.activation_compression=true with "
          "tp/cp/ep", "8-bit activation compression of DTensor activations is not composed yet (DTensor's saved tensors have no "
          "plain storage to pack)", "false", "not yet"),
+    # ---------------------------------------------------------------- torch.compile (train.compile, .compile)
+    Rule("compile-chain", lambda p, f: _compiles(p, f) and not f.chain, "train.compile=true on a model without "
+         "a Chain of blocks", "torch.compile is applied per Chain block (torchtitan's per-block compile)",
+         "a model scaletrain can cut into blocks (see scaletrain.chain), or train.compile=false", "needs a Chain"),
+    Rule("compile-pp", lambda p, f: _compiles(p, f) and p.pp > 1, lambda p, f: f"train.compile=true with "
+         f"parallel.pp={p.pp}", "compiling blocks inside the pipeline's stages is not verified yet",
+         "train.compile=false with pipelines", "not verified with pp"),
+    Rule("compile-offload", lambda p, f: _compiles(p, f) and _offload(p), "train.compile=true with memory.offload",
+         "the offload runtime moves parameters and saved activations with hooks per block and op, which compiled "
+         "graphs are not verified under", "train.compile=false with memory.offload", "not verified with offload"),
+    Rule("compile-remat-ops", lambda p, f: _compiles(p, f) and _remat_ops(p),
+         lambda p, f: f"train.compile=true with memory.remat.method={p.remat.method}",
+         "its executor replays the blocks' operators one by one outside their forward, so the compiled graphs "
+         "would never run", "memory.remat.method=optimal, revolve, periodic or blocks", "op-by-op schedule"),
+    Rule("compile-parallel", lambda p, f: _compiles(p, f) and (_mp(p) or p.hsdp > 0 or p.compression != "none"),
+         lambda p, f: f"train.compile=true with tp={p.tp}, cp={p.cp}, ep={p.ep}, hsdp={p.hsdp}, "
+                      f"compression={p.compression}", "compiled blocks over DTensor shards, hybrid sharding or a "
+         "compression hook are not verified yet (DDP and ZeRO-1/2/3 are: equal losses over 2 processes)",
+         "train.compile=true with plain data parallelism or parallel.zero=1, 2, 3", "not verified yet"),
+    Rule("compile-compress", lambda p, f: _compiles(p, f) and p.activation_compression,
+         "train.compile=true with memory.activation_compression=true", "it packs saved tensors with autograd "
+         "hooks; that they reach the tensors a compiled graph saves is not verified (the losses match, the bytes "
+         "were not measured)", "one of them", "not verified with 8-bit act."),
+    Rule("compile-selective", lambda p, f: _compiles(p, f) and p.remat.selective != "none",
+         "train.compile=true with memory.remat.selective=attention", "dynamo cannot trace the checkpoint around "
+         "the attention core (its context_fn is a nested function: NotImplementedError in torch's dynamo)",
+         "memory.remat.blocks or memory.remat.method with train.compile", "dynamo cannot trace it"),
+    Rule("compile-sweep", lambda p, f: _compiles(p, f) and f.sweep, "train.compile=true in a sweep",
+         "the sweep runs shards of blocks in worker processes of its own", "train.compile=false",
+         "sweep runs its shards"),
     # ---------------------------------------------------------------- a run of a sweep (spilled shards)
     Rule("sweep-parallel", lambda p, f: f.sweep and (p.model_ranks > 1 or p.pp > 1 or (p.dp or 1) > 1 or p.zero
                                                       or p.compression != "none"),
@@ -349,6 +379,12 @@ RULES: list[Rule] = [
          "16-bit parameter storage with fp32 masters runs with one process or ZeRO-1/2",
          "train.params_dtype=fp32 with train.precision=bf16 there", "1 process or zero 1/2"),
 ]
+
+
+def _compiles(p: Plan, f: Facts) -> bool:
+    from scaletrain.techniques.compile import resolve
+
+    return resolve(p.compile, f.device)
 
 
 def _virtual(p: Plan) -> int:
@@ -392,6 +428,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     "bf16": {"precision": "bf16"},
     "fp16": {"precision": "fp16"},
     "bf16 params": {"params_dtype": "bf16", "precision": "bf16"},
+    "compile": {"compile": "true"},
 }
 """One minimal plan per technique, combined pairwise for the matrix."""
 

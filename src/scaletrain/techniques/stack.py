@@ -11,7 +11,9 @@ matters, and each step says why:
    them — remat, data parallelism, the optimizer — must see the sharded model;
 3. **rematerialization** (:mod:`.remat.tree`): the Chain's blocks under nested activation
    checkpoints, planned on the estimated step of one micro-batch; it wraps *modules*, so the data
-   parallelism applied next sees its forwards (DDP's reducer, FSDP2's unshard hooks);
+   parallelism applied next sees its forwards (DDP's reducer, FSDP2's unshard hooks); then
+   **torch.compile** (``train.compile``, :mod:`.compile`) compiles each Chain block in place, after
+   TP and remat and before data parallelism, as torchtitan does;
 4. **data parallelism** over the data-parallel ranks: torch DDP (plain data parallelism, ZeRO-0,
    gradient compression), :class:`.data_parallel.zero.GradSync` (ZeRO-0 on a model-parallel mesh,
    ZeRO-1/2 everywhere) or torch FSDP2 (ZeRO-3, HSDP) around the module step 3 produced;
@@ -36,6 +38,7 @@ from torch import nn
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.plan import Plan
 from scaletrain.techniques import compat
+from scaletrain.techniques import compile as compile_face
 from scaletrain.techniques.runtime import RunContext, Strategy
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -79,6 +82,7 @@ def build_runtime(plan: Plan, model: nn.Module, ctx: RunContext, facts: compat.F
         except UserError as e:
             raise ConfigError(str(e)) from None
     forward_module, executor = _apply_remat(plan, model, ctx, choice)  # 3b. rematerialization
+    compile_face.apply(plan, model, ctx)  # 3c. torch.compile per Chain block, in place (DDP/FSDP wrap it next)
     rt = _data_parallel(plan, model, ctx, mp, forward_module)  # 4. data parallelism (5: the runtime's optimizer)
     if mp is not None and counts is not None and hasattr(model, "config") and ctx.task == "lm":
         _predict_mesh(plan, model, ctx, mp, counts, rt, choice)

@@ -175,11 +175,14 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
     ``mem`` (the stages' bytes), ``comm`` (bytes received per rank) and ``parts`` (each rank's params /
     grads / optimizer bytes) are :func:`.plan_cost.plan_costs`' own, so time and bytes describe one plan."""
     from scaletrain.measure.census import census
+    from scaletrain.techniques.compile import compute_factor
     from scaletrain.techniques.pipeline.actions import SEND_B, SEND_F
     from scaletrain.techniques.pipeline.simulate import Link, StageCosts, simulate
 
     ops = census(chain, example, target, loss_fn, plan.precision)
     fwd, bwd = block_seconds(ops, plat, tp=plan.tp, sp=plan.sp, cp=plan.cp)
+    k = compute_factor(plan, plat.compile_factor, plat.device_type)  # train.compile: the measured compiled/eager factor (1 when not measured)
+    fwd, bwd = [x * k for x in fwd], [x * k for x in bwd]
     rec = recompute_counts(plan, bounds, remat)
     attn = [attention_seconds(o, plat, tp=plan.tp, cp=plan.cp) for o in ops]
     selective = plan.remat.selective != "none"

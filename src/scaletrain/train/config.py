@@ -92,6 +92,10 @@ class TrainConfig:
     params_dtype: str = opt("fp32", "storage dtype of parameters and gradients: fp32, or bf16/fp16 with fp32 master "
                                     "weights kept by the optimizer (2 + 2 + 4 + K bytes per parameter; one process or "
                                     "parallel.zero=1/2)", choices=("fp32", "bf16", "fp16"))
+    compile: str = opt("false", "torch.compile each block of the model (after TP/remat, before DDP/FSDP, as torchtitan): "
+                                "true, false, auto (compile on CUDA only: on a CPU the tens of seconds of compiling "
+                                "outweigh what it saves); the first step pays the compile time",
+                       choices=("false", "true", "auto"))
     eval_every: int = opt(200, "validate every N steps (and at the end); 0 = only at the end", "steps", min=0)
     eval_batches: int = opt(8, "validation micro-batches per evaluation", "batches", min=1)
     log_every: int = opt(10, "write a metrics row every N steps", "steps", min=1)
@@ -245,7 +249,7 @@ def _coerce(path: str, value: Any, typ: Any, meta: dict) -> Any:
             raise ConfigError(f"{path}={value!r} is not allowed; expected a finite number")
     elif typ is str:
         if not isinstance(value, str):
-            value = str(value)
+            value = str(value).lower() if isinstance(value, bool) else str(value)  # TOML true -> "true"
         if meta.get("unit") == "bytes" and value not in meta.get("words", ()):  # read every size now, used or not (a typo must not wait for its feature)
             from scaletrain.techniques.remat.schedule import parse_bytes
 
