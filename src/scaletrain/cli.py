@@ -8,13 +8,14 @@ here, so adding a command never touches this file.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import pkgutil
 import sys
 from typing import Sequence
 
 from scaletrain import __version__
-from scaletrain.errors import UserError, report
+from scaletrain.errors import UserError, one_line, report
 
 
 def _command_modules() -> list:
@@ -28,8 +29,22 @@ def _command_modules() -> list:
     return mods
 
 
+PATH_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
+               errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}
+"""An OSError with one of these is about a path the user gave or the disk it is on (full, read-only, not
+there): one line and exit code 2 like a bad input, not a traceback. Other OSErrors are bugs and raise."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line and a pointer to ``--help`` (not usage plus error), exit code 2.
+    Sub-command parsers are of this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {one_line(ValueError(message))} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="scaletrain",
         description="Train an unmodified PyTorch model as fast as possible without running out of memory.",
     )
@@ -53,6 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except UserError as e:  # the one error path: one line (or the launcher's error directory), exit 2
         report(e)
+        return 2
+    except OSError as e:
+        if e.errno not in PATH_ERRNOS:
+            raise
+        report(UserError(f"cannot use {str(e.filename)!r}: {e.strerror}" if e.filename else one_line(e)))
         return 2
     except KeyboardInterrupt:
         print("scaletrain: interrupted", file=sys.stderr)

@@ -134,16 +134,20 @@ def export_safetensors(path: Path, out: Path, rename: Rename | None = None,
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for n, _, _ in heads:
-            t = read(n).contiguous()
-            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-            del t
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for n, _, _ in heads:
+                t = read(n).contiguous()
+                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                del t
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except OSError as e:  # a full disk, a read-only tree: no half-written file left behind
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {str(out)!r} ({e.strerror or e})") from None
     return {"path": str(out), "tensors": len(heads), "bytes": out.stat().st_size, "aliases": aliases}
 
 
