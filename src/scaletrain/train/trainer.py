@@ -47,6 +47,7 @@ from scaletrain.techniques.stack import build_runtime
 from scaletrain.models.adapters import adapt
 from scaletrain.train import checkpoint_io, elastic, faults, handback, preflight, resume as resuming, rundir
 from scaletrain.train.config import Config, to_toml
+from scaletrain.train.divergence import DivergenceGuard
 from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
 from scaletrain.train.model_data import build_datasets
@@ -436,6 +437,7 @@ class Trainer:
         loader = self._make_train_loader(self.step * cfg.train.global_batch)
         it = iter(loader)
         losses: list[float] = []
+        guard = DivergenceGuard(cfg.train.precision, cfg.optim.lr, cfg.optim.grad_clip, self.scaler)
         val: dict[str, float] = {}
         self.model.train()
         window_t, window_items = time.perf_counter(), 0
@@ -465,9 +467,8 @@ class Trainer:
                 window_items += items
                 rate = items / dt if dt > 0 else float("nan")
                 bar.update(self.step, step_loss, rate)
-                if not math.isfinite(step_loss) and cfg.train.precision != "fp16":
-                    raise ConfigError(f"training diverged at step {self.step} (loss {step_loss}); lower optim.lr="
-                                      f"{cfg.optim.lr} or use train.precision=fp32")
+                guard.check(self.step, step_loss, saves=self.step == cfg.train.steps or bool(
+                    cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0))  # before it saves
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
                     now = time.perf_counter()
                     row = {"step": self.step, "loss": step_loss, "lr": self.scheduler.get_last_lr()[0],
