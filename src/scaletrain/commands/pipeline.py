@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from scaletrain.argtypes import (MAX_MICROBATCHES, MAX_PIPELINE_PASSES, MAX_PIPELINE_RANKS, MAX_VIRTUAL, bounded,
-                                 positive_float, positive_int)
+                                 check_output, positive_float, positive_int)
 from scaletrain.errors import UserError
 
 NAME = "pipeline"
@@ -81,6 +81,10 @@ def _load_profile(path: Path):
 def run(args: argparse.Namespace) -> int:
     from scaletrain.techniques.pipeline import Link, build, simulate
 
+    if args.png is not None:
+        if args.png.suffix.lower() != ".png":
+            raise UserError(f"--png {args.png}: the timeline is a PNG; give a FILE.png")
+        check_output("--png", args.png)
     v = args.virtual if args.virtual is not None else (2 if args.schedule == "interleaved" else 1)
     steps = args.steps or (4 if args.schedule.startswith("pipedream") else 1)
     passes = args.ranks * args.microbatches * v * steps
