@@ -87,7 +87,7 @@ COMMANDS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
 """Per command: a cheap base argv (RUN: a trained run directory) and option -> value pools."""
 
 
-WEIGHTS = {"estimate": 1, "remat": 1, "profile": 1, "checkpoint export": 1, "models": 0.1, "optimizers": 0.1}
+WEIGHTS = {"estimate": 2, "remat": 1, "profile": 1, "checkpoint export": 1, "models": 0.1, "optimizers": 0.1}
 """Relative frequency of a command's cases (default 10): the ones whose valid cases build or export a model are
 rarer, so that the whole test stays quick; `models` builds every reference model."""
 
@@ -112,7 +112,7 @@ def _cases(n: int, seed: int = 27) -> list[tuple[str, list[str]]]:
     return out
 
 
-CASES = _cases(int(os.environ.get("FUZZ_CMD_CASES", "1700")), int(os.environ.get("FUZZ_SEED", "27")))
+CASES = _cases(int(os.environ.get("FUZZ_CMD_CASES", "1600")), int(os.environ.get("FUZZ_SEED", "27")))
 
 
 @pytest.fixture(scope="module")
