@@ -183,3 +183,25 @@ def test_public_surface():
     assert callable(remat.plan) and callable(offload.build_offload_runtime)
     est = estimate.estimate_step(hf_gpt2(), 2, 16)  # an HF object: shapes from its adapter
     assert est.bytes["parameters"] == 4 * sum(p.numel() for p in hf_gpt2().parameters())
+
+
+def test_hf_dir_in_every_command(tmp_path, capsys):
+    """`estimate|remat|profile|pipeline --model hf:/dir` on a saved directory: the shape commands build it from
+    config.json on the meta device (from_pretrained refuses meta), with --set fields applied; a field the config
+    lacks is one line."""
+    saved = hf_gpt2()
+    saved.save_pretrained(tmp_path / "local")
+    name = f"hf:{tmp_path / 'local'}"
+    n = sum(p.numel() for p in saved.parameters())
+    assert main(["estimate", "--model", name, "--seq", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == n
+    assert main(["estimate", "--model", name, "--seq", "16", "--set", "n_layer=1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] < n  # the override reached the config
+    for argv in (["remat", "--model", name, "--seq", "16", "--budget", "1GiB", "--methods", "none", "--json"],
+                 ["profile", "--model", name, "--seq", "16", "--repeats", "1", "--warmup", "0", "--json"],
+                 ["pipeline", "--model", name, "--seq", "16", "--ranks", "2", "--microbatches", "2", "--json"]):
+        assert main(argv) == 0, (argv, capsys.readouterr().err)
+        assert json.loads(capsys.readouterr().out), argv
+    assert main(["estimate", "--model", name, "--set", "bogus=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bogus" in err, err

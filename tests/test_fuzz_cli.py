@@ -123,7 +123,7 @@ def test_generated_configs_exit_0_or_2_without_traceback_or_stray_run_dir(tmp_pa
             bad.append(f"CASES[{i}] {case['over']}: rc {rc}: {err[-300:]}")
         elif rc == 2 and out.exists() and not _trained(out):
             bad.append(f"CASES[{i}] {case['over']}: failed before training but left {out}")
-        elif rc == 2 and len([x for x in err.splitlines() if x.startswith("scaletrain: error:")]) != 1 \
-                and "usage:" not in err:
+        elif rc == 2 and len([x for x in err.splitlines() if x.startswith(("scaletrain: error:",
+                                                                            "scaletrain train: error:"))]) != 1:
             bad.append(f"CASES[{i}] {case['over']}: not one line: {err[-300:]}")
     assert not bad, "\n".join(bad[:15]) + f"\n({len(bad)} of {len(CASES)} cases)"

@@ -8,6 +8,8 @@ here, so adding a command never touches this file.
 from __future__ import annotations
 
 import argparse
+import errno
+import functools
 import importlib
 import os
 import pkgutil
@@ -15,7 +17,7 @@ import sys
 from typing import Sequence
 
 from scaletrain import __version__
-from scaletrain.errors import UserError, report
+from scaletrain.errors import UserError, one_line, report
 
 
 def _command_modules() -> list:
@@ -29,8 +31,22 @@ def _command_modules() -> list:
     return mods
 
 
+PATH_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
+               errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}
+"""An OSError with one of these is about a path the user gave or the disk it is on (full, read-only, not
+there): one line and exit code 2 like a bad input, not a traceback. Other OSErrors are bugs and raise."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line and a pointer to ``--help`` (not usage plus error), exit code 2.
+    Sub-command parsers are of this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {one_line(ValueError(message))} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="scaletrain",
         description="Train an unmodified PyTorch model as fast as possible without running out of memory.",
     )
@@ -44,8 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@functools.lru_cache(maxsize=1)
+def _parser() -> argparse.ArgumentParser:
+    """Built once per process (parsing leaves it unchanged): in-process callers (tests, sweeps) parse many argv."""
+    return build_parser()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
@@ -55,13 +77,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:  # the one error path: one line (or the launcher's error directory), exit 2
         report(e)
         return 2
+    except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except OSError as e:  # (after BrokenPipeError, an OSError too)
+        if e.errno not in PATH_ERRNOS:
+            raise
+        report(UserError(f"cannot use {str(e.filename)!r}: {e.strerror}" if e.filename else one_line(e)))
+        return 2
     except KeyboardInterrupt as e:  # train/interrupt.py says where its checkpoint went (once: rank 0)
         if os.environ.get("RANK", "0") == "0":
             print(f"scaletrain: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,6 +21,7 @@ cores as the compute).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import time
@@ -161,7 +162,46 @@ class Platform:
                     d[k] = tuple(sorted(((float(a), float(b)) for a, b in d[k]), reverse=True))
                 except (TypeError, ValueError):
                     raise UserError(f"platform field {k!r} must be a list of [size, fraction] pairs") from None
+        for f in dataclasses.fields(cls):
+            if f.name in d:
+                _check_field(f.name, d[f.name], "" if f.name == "name" else f.default)
         return cls(**d)
+
+
+FRACTIONS = ("unaligned_matmul_fraction", "intra_node_efficiency", "inter_node_efficiency")
+"""Fields that are a fraction of a peak, in [0, 1]."""
+MAY_BE_ZERO = ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_overhead_s", "price_per_device_hour",
+               "intra_node_latency_s", "inter_node_latency_s", "unaligned_matmul_fraction")
+"""Numeric fields where 0 is meaningful (no such link, not modelled, unknown price); the others divide."""
+
+
+def _check_field(name: str, value: object, default: object) -> None:
+    """One-line UserError unless a platform file's ``name`` has the type of its default and a sane value:
+    every rate, size and count > 0 and finite (they divide or multiply every prediction), fractions in
+    [0, 1], efficiency tables of fractions in (0, 1]."""
+    where = f"platform field {name!r}"
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise UserError(f"{where} must be true or false (got {value!r})")
+    elif isinstance(default, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UserError(f"{where} must be a finite number (got {value!r})")
+        if isinstance(default, int) and not float(value).is_integer():
+            raise UserError(f"{where} must be a whole number (got {value!r})")
+        low_ok = value >= 0 if name in MAY_BE_ZERO else value > 0
+        if not low_ok or (name in FRACTIONS and value > 1):
+            allowed = "from 0 to 1" if name in FRACTIONS else (">= 0" if name in MAY_BE_ZERO else "> 0")
+            raise UserError(f"{where} must be {allowed} (got {value!r})")
+    elif isinstance(default, str):
+        if not isinstance(value, str):
+            raise UserError(f"{where} must be a string (got {value!r})")
+        if name == "device_type" and value not in ("cpu", "cuda"):
+            raise UserError(f"{where} must be cpu or cuda (got {value!r})")
+    elif isinstance(default, tuple):  # an efficiency table, already sorted pairs of floats
+        if not value or not all(math.isfinite(a) and a >= 0 and 0 < b <= 1 for a, b in value):
+            raise UserError(f"{where} must be a non-empty list of [size >= 0, fraction in (0, 1]] pairs")
+    elif name == "meta" and not isinstance(value, dict):
+        raise UserError(f"{where} must be an object (got {value!r})")
 
 
 def _lookup(table: tuple, size: float) -> float:

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from scaletrain.argtypes import check_output
 from scaletrain.errors import UserError
 
 NAME = "checkpoint"
@@ -78,13 +79,14 @@ def run(args: argparse.Namespace) -> int:
     if args.to == "hf":
         from scaletrain.train.export_hf import export_hf
 
-        d = export_hf(path, Path(args.out) if args.out else path.with_name(path.name.removesuffix(".pt") + "-hf"))
+        out = Path(args.out) if args.out else path.with_name(path.name.removesuffix(".pt") + "-hf")
+        check_output("--out", out, directory=True)
+        d = export_hf(path, out)
         print(json.dumps(d) if args.json else f"wrote {d['path']}: config.json and model.safetensors ({d['tensors']} "
               f"tensors, {_size(d['bytes'])}); load it with transformers' from_pretrained")
         return 0
     out = Path(args.out) if args.out else path.with_name(path.name.removesuffix(".pt") + ".safetensors")
-    if out.exists() and out.is_dir():
-        raise UserError(f"--out {str(out)!r} is a directory; give a file name")
+    check_output("--out", out)
     d = export.export_safetensors(path, out)
     print(json.dumps(d) if args.json else f"wrote {d['path']}: {d['tensors']} tensors, {_size(d['bytes'])}")
     return 0

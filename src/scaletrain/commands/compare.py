@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from scaletrain.argtypes import positive_int
+
 NAME = "compare"
 HELP = "run the comparative study (strategies x devices x models) and write report.html, results.json/csv"
 DESCRIPTION = """Runs every cell of the matrix strategies x device counts x models as `scaletrain train`
@@ -35,8 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", metavar="A,B", help=f"models (of {', '.join(MODELS)})")
     p.add_argument("--devices", metavar="1,2,4", help="process counts (default 1,2,4)")
     p.add_argument("--strategies", metavar="A,B", help=f"strategies (of {', '.join(STRATEGIES)})")
-    p.add_argument("--repeats", type=int, metavar="R", help="runs per cell, interleaved (default 3; --quick 1)")
-    p.add_argument("--steps", type=int, metavar="S", help="optimizer steps per run (default: the model's; --quick 12)")
+    p.add_argument("--repeats", type=positive_int(1000), metavar="R", help="runs per cell, interleaved (default 3; --quick 1)")
+    p.add_argument("--steps", type=positive_int(1 << 24), metavar="S", help="optimizer steps per run (default: the model's; --quick 12)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of progress lines")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from scaletrain.argtypes import MAX_RANKS, positive_int
+
 NAME = "compat"
 HELP = "show which techniques combine (the one compatibility table), or check a config / plan file"
 DESCRIPTION = """Every refusal scaletrain makes of a combination of techniques lives in one table
@@ -23,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", action="store_true", help="print the matrix as Markdown (what the README holds)")
     p.add_argument("--config", metavar="FILE", help="a config TOML to check")
     p.add_argument("--plan", metavar="FILE", help="a plan file to check (TOML or JSON, see `scaletrain train --plan`)")
-    p.add_argument("--nproc", type=int, default=1, help="processes the plan would run on (default 1)")
+    p.add_argument("--nproc", type=positive_int(MAX_RANKS), default=1, help="processes the plan would run on (default 1)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides to check")
 
 

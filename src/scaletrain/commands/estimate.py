@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from scaletrain.argtypes import (MAX_MICROBATCHES, MAX_PIPELINE_RANKS, MAX_RANKS, MAX_VIRTUAL,
+                                 count, positive_float, positive_int)
 from scaletrain.measure.report import add_step_arguments, check_step_args, parse_overrides
 
 NAME = "estimate"
@@ -46,29 +48,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a scaletrain.platform preset (h100, h200, a100-80g, a100-40g, v100), a platform JSON file, "
                         "or local (this machine, one process): its device, FLOP/s and memory; says whether the "
                         "step fits and prices the plan's step time by phase")
-    p.add_argument("--flops-per-s", type=float, default=None, help="FLOP/s to turn FLOPs into times")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks: adds per-rank model-state bytes and "
+    p.add_argument("--flops-per-s", type=positive_float(), default=None, help="FLOP/s to turn FLOPs into times")
+    p.add_argument("--dp", type=positive_int(MAX_RANKS), default=1, help="data-parallel ranks: adds per-rank model-state bytes and "
                                                      "bytes communicated per step (default 1)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage with --dp (default 0)")
-    p.add_argument("--hsdp", type=int, default=0, help="with --zero >= 1: shard within groups of this many ranks")
+    p.add_argument("--hsdp", type=count(MAX_RANKS), default=0, help="with --zero >= 1: shard within groups of this many ranks")
     p.add_argument("--simulate", action="store_true",
                    help="also run a whole step on fake tensors under the tracker, as a cross-check")
     g = p.add_argument_group("plan", "any of these (or --plan) predicts every rank of that plan: its peak by "
                                      "category (the heaviest rank's is `bytes.peak`) and the bytes it receives per "
                                      "step in collectives — the composed cost faces, scaletrain.techniques.plan_cost")
     g.add_argument("--plan", metavar="FILE", help="a plan file (TOML or JSON, as `scaletrain train --plan`)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    g.add_argument("--tp", type=positive_int(MAX_RANKS), default=1, help="tensor-parallel ranks")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
-    g.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--cp", type=positive_int(MAX_RANKS), default=1, help="context-parallel ranks")
+    g.add_argument("--ep", type=positive_int(MAX_RANKS), default=1, help="expert-parallel ranks")
+    g.add_argument("--pp", type=positive_int(MAX_PIPELINE_RANKS), default=1, help="pipeline stages")
     g.add_argument("--schedule", default="1f1b", help="pipeline schedule (default 1f1b)")
-    g.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches per step")
-    g.add_argument("--virtual", type=int, default=0, help="stages per rank (interleaved)")
+    g.add_argument("--microbatches", type=count(MAX_MICROBATCHES), default=0, help="pipeline micro-batches per step")
+    g.add_argument("--virtual", type=count(MAX_VIRTUAL), default=0, help="stages per rank (interleaved)")
     g.add_argument("--remat", default="none", help="remat method: none, periodic, revolve, optimal (with --pp: "
                                                    "per stage and micro-batch)")
     g.add_argument("--remat-budget", default="", help="remat budget: bytes or a size like 7MiB")
-    g.add_argument("--global-batch", type=int, default=0,
+    g.add_argument("--global-batch", type=count(), default=0,
                    help="samples per optimizer step over all replicas (default: --batch x --accum x dp)")
 
 

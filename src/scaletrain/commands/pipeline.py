@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+from scaletrain.argtypes import (MAX_MICROBATCHES, MAX_PIPELINE_PASSES, MAX_PIPELINE_RANKS, MAX_VIRTUAL, bounded,
+                                 check_output, positive_float, positive_int)
 from scaletrain.errors import UserError
 
 NAME = "pipeline"
@@ -35,23 +37,23 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb1p, chimera, pipedream, "
                    "pipedream-2bw (default 1f1b)")
-    p.add_argument("--ranks", "-P", type=int, default=4, help="pipeline ranks P (default 4)")
-    p.add_argument("--microbatches", "-M", type=int, default=8, help="micro-batches per step M (default 8)")
-    p.add_argument("--virtual", "-v", type=int, default=None,
+    p.add_argument("--ranks", "-P", type=positive_int(MAX_PIPELINE_RANKS), default=4, help="pipeline ranks P (default 4)")
+    p.add_argument("--microbatches", "-M", type=positive_int(MAX_MICROBATCHES), default=8, help="micro-batches per step M (default 8)")
+    p.add_argument("--virtual", "-v", type=positive_int(MAX_VIRTUAL), default=None,
                    help="stages per rank for interleaved (default 2 there, 1 elsewhere)")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=positive_int(64), default=None,
                    help="steps to lay out (default 1; 4 for the asynchronous schedules, steady state measured)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="reference model to estimate per-block costs for (e.g. gpt2-tiny)")
     src.add_argument("--profile", type=Path, default=None, help="Profile JSON giving per-block costs (seconds, bytes)")
-    p.add_argument("--batch", type=int, default=1, help="with --model: micro-batch size (default 1)")
-    p.add_argument("--seq", type=int, default=None, help="with --model: sequence length (default: the model's)")
+    p.add_argument("--batch", type=positive_int(), default=1, help="with --model: micro-batch size (default 1)")
+    p.add_argument("--seq", type=positive_int(), default=None, help="with --model: sequence length (default: the model's)")
     p.add_argument("--equal-split", action="store_true", help="with --profile: equal-blocks stages instead of the DP")
-    p.add_argument("--bandwidth-gbps", type=float, default=math.inf,
+    p.add_argument("--bandwidth-gbps", type=positive_float(infinite=True), default=math.inf,
                    help="point-to-point bandwidth in GB/s (1e9 bytes/s) for boundary tensors (default: infinite)")
-    p.add_argument("--latency-us", type=float, default=0.0, help="per-message latency in microseconds (default 0)")
-    p.add_argument("--memory-limit-gib", type=float, default=math.inf, help="per-rank memory limit for the partitioner")
-    p.add_argument("--bytes-per-param", type=float, default=16.0,
+    p.add_argument("--latency-us", type=bounded(float, 0.0, 1e9), default=0.0, help="per-message latency in microseconds (default 0)")
+    p.add_argument("--memory-limit-gib", type=positive_float(infinite=True), default=math.inf, help="per-rank memory limit for the partitioner")
+    p.add_argument("--bytes-per-param", type=positive_float(1e6), default=16.0,
                    help="weights+grads+optimizer bytes per parameter (default 16, fp32 Adam)")
     p.add_argument("--png", type=Path, default=None, help="write a timeline PNG (ranks x time) here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -61,9 +63,13 @@ def _load_profile(path: Path):
     from scaletrain.measure.types import Profile
 
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"--profile {path}: no such file") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--profile {path}: not UTF-8 text (a Profile JSON from `scaletrain profile --json`)") from None
+    except OSError as e:
+        raise UserError(f"--profile {path}: cannot be read ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise UserError(f"--profile {path}: not JSON ({e.msg} at line {e.lineno})") from None
     try:
@@ -75,7 +81,16 @@ def _load_profile(path: Path):
 def run(args: argparse.Namespace) -> int:
     from scaletrain.techniques.pipeline import Link, build, simulate
 
+    if args.png is not None:
+        if args.png.suffix.lower() != ".png":
+            raise UserError(f"--png {args.png}: the timeline is a PNG; give a FILE.png")
+        check_output("--png", args.png)
     v = args.virtual if args.virtual is not None else (2 if args.schedule == "interleaved" else 1)
+    steps = args.steps or (4 if args.schedule.startswith("pipedream") else 1)
+    passes = args.ranks * args.microbatches * v * steps
+    if passes > MAX_PIPELINE_PASSES:
+        raise UserError(f"--ranks {args.ranks} x --microbatches {args.microbatches} x --virtual {v} x --steps "
+                        f"{steps} = {passes:,} passes to simulate; allowed: at most {MAX_PIPELINE_PASSES:,}")
     sched = build(args.schedule, args.ranks, args.microbatches, v, args.steps)
     link = Link(args.bandwidth_gbps * 1e9, args.latency_us * 1e-6)
     costs, units, split = None, "unit", None

@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from scaletrain.argtypes import check_output, count, positive_float, positive_int
 from scaletrain.errors import UserError
 from scaletrain.planner.api import entry  # noqa: F401 - the JSON of one ranked plan (--json)
 from scaletrain.planner.shape import analytic
@@ -45,9 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="preset (a100-80g, a100-40g, h100, h200, v100) or a platform JSON file (default a100-80g); "
                         "repeatable: the platforms are searched and ranked together")
     p.add_argument("--nodes", default="1", help="nodes: one count, a list or ranges, e.g. 4, 1,2,4 or 1-8 (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: the model's n_positions)")
+    p.add_argument("--gpus-per-node", type=positive_int(1024), default=8, help="devices per node (default 8)")
+    p.add_argument("--global-batch", type=positive_int(), required=True, help="sequences per optimizer step")
+    p.add_argument("--seq", type=count(), default=0, help="tokens per sequence (default: the model's n_positions)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a dimension: dp, tp, pp, ep, zero, micro_batch, schedule, virtual, remat, sp, params_dtype, attention, offload "
                         "(none|optimizer) (repeatable)")
@@ -62,12 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="USD per device-hour for a --platform by name, e.g. h100=3.25 (repeatable; overrides "
                         "the platform's price_per_device_hour)")
     p.add_argument("--deadline", metavar="TIME", help="reject plans whose run takes longer: seconds or 90m, 2h, 3d")
-    p.add_argument("--max-cost", type=float, metavar="USD", help="reject plans whose run costs more (USD)")
-    p.add_argument("--top", type=int, default=5, help="plans to list (default 5)")
+    p.add_argument("--max-cost", type=positive_float(), metavar="USD", help="reject plans whose run costs more (USD)")
+    p.add_argument("--top", type=positive_int(1 << 20), default=5, help="plans to list (default 5)")
     p.add_argument("--json", action="store_true", help="print the ranked list as JSON (an array, best first)")
     p.add_argument("--json-rejected", action="store_true",
                    help="with --json: an object with the ranked list, the rejected regions and the search's size")
-    p.add_argument("--explain", type=int, default=0, metavar="N", help="full breakdown of the N-th plan (1 = best)")
+    p.add_argument("--explain", type=count(1 << 20), default=0, metavar="N", help="full breakdown of the N-th plan (1 = best)")
     p.add_argument("--out", metavar="FILE", help="write the best plan as a plan TOML for `scaletrain train --plan`")
     p.add_argument("--timeline", metavar="FILE.png",
                    help="draw one predicted step of the best plan (or of --explain N's) per pipeline rank, in ms")
@@ -106,6 +107,9 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--tokens and --samples both state the training run; give one")
     if args.timeline and not args.timeline.lower().endswith(".png"):
         raise UserError(f"--timeline {args.timeline}: the timeline is a PNG; give a FILE.png")
+    for flag, path in (("--out", args.out), ("--timeline", args.timeline)):
+        if path:
+            check_output(flag, path)
 
 
 def _check_platform(plat, nodes: int, gpus_per_node: int) -> None:

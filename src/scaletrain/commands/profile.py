@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from scaletrain.argtypes import count, positive_int
 from scaletrain.errors import UserError
 from scaletrain.measure.report import add_step_arguments, check_step_args, parse_overrides
 
@@ -23,8 +24,8 @@ example:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_step_arguments(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per block (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed runs per block first (default 2)")
+    p.add_argument("--repeats", type=positive_int(1000), default=5, help="timed runs per block (default 5)")
+    p.add_argument("--warmup", type=count(1000), default=2, help="untimed runs per block first (default 2)")
     p.add_argument("--force", action="store_true", help="run even if the estimate says it will not fit")
 
 

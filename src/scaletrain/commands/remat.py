@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from scaletrain.argtypes import count, positive_float, positive_int
+
 NAME = "remat"
 HELP = "rematerialization schedules for a memory budget: predicted (and measured) peak and time"
 DESCRIPTION = __doc__ + """
@@ -37,18 +39,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", required=True, help="model: a reference name, hf:<family>, hf:/path/to/dir or "
                                                    "py:module:factory (see `scaletrain models`)")
-    p.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length for language models")
+    p.add_argument("--batch", type=positive_int(), default=1, help="micro-batch size (default 1)")
+    p.add_argument("--seq", type=positive_int(), default=None, help="sequence length for language models")
     p.add_argument("--budget", required=True, help="activation memory budget: bytes or a size like 1.5GiB, 512MiB")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD",
                    help=f"methods to plan (default: all of {', '.join(METHODS)})")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="autocast precision")
-    p.add_argument("--time-limit", type=float, default=20.0, help="ilp solver time limit, seconds (default 20)")
+    p.add_argument("--time-limit", type=positive_float(86400.0), default=20.0, help="ilp solver time limit, seconds (default 20)")
     p.add_argument("--measure", action="store_true", help="run each schedule once for real and measure it")
-    p.add_argument("--repeats", type=int, default=5,
+    p.add_argument("--repeats", type=positive_int(1000), default=5,
                    help="timed rounds with --measure: every method once a round, in rotated order, after one "
                         "untimed warm-up round (median, min and max reported)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=count(1024), default=1,
                    help="torch CPU threads while measuring (default 1: steady timings on a shared machine; "
                         "0 = torch's default)")
     p.add_argument("--show-ops", action="store_true", help="print each schedule's operations")

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from scaletrain.argtypes import MAX_PROCS, count
 from scaletrain.errors import ConfigError
 from scaletrain.train.config import describe, load_config
 
@@ -28,12 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reset-optimizer", action="store_true", help="with --resume: keep the checkpoint's weights, "
                    "step and data position but start fresh optimizer states (needed to change optim.name)")
     p.add_argument("--json", action="store_true", help="print the final result as one JSON object")
-    p.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
+    p.add_argument("--nproc-per-node", type=count(MAX_PROCS), default=0, metavar="N",
                    help="data-parallel processes on this machine: re-runs this command under "
                    "`python -m torch.distributed.run --standalone --nproc-per-node N` (gloo on CPU, NCCL on GPU); "
                    "for several machines run torchrun yourself (its --max-restarts resume too: give --out on a shared "
                    "filesystem)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+    p.add_argument("--max-restarts", type=count(1000), default=0, metavar="K",
                    help="with --nproc-per-node: restart the job up to K times when a rank dies or hangs past "
                    "parallel.timeout_s, each time with a fresh rendezvous, resuming from the newest complete "
                    "checkpoint (no sample lost or repeated); the time each failure cost is logged as a restart row")

@@ -8,7 +8,8 @@
   vocabulary defaults to the shipped text's 256 bytes (257 for BERT: one mask token more), and
   dropout to 0 so that runs of any world size give the same losses.
 - ``hf:/path/to/dir``: a local directory with ``config.json`` and safetensors weights, loaded by
-  the class its ``architectures`` names (``model.overrides.*`` go to ``from_pretrained``).
+  the class its ``architectures`` names (``model.overrides.*`` go to ``from_pretrained``); on the meta
+  device (estimates) built from ``config.json`` alone, the weights unread.
 - ``py:package.module:factory``: ``factory(**model.overrides)`` must return an ``nn.Module``; the
   current directory is importable.
 
@@ -113,9 +114,24 @@ def _hf_dir(path: str, overrides: dict[str, Any]) -> nn.Module:
     if cls is None:
         raise UserError(f"model 'hf:{path}': config.json names no known architecture ({arch!r})")
     try:
+        if torch.get_default_device().type == "meta":  # shapes only (estimate, remat, profile, pipeline)
+            return _hf_dir_shape(path, cls, cfg, overrides)
         return cls.from_pretrained(str(d), local_files_only=True, **overrides)
     except (OSError, TypeError, ValueError) as e:
         raise UserError(f"model 'hf:{path}': {str(e).splitlines()[0]}") from None
+
+
+def _hf_dir_shape(path: str, cls: Any, cfg: Any, overrides: dict[str, Any]) -> nn.Module:
+    """The model of ``hf:path`` built from its config alone, on the meta device: what the estimators need,
+    since ``from_pretrained`` refuses a meta device (it wants to load weights, which no estimate reads).
+    ``overrides`` set config fields, as ``from_pretrained`` would; a name the config lacks is refused."""
+    bad = sorted(k for k in overrides if not hasattr(cfg, k))
+    if bad:
+        raise UserError(f"its config has no field {bad[0]!r}; e.g. "
+                        f"{', '.join(sorted(cfg.to_dict())[:12])}")
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cls(cfg)
 
 
 def _py_factory(spec: str, overrides: dict[str, Any]) -> nn.Module:

@@ -7,6 +7,7 @@ against them, so a typo gives a one-line error listing what may be overridden.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -118,8 +119,28 @@ def resolve_args(name: str, **overrides: Any) -> dict[str, Any]:
         raise UserError(f"model {name!r} has no option {bad[0]!r}; allowed: {', '.join(sorted(allowed))}")
     args = dict(e.defaults)
     for k, v in overrides.items():
+        _check_override(name, k, v, e.defaults.get(k, _GPT2_DEFAULTS.get(k)))
         args[k] = tuple(v) if isinstance(v, list) else v
     return args
+
+
+_GPT2_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPT2Config)}
+
+
+def _check_override(name: str, key: str, value: Any, default: Any) -> None:
+    """One-line UserError unless ``value`` fits its default's kind: a size or count (an int default > 0) is an
+    integer >= 1, an int default of 0 (off) an integer >= 0, a float a finite number (``n_layer=-1`` would build
+    an empty model and predict nothing)."""
+    if isinstance(default, bool) or default is None:
+        return
+    if isinstance(default, int):
+        low = 1 if default > 0 else 0
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1 << 40:
+            raise UserError(f"model {name!r}: {key}={value!r} is not allowed; expected an integer from {low} "
+                            f"to {1 << 40:,}")
+    elif isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UserError(f"model {name!r}: {key}={value!r} is not allowed; expected a finite number")
 
 
 def get(name: str, *, device: str | torch.device | None = None, **overrides: Any) -> nn.Module:

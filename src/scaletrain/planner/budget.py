@@ -48,6 +48,12 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _UNITS_S[m.group(2) or "s"]
 
 
+MAX_NODE_COUNTS = 1024
+"""Node counts one search may compare (each is a whole planner search: 1-10000000 ran for minutes)."""
+MAX_NODES = 1 << 20
+"""Nodes one plan may name."""
+
+
 def parse_nodes(text: str) -> list[int]:
     """``"4"`` / ``"1,2,4"`` / ``"1-4"`` / ``"16,32-34"`` -> sorted distinct node counts (ranges inclusive)."""
     out: set[int] = set()
@@ -59,6 +65,8 @@ def parse_nodes(text: str) -> list[int]:
             a = b = 0
         if a < 1 or b < a:
             raise UserError(f"--nodes {text!r}: expected node counts >= 1 as a list or ranges, e.g. 4, 1,2,4 or 1-8")
+        if b > MAX_NODES or len(out) + b - a + 1 > MAX_NODE_COUNTS:
+            raise UserError(f"--nodes {text!r}: at most {MAX_NODE_COUNTS} node counts, each <= {MAX_NODES:,}")
         out.update(range(a, b + 1))
     return sorted(out)
 

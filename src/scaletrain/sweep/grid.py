@@ -90,6 +90,8 @@ def file_runs(path: str, overrides: list[str]) -> tuple[dict[str, Any], list[tup
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"runs file {path!r} does not exist") from None
+    except OSError as e:  # a directory, unreadable
+        raise ConfigError(f"runs file {path!r} cannot be read ({e.strerror}); give a TOML file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"runs file {path!r} is not valid UTF-8 TOML ({str(e).splitlines()[0]})") from None
     unknown = set(data) - {"sweep", "base", "run"}

@@ -25,6 +25,11 @@ import tomli_w
 from scaletrain.errors import ConfigError, UserError, one_line
 
 
+MAX_INT = 2**53
+"""Largest integer any config field takes unless it states its own ``max``: JSON and float arithmetic hold it
+exactly, and no count of steps, samples or ranks comes near it."""
+
+
 def opt(default: Any, help: str, unit: str = "", choices: tuple | None = None, min: float | None = None,
         max: float | None = None, words: tuple = ()) -> Any:
     """A documented config field (``help`` says what it does, ``unit`` its unit; ``words``: the values a
@@ -262,6 +267,8 @@ def _coerce(path: str, value: Any, typ: Any, meta: dict) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}={value!r} is not allowed; expected a table")
     choices, lo, hi = meta.get("choices"), meta.get("min"), meta.get("max")
+    if typ is int and hi is None:
+        hi = MAX_INT  # every count and size: a value past this is a typo (train.steps=99999999999999999999)
     if choices and value not in choices:
         raise ConfigError(f"{path}={value!r} is not allowed; allowed: {', '.join(map(str, choices))}")
     if lo is not None and value < lo:

@@ -49,6 +49,7 @@ from scaletrain.train import checkpoint_io, elastic, faults, handback, interrupt
 from scaletrain.train import resume as resuming, rundir
 from scaletrain.train.callbacks import Hooks
 from scaletrain.train.config import Config, to_toml
+from scaletrain.train.divergence import DivergenceGuard
 from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
 from scaletrain.train.model_data import as_pairs, build_datasets  # dict samples: as (x, y) pairs
@@ -466,6 +467,7 @@ class Trainer:
         loader = self._make_train_loader(self.step * cfg.train.global_batch)
         it = iter(loader)
         losses: list[float] = []
+        diverge = DivergenceGuard(cfg.train.precision, cfg.optim.lr, cfg.optim.grad_clip, self.scaler)
         val: dict[str, float] = {}
         self.model.train()
         window_t, window_items = time.perf_counter(), 0
@@ -492,16 +494,22 @@ class Trainer:
                 self.step += 1
                 metrics.after_step(self.step)
                 losses.append(step_loss)
-                step_loss, agreed = average_pending(self.parallel, losses, self.ctx.counts_traffic(self.step - 1))
+                last = self.step == cfg.train.steps
+                periodic, stop = guard.periodic(self.step, time.perf_counter() - t0), guard.stop()  # alike on every rank
+                every = cfg.train.checkpoint_every
+                saves = last or stop or periodic or bool(every and self.step % every == 0)
+                # the ranks' losses are averaged on logging steps and before a save (no diverged checkpoint)
+                step_loss, agreed = average_pending(self.parallel, losses,
+                                                    self.ctx.counts_traffic(self.step - 1) or saves)
                 dt = time.perf_counter() - t0
                 self.auto.step_times.append(dt) if self.auto is not None else None
                 items = cfg.train.global_batch * (self.tokens_per_sample if self.task == "lm" else 1)
                 window_items += items
                 rate = items / dt if dt > 0 else float("nan")
                 bar.update(self.step, step_loss, rate)
-                if agreed and not math.isfinite(step_loss) and cfg.train.precision != "fp16":
-                    raise ConfigError(f"training diverged at step {self.step} (loss {step_loss}); lower optim.lr="
-                                      f"{cfg.optim.lr} or use train.precision=fp32")
+                # the loss only where every rank holds the same value: every rank stops alike (none is left
+                # waiting in a collective); fp16's skipped steps are the same on every rank, counted every step
+                diverge.check(self.step, step_loss, saves=saves, loss_agreed=agreed)  # before it saves
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
                     now = time.perf_counter()
                     row = {"step": self.step, "loss": step_loss, "lr": self.scheduler.get_last_lr()[0],
@@ -525,7 +533,6 @@ class Trainer:
                     window_t, window_items = now, 0
                 self.hooks.call("on_step_end", self, self.step, {"loss": step_loss, "grad_norm": grad_norm,
                                                                  "lr": self.scheduler.get_last_lr()[0]})
-                last = self.step == cfg.train.steps
                 if last or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0):
                     val = self.evaluate()
                     metrics.write({"step": self.step, **val})
@@ -533,9 +540,7 @@ class Trainer:
                     self.log(self._val_line(val))
                     self.hooks.call("on_eval", self, self.step, val)
                     bar = ProgressBar(cfg.train.steps, self.step, unit, enabled=show and self.rank == 0)
-                periodic, stop = guard.periodic(self.step, dt), guard.stop()  # the same on every rank
-                every = cfg.train.checkpoint_every
-                if last or stop or periodic or (every and self.step % every == 0):
+                if saves:
                     saved = self.save_checkpoint()
                     if saved is not None:
                         self.hooks.call("on_checkpoint", self, self.step, saved)

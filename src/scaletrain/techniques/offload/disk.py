@@ -169,7 +169,14 @@ class DiskStates:
         if self.max_bytes is not None and need > self.max_bytes:
             raise UserError(f"disk tier needs {need} B for optimizer states, memory.offload.disk_max_bytes is "
                             f"{self.max_bytes} B; raise it or keep states on the host")
-        self.root.mkdir(parents=True, exist_ok=True)
+        if self.root.exists() and not self.root.is_dir():
+            raise UserError(f"memory.offload.disk_dir={str(self.root)!r} is a file; name a directory (created if "
+                            "missing) on the disk the optimizer states may use")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"memory.offload.disk_dir={str(self.root)!r} cannot be created ({e.strerror}); name a "
+                            "writable directory") from None
         cleanup_stale(self.root)
         free = shutil.disk_usage(self.root).free
         if need > free:
