@@ -146,8 +146,6 @@ def test_export_of_a_run_is_an_hf_dir(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), theirs.state_dict().values()))
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True,
-                   reason="hf:DIR is built with from_pretrained under the meta device (another change fixes it)")
 def test_estimate_takes_an_export(tmp_path):
     """`scaletrain estimate --model hf:DIR` takes scaletrain's own HF export."""
     out = _exported(tmp_path)
