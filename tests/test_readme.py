@@ -103,3 +103,14 @@ def test_the_cheap_readme_commands_run_as_written(tmp_path, monkeypatch):
                 ran.append(argv)
     assert {a[0] for a in ran} == CHEAP and ["compat", "--markdown"] in ran, ran
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_readme_runs_file_is_valid(tmp_path):
+    from scaletrain.sweep import grid
+    from scaletrain.sweep.options import SweepOptions
+
+    text = (ROOT / "README.md").read_text().split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "runs.toml").write_text(text)
+    table, runs = grid.file_runs(str(tmp_path / "runs.toml"), [])
+    assert set(table) <= set(SweepOptions.__dataclass_fields__) and table
+    assert [n for n, _, _ in runs] == ["small-lr", "large-lr"] and runs[1][1].optim.lr == 1e-2
