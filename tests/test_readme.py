@@ -114,3 +114,21 @@ def test_the_readme_runs_file_is_valid(tmp_path):
     table, runs = grid.file_runs(str(tmp_path / "runs.toml"), [])
     assert set(table) <= set(SweepOptions.__dataclass_fields__) and table
     assert [n for n, _, _ in runs] == ["small-lr", "large-lr"] and runs[1][1].optim.lr == 1e-2
+
+
+def test_an_imported_file_resumes_only_with_its_models_keys(tmp_path, capsys):
+    """`checkpoint import F --out runs/y`, then `--resume` with another model: one line naming the
+    mismatched tensors (the README: resume with the model's keys); with the model's keys it trains on."""
+    from safetensors.torch import save_file
+
+    from scaletrain import models
+
+    tensors = {k: v.clone() for k, v in models.get("gpt2-tiny").state_dict().items()}  # as `export` writes them
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert main(["checkpoint", "import", str(tmp_path / "model.safetensors"), "--out", str(tmp_path / "y")]) == 0
+    fast = ["train.steps=1", "train.eval_batches=1", "train.progress=off", "train.global_batch=2", "data.seq_len=16"]
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "y"), "--resume", "model.name=gpt2-mini", *fast]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(r"(size mismatch for|Missing key\(s\) in state_dict:) \S", err), err
+    assert main(["train", "--out", str(tmp_path / "y"), "--resume", "model.name=gpt2-tiny", *fast]) == 0
