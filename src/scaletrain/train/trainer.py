@@ -309,7 +309,7 @@ class Trainer:
         except ConfigError:
             raise
         except (RuntimeError, ValueError, KeyError) as e:
-            first = str(e).strip().splitlines()[0][:200]
+            first = " ".join(x.strip() for x in str(e).strip().splitlines()[:2])[:300]  # torch: header + 1st cause
             raise ConfigError(f"checkpoint does not match this model/optimizer configuration ({first})") from None
         if reset_optimizer:  # lr of the checkpoint's step, from this run's optim.lr
             self.scheduler.last_epoch = int(state["step"])
