@@ -10,7 +10,8 @@ after it, in forward and again in backward (``reshard_after_forward=True``: ZeRO
 except the units whose backward runs first, the root and the last group (torchtitan's choice; fully_shard's
 default for the root): freed after forward they would be gathered again at once, so they stay whole from
 their forward into their backward, one all-gather a micro-batch (:func:`kept_elements`; without TP/EP,
-where the cost faces count it); gradients are reduce-scattered per block; the next block's all-gather is
+where the cost faces count it), and a single group is the root's own unit (one set of hooks, as one-group
+``fully_shard``: the per-module hooks of a grouped unit cost ~5 % of a small step on gloo); gradients are reduce-scattered per block; the next block's all-gather is
 prefetched explicitly in both directions. With a 2-D data-parallel mesh (replicate x shard) this is
 HSDP. Applied *after* tensor parallelism (torchtitan's 2-D: ``parallelize_module`` on the TP mesh,
 then ``fully_shard`` on the data-parallel mesh of the same device mesh), every parameter becomes a
@@ -156,8 +157,11 @@ class FSDPSync:
         modules; prefetching the unit means prefetching its first block's state, shared by the group)."""
         self.kept = kept_elements(model, group, dp_mesh.size(), accum, device_type) if keep_last else 0
         """Parameter elements gathered once a micro-batch (the root's and the last group's)."""
-        for i, g in enumerate(self.groups):
-            last = keep_last and i == len(self.groups) - 1  # its backward runs first: keep it from forward
+        # one group kept whole from forward into backward is the root's own unit: the root takes its
+        # parameters (one set of hooks on the root, not one on each of the group's modules)
+        units = [] if keep_last and len(self.groups) == 1 else self.groups
+        for i, g in enumerate(units):
+            last = keep_last and i == len(units) - 1  # its backward runs first: keep it from forward
             fully_shard(g if len(g) > 1 else g[0], mesh=dp_mesh, reshard_after_forward=not last, mp_policy=mp)
             self.blocks.append(g[0])
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_root and not keep_last, mp_policy=mp)
