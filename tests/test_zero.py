@@ -46,6 +46,9 @@ def test_traffic_formulas(N):
     assert zero.comm_bytes_per_step(psi, 2, N, accum=4, grad_bytes=1, param_bytes=1) == pytest.approx(5 * ring * psi)
     assert zero.comm_bytes_per_step(psi, 3, N, accum=4, grad_bytes=1, param_bytes=1) == pytest.approx(12 * ring * psi)
     assert zero.comm_bytes_per_step(psi, 3, 1) == 0
+    # the units FSDP keeps gathered from forward into backward are gathered once a micro-batch, not twice
+    assert zero.comm_bytes_per_step(psi, 3, N, accum=4, grad_bytes=1, param_bytes=1, kept=psi / 4) == \
+        pytest.approx(4 * (3 - 1 / 4) * ring * psi)
 
 
 def test_hsdp_traffic():
@@ -96,6 +99,17 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+def _kept(world, stage):
+    """ZeRO-3's parameters gathered once a micro-batch (the root's and the last FSDP group's) on TINY."""
+    if stage != 3:
+        return 0
+    from scaletrain import models
+    from scaletrain.techniques.data_parallel.fsdp import kept_elements
+
+    model = models.get("gpt2-tiny", device="meta", n_layer=2, n_embd=64, n_head=2)
+    return kept_elements(model, "auto", world, 1, "cpu")
+
+
 def _estimate(world, stage, *extra):
     """`scaletrain estimate --dp world --zero stage --json` for the TINY model: its data-parallel part."""
     import contextlib
@@ -131,7 +145,8 @@ def test_stages_match_one_process_and_formulas(world):
             want = zero.model_state_bytes(n, s, world, precision="fp32")
             for k in ("params", "grads", "optimizer"):
                 assert r["mem"][k] == pytest.approx(getattr(want, k), rel=0.05), (s, rank, k)
-            assert r["comm"] == pytest.approx(zero.comm_bytes_per_step(n, s, world), rel=0.05), (s, rank)
+            assert r["comm"] == pytest.approx(zero.comm_bytes_per_step(n, s, world, kept=_kept(world, s)), rel=0.05), \
+                (s, rank)
             est = _estimate(world, s)  # the estimator predicts what was measured
             for k in ("params", "grads", "optimizer"):
                 assert r["mem"][k] == pytest.approx(est["model_state_bytes_per_rank"][k], rel=0.05), (s, rank, k)
@@ -144,7 +159,7 @@ def test_stages_match_one_process_and_formulas(world):
             for k in ("params", "grads", "optimizer"):
                 assert r["mem"][k] == pytest.approx(getattr(want, k), rel=0.05), (s, k)
         half = 4 if s == 0 else 2
-        want_comm = zero.comm_bytes_per_step(n, s, world, grad_bytes=half, param_bytes=half)
+        want_comm = zero.comm_bytes_per_step(n, s, world, grad_bytes=half, param_bytes=half, kept=_kept(world, s))
         assert r["comm"] == pytest.approx(want_comm, rel=0.05), s
         assert all(math.isfinite(x) for x in r["losses"])
     for i, s in enumerate((1, 2, 3) if world == 4 else ()):
@@ -152,7 +167,7 @@ def test_stages_match_one_process_and_formulas(world):
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), s
         assert _rel(r["params"], ref["params"]) < 1e-5, s
         assert sum(r["mem"].values()) == pytest.approx(zero.model_state_bytes(n, s, 2).total, rel=0.05), s
-        assert r["comm"] == pytest.approx(zero.comm_bytes_per_step(n, s, 4, hsdp=2), rel=0.05), s
+        assert r["comm"] == pytest.approx(zero.comm_bytes_per_step(n, s, 4, hsdp=2, kept=_kept(4, s)), rel=0.05), s
 
 
 @pytest.mark.slow

@@ -96,10 +96,14 @@ def _engine(name: str, model: nn.Module, loss_fn, micro: int, world: int, seq: i
             return float(loss)
         extra = [p.ds_tensor for p in engine.module.parameters() if getattr(p, "ds_tensor", None) is not None]
         return step, engine.module, opt, extra
-    if name == "torch-ddp":
+    if name.startswith("torch-ddp"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         fwd: nn.Module = DDP(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
+        if name == "torch-ddp-hook":  # the Python all-reduce hook scaletrain's DDP routes through its ledger
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            fwd.register_comm_hook(None, default_hooks.allreduce_hook)
     else:  # fully_shard as its docs show it: per block then the root, or the root alone (one group)
         from torch.distributed.fsdp import fully_shard
 
@@ -175,6 +179,8 @@ def main() -> None:
     p.add_argument("--turn", type=int, default=2, help="steps an engine runs per round")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--out", default=str(RESULTS / "speed.json"))
+    p.add_argument("--engines", default="", help="comma-separated subset (also torch-ddp-hook: torch DDP with "
+                   "the Python all-reduce comm hook); default: all")
     args = p.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from scaletrain.testing import run_distributed
@@ -182,6 +188,8 @@ def main() -> None:
     has_ds = importlib.util.find_spec("deepspeed") is not None
     engines = ["st-zero3-auto", "st-zero3-block", "st-zero3-one", "fully_shard-block", "fully_shard-one", "st-zero2", "st-ddp",
                "torch-ddp"] + (["deepspeed-zero2", "deepspeed-zero3"] if has_ds else [])
+    if args.engines:
+        engines = args.engines.split(",")
     load_before = os.getloadavg()
     out_rows, raw = [], {}
     for wl in args.workloads.split(","):
@@ -192,6 +200,8 @@ def main() -> None:
                      "peak_bytes": max(r["peaks"][n] for r in res)} for n, t in slowest.items()}
         raw[wl] = {"engines": stats, "wall_s": time.time() - t0}
         for tech, (mine, peers) in ROWS.items():
+            if mine not in stats:  # --engines left it out
+                continue
             there = [q for q in peers if q in stats]
             if not there:
                 out_rows.append({"workload": wl, "technique": tech, "scaletrain": mine, "best_peer": None,

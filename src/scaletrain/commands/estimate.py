@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                       title=f"{args.model} estimated step ({args.precision}, {args.optimizer}, accum {args.accum})",
                       xlabel="replayed allocation/free event")
     if args.dp > 1 or args.zero:
-        est.meta["data_parallel"] = _data_parallel(est, args)
+        est.meta["data_parallel"] = _data_parallel(est, args, overrides)
     if (args.plan or args.dp > 1 or args.tp > 1 or args.cp > 1 or args.ep > 1 or args.pp > 1 or args.remat != "none"
             or plat is not None):
         est.meta["plan"] = _plan(args, overrides, plat)
@@ -235,7 +235,7 @@ def print_times(pl: dict) -> None:
     print(f"step time: {pl['step_time_s'] * 1e3:.3f} ms (the slowest rank: {pl['slowest']})")
 
 
-def _data_parallel(est, args: argparse.Namespace) -> dict:
+def _data_parallel(est, args: argparse.Namespace, overrides: dict) -> dict:
     """The ZeRO cost face (:func:`scaletrain.techniques.data_parallel.cost.data_parallel_estimate`) for this step."""
     from scaletrain.errors import UserError
     from scaletrain.techniques.data_parallel.cost import data_parallel_estimate
@@ -247,8 +247,15 @@ def _data_parallel(est, args: argparse.Namespace) -> dict:
     master = 4 * n if est.params_dtype != "fp32" else 0
     k = (est.bytes["optimizer_states"] - master) / n  # optimizer bytes per parameter, masters excluded
     storage = "fp32" if est.params_dtype == "fp32" else est.params_dtype
+    kept = 0
+    if args.zero == 3:  # the root and the last FSDP group stay gathered from forward into backward
+        from scaletrain import models
+        from scaletrain.techniques.data_parallel.fsdp import kept_elements
+
+        kept = kept_elements(models.get(args.model, device="meta", **overrides), "auto", args.dp, args.accum,
+                             args.device)
     return data_parallel_estimate(n, args.zero, args.dp, precision=storage, optim_state_bytes=k, accum=args.accum,
-                                  hsdp=args.hsdp)
+                                  hsdp=args.hsdp, kept=kept)
 
 
 def _phase_marks(marks: list[tuple[int, str]]) -> list[tuple[int, str]]:

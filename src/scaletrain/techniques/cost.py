@@ -93,11 +93,12 @@ def local_param_counts(model: nn.Module, *, tp: int = 1, ep: int = 1) -> dict[st
 
 def mesh_predictions(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: int, seq: int, counts: dict[str, int],
                      grad_clip: bool, world: int, optim: tuple[str, list[tuple[int, ...]], dict[str, Any]] | None = None,
-                     act_bytes: int = 4, recomputes: list[int] | None = None) -> dict[str, float]:
+                     act_bytes: int = 4, recomputes: list[int] | None = None, kept: float = 0.0) -> dict[str, float]:
     """Bytes received per rank per optimizer step and per-rank model-state bytes (fp32), from the
     cost faces (module docstring). ``micro_batch``: samples per data-parallel rank and micro-batch.
     ``recomputes``: extra forwards of each Chain block per micro-batch (rematerialization), whose
-    tensor-parallel collectives are replayed in the backward."""
+    tensor-parallel collectives are replayed in the backward. ``kept``: ZeRO-3's parameter elements
+    gathered once a micro-batch (:func:`.data_parallel.fsdp.kept_elements`)."""
     from scaletrain.techniques.data_parallel import cost as zero_mod
 
     kinds = {"tp": 0.0, "cp": 0.0, "ep": 0.0}  # the intra-layer bytes by collective family
@@ -130,7 +131,7 @@ def mesh_predictions(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: 
         G = il.dp * il.cp  # the load-balancing statistics are shared by all dp x cp ranks
         kinds["ep"] += accum * (a2a + 2 * (G - 1) / G * e["all_reduce"]["payload_bytes"])
     D, E = il.dp * il.cp, il.dp // il.ep * il.cp
-    grads = (zero_mod.comm_bytes_per_step(counts["dense"], stage, D, accum=accum)
+    grads = (zero_mod.comm_bytes_per_step(counts["dense"], stage, D, accum=accum, kept=kept if stage == 3 else 0.0)
              + (zero_mod.comm_bytes_per_step(counts["expert"], stage, E, accum=accum) if counts["expert"] else 0.0))
     norm = 2 * (world - 1) / world * 8 if grad_clip else 0.0
     intra = kinds["tp"] + kinds["cp"] + kinds["ep"]

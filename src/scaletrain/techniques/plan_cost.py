@@ -164,7 +164,7 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
         _shard_experts(mem, plan, bounds, chain)
     _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu", accum=M, device=device)
     sim = simulate(sched, StageCosts(fwd_s=[1.0] * S, bwd_s=[2.0] * S, **mem))
-    comm = _traffic(plan, model, cfg, bounds, b, seq, M, world, remat)
+    comm = _traffic(plan, model, cfg, bounds, b, seq, M, world, remat, device)
     out = []
     for r, peak in enumerate(sim.peak_memory_bytes):
         stages = [s for s in range(S) if any(sched.rank_of(s, p) == r for p in range(sched.n_pipes))]
@@ -319,7 +319,7 @@ def _shard_stages(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, N:
 
 
 def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, seq: int, M: int,
-             world: int, remat: list | None) -> list[float]:
+             world: int, remat: list | None, device: str = "cpu") -> list[float]:
     """Bytes received per step per pipeline rank (the ledger's collectives)."""
     if plan.pp == 1:
         if world == 1:
@@ -339,8 +339,11 @@ def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, 
             from scaletrain.techniques.remat.tree import recompute_counts, tree_of
 
             recomputes = recompute_counts(tree_of(remat[0]), bounds[-1] - bounds[0])
+        from scaletrain.techniques.data_parallel.fsdp import plan_kept_elements
+
+        kept = plan_kept_elements(model, plan, M, device)
         return [mesh_predictions(cfg, mp, stage=plan.zero, micro_batch=b, accum=M, seq=seq, counts=counts,
-                                 grad_clip=True, world=world, recomputes=recomputes)["predicted_comm_bytes"]]
+                                 grad_clip=True, world=world, recomputes=recomputes, kept=kept)["predicted_comm_bytes"]]
     return [_pipeline_traffic(plan, model, cfg, bounds, b, seq, M, r, remat) for r in range(plan.pp)]
 
 

@@ -66,7 +66,8 @@ class MeshRuntime(Strategy):
             from scaletrain.techniques.data_parallel.fsdp import FSDPSync
 
             self.sync: Any = FSDPSync(model, self.forward_module, mp.fsdp_mesh(), param_dtype=param_dtype,
-                                      tp_replicas=mp.replicas, group=fsdp_group, accum=ctx.accum)
+                                      tp_replicas=mp.replicas, group=fsdp_group, accum=ctx.accum,
+                                      keep_last=mp.tp == 1 and mp.ep == 1)
         else:
             groups = mp.sync_groups()
             params = []

@@ -180,7 +180,8 @@ def _predict_mesh(plan: Plan, model: nn.Module, ctx: RunContext, mp: Any, counts
                                           accum=ctx.accum, seq=ctx.seq_len or 1, counts=counts,
                                           grad_clip=ctx.grad_clip > 0, world=ctx.world,
                                           optim=(plan.optimizer, [e.local_shape() for e in rt.entries],
-                                                 ctx.optim_hyper), recomputes=recomputes)
+                                                 ctx.optim_hyper), recomputes=recomputes,
+                                          kept=getattr(getattr(rt, "sync", None), "kept", 0))
     except (AttributeError, KeyError, TypeError):  # a model the GPT-2 cost faces do not describe
         rt.predictions = {}
 

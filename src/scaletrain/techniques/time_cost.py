@@ -138,10 +138,11 @@ def _comm(plan: Any, model: nn.Module, cfg: Any, plat: Platform, *, b: int, seq:
         kinds = {"dp": total}
     elif pp == 1:
         from scaletrain.techniques.cost import MeshShape, local_param_counts, mesh_predictions
+        from scaletrain.techniques.data_parallel.fsdp import plan_kept_elements
 
         kinds = mesh_predictions(cfg, MeshShape(plan), stage=plan.zero, micro_batch=b, accum=M, seq=seq,
-                                 counts=local_param_counts(model, tp=t, ep=plan.ep), grad_clip=True,
-                                 world=world)["comm_bytes_by_kind"]
+                                 counts=local_param_counts(model, tp=t, ep=plan.ep), grad_clip=True, world=world,
+                                 kept=plan_kept_elements(model, plan, M, plat.device_type))["comm_bytes_by_kind"]
     else:  # the pipeline rank's TP bytes from the stage cost face; the rest (gradients, tied, loss, norms) is dp
         from scaletrain.techniques.pipeline.schedules import build
         from scaletrain.techniques.pipeline.tensor_parallel import rank_tp_bytes

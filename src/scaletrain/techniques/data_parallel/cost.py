@@ -9,7 +9,8 @@ weights and optimizer states, on ``N`` ranks
 mixed-precision Adam (P = G = 2, M = 4, K = 8): 16, 4 + 12/N, 2 + 14/N, 16/N;
 fp32 Adam (P = G = 4, M = 0, K = 8): 16, 8 + 8/N, 4 + 12/N, 16/N.
 :func:`comm_bytes_per_step` — bytes received per rank per optimizer step: 2 Psi (N-1)/N elements for
-stages 0-2, 3 Psi (N-1)/N for stage 3 (ZeRO section 7), times element sizes.
+stages 0-2, 3 Psi (N-1)/N for stage 3 (ZeRO section 7; less the parameters FSDP keeps gathered from
+forward into backward), times element sizes.
 """
 
 from __future__ import annotations
@@ -59,15 +60,16 @@ def model_state_bytes(n_params: float, stage: int, dp: int, *, precision: str = 
 
 
 def comm_bytes_per_step(n_params: float, stage: int, dp: int, *, grad_bytes: float = 4.0,
-                        param_bytes: float = 4.0, accum: int = 1, hsdp: int = 0) -> float:
+                        param_bytes: float = 4.0, accum: int = 1, hsdp: int = 0, kept: float = 0.0) -> float:
     """Bytes received per rank per optimizer step (ring algorithms; see data_parallel's ledger).
 
     Stage 0: one all-reduce of the gradients (``no_sync`` for the first ``accum - 1``
     micro-batches). Stage 1: one reduce-scatter of gradients (after accumulation) + one
     all-gather of parameters. Stage 2: a reduce-scatter per micro-batch + one all-gather.
     Stage 3: per micro-batch two all-gathers of parameters (forward, backward) + one
-    reduce-scatter. ``hsdp=G``: shard within groups of G ranks, and all-reduce the gradient
-    shards (Psi/G) across the dp/G replicas.
+    reduce-scatter, less ``kept`` parameters gathered once (not resharded after forward: the root's
+    and the last group's, :func:`.fsdp.kept_elements`). ``hsdp=G``: shard within groups of G ranks,
+    and all-reduce the gradient shards (Psi/G) across the dp/G replicas.
     """
     _check(stage, dp)
     n, N = float(n_params), dp
@@ -85,11 +87,12 @@ def comm_bytes_per_step(n_params: float, stage: int, dp: int, *, grad_bytes: flo
         return ring * n * (grad_bytes + param_bytes) + rep
     if stage == 2:
         return accum * (ring * n * grad_bytes + rep) + ring * n * param_bytes
-    return accum * (ring * n * (2 * param_bytes + grad_bytes) + rep)
+    return accum * (ring * ((2 * n - kept) * param_bytes + n * grad_bytes) + rep)
 
 
 def data_parallel_estimate(n_params: float, stage: int, dp: int, *, precision: str = "fp32",
-                           optim_state_bytes: float = 8.0, accum: int = 1, hsdp: int = 0) -> dict[str, Any]:
+                           optim_state_bytes: float = 8.0, accum: int = 1, hsdp: int = 0,
+                           kept: float = 0.0) -> dict[str, Any]:
     """What ``scaletrain estimate --dp N --zero S`` adds: per-rank model-state bytes (sharded over
     the ``hsdp`` group when given, else all ``dp`` ranks) and bytes received per rank per step.
 
@@ -100,7 +103,7 @@ def data_parallel_estimate(n_params: float, stage: int, dp: int, *, precision: s
     ms = model_state_bytes(n_params, stage, shard, precision=precision, optim_state_bytes=optim_state_bytes)
     b = bytes_per_param(precision, optim_state_bytes)
     comm = comm_bytes_per_step(n_params, stage, dp, grad_bytes=b["grad"], param_bytes=b["param"], accum=accum,
-                               hsdp=hsdp)
+                               hsdp=hsdp, kept=kept)
     return {"dp": dp, "zero": stage, "hsdp": hsdp, "optim_state_bytes_per_param": optim_state_bytes,
             "model_state_bytes_per_rank": {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer,
                                            "total": ms.total},
@@ -154,13 +157,14 @@ def fsdp_groups(block_bytes: Sequence[float], limit: float) -> list[list[int]]:
 
 def fsdp_group_seconds(group_bytes: Sequence[float], dp: int, accum: int, device_type: str) -> float:
     """Seconds the grouping adds to a ZeRO-3 step beyond its (grouping-independent) bytes/beta: every
-    group's two all-gathers and one reduce-scatter per micro-batch pay ``dp - 1`` ring steps of alpha,
+    group's two all-gathers and one reduce-scatter per micro-batch (the last group: one all-gather, it stays
+    gathered from forward into backward) pay ``dp - 1`` ring steps of alpha,
     and the first group's all-gather and the last group's reduce-scatter have no compute to hide behind
     (prefetch overlaps the others), so a larger group is exposed for longer."""
     if dp <= 1 or not group_bytes:
         return 0.0
     alpha, beta = FSDP_LINK.get(device_type, FSDP_LINK["cuda"])
-    latency = 3 * accum * len(group_bytes) * (dp - 1) * alpha
+    latency = (3 * len(group_bytes) - 1) * accum * (dp - 1) * alpha
     exposed = (dp - 1) / dp * (group_bytes[0] + group_bytes[-1]) / beta
     return latency + exposed
 

@@ -6,8 +6,12 @@ fastest — fewer groups pay fewer collectives' latency, larger ones hold more u
 expose more of their first gather), then the root — what runs the
 forward (the model, or its blocks under nested checkpoints) — which takes shared ones such as
 GPT-2's tied embedding. Parameters are sharded DTensors, all-gathered before a block runs and freed
-after it, in forward and again in backward (``reshard_after_forward=True``, root included, which is
-ZeRO-3's 3 Psi of traffic); gradients are reduce-scattered per block; the next block's all-gather is
+after it, in forward and again in backward (``reshard_after_forward=True``: ZeRO-3's 3 Psi of traffic) —
+except the units whose backward runs first, the root and the last group (torchtitan's choice; fully_shard's
+default for the root): freed after forward they would be gathered again at once, so they stay whole from
+their forward into their backward, one all-gather a micro-batch (:func:`kept_elements`; without TP/EP,
+where the cost faces count it), and a single group is the root's own unit (one set of hooks, as one-group
+``fully_shard``: the per-module hooks of a grouped unit cost ~5 % of a small step on gloo); gradients are reduce-scattered per block; the next block's all-gather is
 prefetched explicitly in both directions. With a 2-D data-parallel mesh (replicate x shard) this is
 HSDP. Applied *after* tensor parallelism (torchtitan's 2-D: ``parallelize_module`` on the TP mesh,
 then ``fully_shard`` on the data-parallel mesh of the same device mesh), every parameter becomes a
@@ -56,6 +60,24 @@ def gather_units(model: nn.Module, blocks: list[nn.Module], setting: str, dp: in
     units += [float(sum(p.numel() * p.element_size() for b in g for p in b.parameters()))
               for g in block_groups(mine, setting, dp, accum, device_type)]
     return units
+
+
+def kept_elements(model: nn.Module, setting: str, dp: int, accum: int, device_type: str) -> int:
+    """Parameter elements ZeRO-3 gathers once a micro-batch instead of twice (not resharded after
+    forward): the root's (every parameter outside the shardable groups) and the last group's. The
+    traffic faces subtract them from the forward's all-gather."""
+    groups = block_groups(shardable_blocks(model), setting, dp, accum, device_type)
+    resharded = {id(p) for g in groups[:-1] for b in g for p in b.parameters()}
+    return sum(p.numel() for p in {id(q): q for q in model.parameters()}.values()
+               if p.requires_grad and id(p) not in resharded)
+
+
+def plan_kept_elements(model: nn.Module, plan: Any, accum: int, device_type: str) -> int:
+    """:func:`kept_elements` of ``plan`` (a :class:`~scaletrain.plan.Plan`) as the runtime shards it:
+    ZeRO-3 outside pipelines, without TP or EP (the runtime keeps the last units only there); else 0."""
+    if plan.zero != 3 or plan.pp > 1 or plan.tp > 1 or plan.ep > 1:
+        return 0
+    return kept_elements(model, plan.fsdp_group, max(plan.dp, 1) * plan.cp, accum, device_type)
 
 
 def gathered_peak_bytes(model: nn.Module, blocks: list[nn.Module], setting: str, dp: int, accum: int,
@@ -120,7 +142,7 @@ class FSDPSync:
 
     def __init__(self, model: nn.Module, root: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | None = None,
                  tp_replicas: Any = None, prefetch: bool = True, reshard_root: bool = True,
-                 group: str = "auto", accum: int = 1) -> None:
+                 group: str = "auto", accum: int = 1, keep_last: bool = True) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.model, self.root, self.param_dtype = model, root, param_dtype
@@ -133,10 +155,16 @@ class FSDPSync:
         self.blocks: list[nn.Module] = []
         """The FSDP units in forward order: each group's first block (a group's hooks live on all its
         modules; prefetching the unit means prefetching its first block's state, shared by the group)."""
-        for g in self.groups:
-            fully_shard(g if len(g) > 1 else g[0], mesh=dp_mesh, reshard_after_forward=True, mp_policy=mp)
+        self.kept = kept_elements(model, group, dp_mesh.size(), accum, device_type) if keep_last else 0
+        """Parameter elements gathered once a micro-batch (the root's and the last group's)."""
+        # one group kept whole from forward into backward is the root's own unit: the root takes its
+        # parameters (one set of hooks on the root, not one on each of the group's modules)
+        units = [] if keep_last and len(self.groups) == 1 else self.groups
+        for i, g in enumerate(units):
+            last = keep_last and i == len(units) - 1  # its backward runs first: keep it from forward
+            fully_shard(g if len(g) > 1 else g[0], mesh=dp_mesh, reshard_after_forward=not last, mp_policy=mp)
             self.blocks.append(g[0])
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_root, mp_policy=mp)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_root and not keep_last, mp_policy=mp)
         if prefetch:
             for i, b in enumerate(self.blocks):
                 if i + 1 < len(self.blocks):
