@@ -201,7 +201,7 @@ def test_calibrate_reuses_a_platform_file_and_refuses_bad_input(tmp_path, capsys
     path.write_text(json.dumps(P.get("h100").with_(name="mine").to_dict()))
     plat = calibrate_to_file(2, path)  # exists: not measured again
     assert plat is not None and plat.name == "mine" and plat.flops_bf16 == P.get("h100").flops_bf16
-    for argv, msg in ((["calibrate", "--nproc-per-node", "0"], "--nproc-per-node 0"),
+    for argv, msg in ((["calibrate", "--nproc-per-node", "0"], "--nproc-per-node: '0'"),
                       (["calibrate", "--model", "nope"], "nope"),
                       (["calibrate", "--out", str(tmp_path / "missing" / "p.json")], "existing directory")):
         assert main(argv) == 2

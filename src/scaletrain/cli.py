@@ -68,7 +68,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or its one-line error (2), returned like every other exit
+        return int(e.code or 0)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

@@ -102,7 +102,7 @@ class Platform:
     on a CPU, where eager PyTorch's per-operator cost dominates a small model's small kernels."""
     compile_factor: float = 0.0
     """Compute seconds of a torch.compile'd block over its eager seconds (forward + backward of one
-    gpt2-tiny-sized block, best of 5), measured by ``scaletrain calibrate --compile``; the cost model
+    gpt2-tiny-sized block, median of paired steps), measured by ``scaletrain calibrate --compile``; the cost model
     multiplies compute by it when a plan sets ``train.compile``. 0 = not measured: compile is not priced
     (the estimate says so)."""
     price_per_device_hour: float = 0.0
@@ -171,7 +171,7 @@ class Platform:
 FRACTIONS = ("unaligned_matmul_fraction", "intra_node_efficiency", "inter_node_efficiency")
 """Fields that are a fraction of a peak, in [0, 1]."""
 MAY_BE_ZERO = ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_overhead_s", "price_per_device_hour",
-               "intra_node_latency_s", "inter_node_latency_s", "unaligned_matmul_fraction")
+               "intra_node_latency_s", "inter_node_latency_s", "unaligned_matmul_fraction", "compile_factor")
 """Numeric fields where 0 is meaningful (no such link, not modelled, unknown price); the others divide."""
 
 

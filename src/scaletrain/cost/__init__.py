@@ -58,7 +58,8 @@ def exposed_seconds(comm_s: Sequence[float], window_s: Sequence[float], slowdown
 
 
 def prefetch_windows(gather_s: Sequence[float], reduce_s: Sequence[float], fwd_s: Sequence[float],
-                     bwd_s: Sequence[float]) -> tuple[list[float], list[float]]:
+                     bwd_s: Sequence[float], regather_s: Sequence[float] | None = None
+                     ) -> tuple[list[float], list[float]]:
     """ZeRO-3's (FSDP's) collectives of one micro-batch as :func:`exposed_seconds` windows. Units
     1..n in forward order, each with one all-gather ``gather_s``, one reduce-scatter ``reduce_s`` and
     its forward / backward compute (recompute included) ``fwd_s`` / ``bwd_s``. FSDP prefetches one unit
@@ -66,15 +67,19 @@ def prefetch_windows(gather_s: Sequence[float], reduce_s: Sequence[float], fwd_s
     "PyTorch FSDP", VLDB 2023: backward and forward prefetching over one communication stream; PyTorch's
     "FSDP Notes", *FSDP Prefetch Nuances*: "the 1st all-gather will not be able to overlap with
     anything"; scaletrain's FSDP2 prefetches explicitly the same way): unit 1's gather has nothing to hide
-    behind; unit k's forward hides unit k+1's gather; the backward's first gather (every unit was
-    resharded after its forward, the root too) waits; unit k's backward hides unit k+1's reduce-scatter
-    (issued as k's backward starts) and unit k−1's gather, which queues behind it; unit 1's
-    reduce-scatter ends the pass exposed. Gathers are per unit, so a large unit (an embedding) beside
-    little compute is exposed even when the step's collectives add up to less than its compute."""
+    behind; unit k's forward hides unit k+1's gather; the backward's first gather (unit n's, when it was
+    resharded after its forward) waits; unit k's backward hides unit k+1's reduce-scatter (issued as k's
+    backward starts) and unit k−1's gather, which queues behind it; unit 1's reduce-scatter ends the pass
+    exposed. ``regather_s``: each unit's backward all-gather (default ``gather_s``); 0 for a unit kept
+    gathered from forward into backward (scaletrain keeps the root's and the last group's without TP/EP,
+    as torch's root does: :func:`scaletrain.techniques.data_parallel.fsdp.kept_elements`). Gathers are per
+    unit, so a large unit (an embedding) beside little compute is exposed even when the step's collectives
+    add up to less than its compute."""
     n = len(gather_s)
-    comm = [gather_s[0]] + [gather_s[k + 1] for k in range(n - 1)] + [0.0, gather_s[-1]]
+    again = list(gather_s if regather_s is None else regather_s)
+    comm = [gather_s[0]] + [gather_s[k + 1] for k in range(n - 1)] + [0.0, again[-1]]
     window = [0.0] + list(fwd_s[:-1]) + [fwd_s[-1], 0.0]
     for k in range(n - 1, -1, -1):  # backward: unit n first
-        comm.append((reduce_s[k + 1] if k + 1 < n else 0.0) + (gather_s[k - 1] if k > 0 else 0.0))
+        comm.append((reduce_s[k + 1] if k + 1 < n else 0.0) + (again[k - 1] if k > 0 else 0.0))
         window.append(bwd_s[k])
     return comm + [reduce_s[0]], window + [0.0]

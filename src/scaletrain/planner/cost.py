@@ -278,9 +278,11 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
             root = n_rank - L * shape.layer_params() / tp
             one = [_dp_time(plat, n, 3, dp, tp, 1, e, blocks=1)[0] / 3 for n in (root, shape.layer_params() / tp)]
             fwd = lt["fwd"] + lt["tp_fwd"]
-            comm, win = prefetch_windows([one[0]] + [one[1]] * int(L), [one[0]] + [one[1]] * int(L),
-                                         [(embed + head) / 3] + [fwd] * int(L),
-                                         [2 * (embed + head) / 3] + [layer - fwd] * int(L))
+            units = [one[0]] + [one[1]] * int(L)
+            # without TP/EP the runtime keeps the root and the last layer gathered into the backward
+            again = [0.0] + [one[1]] * (int(L) - 1) + [0.0] if plan.tp == 1 and plan.ep == 1 else units
+            comm, win = prefetch_windows(units, units, [(embed + head) / 3] + [fwd] * int(L),
+                                         [2 * (embed + head) / 3] + [layer - fwd] * int(L), again)
             dp_exposed = m * exposed_seconds(comm, win, slowdown)
         else:  # buckets: the backward's window, then the last bucket issued when it ends
             dp_exposed = exposed_seconds([dp_time, min(last_bucket, dp_time)], [window, 0.0], slowdown)

@@ -203,12 +203,17 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
               for r in range(P)]
     n_blocks = [sum(bounds[s + 1] - bounds[s] for s in stages_of[r]) for r in range(P)]
     units: list[float] = [1.0] * n_blocks[0]
+    kept: list[bool] = [False] * n_blocks[0]
     if plan.zero == 3 and plan.pp == 1:  # ZeRO-3's collectives: one set per FSDP group (parallel.fsdp_group)
-        from scaletrain.techniques.data_parallel.fsdp import gather_units
+        from scaletrain.techniques.data_parallel.fsdp import gather_units, shardable_blocks
 
         units = gather_units(chain, list(chain.blocks), plan.fsdp_group, plan.hsdp or max(plan.dp, 1) * plan.cp,
                              M, plat.device_type) or [1.0]
         n_blocks = [len(units)]
+        # the root's units (listed first) and the last group stay gathered into the backward without TP/EP
+        n_root = sum(1 for b in chain.blocks if id(b) not in {id(x) for x in shardable_blocks(chain)})
+        keep = plan.tp == 1 and plan.ep == 1
+        kept = [keep and (i < n_root or i == len(units) - 1) for i in range(len(units))]
     comm_s = [_comm(plan, model, cfg, plat, b=b, seq=seq, M=M, world=world, total=comm[min(r, len(comm) - 1)],
                     bounds=bounds, rank=r, remat=remat, rank_param_bytes=parts[r]["params"], n_blocks=n_blocks[r],
                     tp_steps=sum(passes[r][s] * tp_ring_steps(bounds, s, rec, plan.tp, plan.sp) for s in stages_of[r]))
@@ -248,7 +253,7 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
         window = {0: sum(stage_b[s] for s in mine), 2: M * sum(stage_b[s] for s in mine)}.get(plan.zero, 0.0) \
             if plan.pp == 1 else 0.0
         t.comm_exposed_s = {k: _exposed(k, v, plat, plan, window, parts[r]["params"], M, units,
-                                        sum(f_s[s] for s in mine), sum(b_s[s] for s in mine))
+                                        sum(f_s[s] for s in mine), sum(b_s[s] for s in mine), kept)
                             for k, v in comm_s[r].items()}
         if plan.pp > 1:
             t.comm_s["p2p"] = p2p_total[r]
@@ -266,16 +271,19 @@ def _shards(plan: Any) -> int:
 
 
 def _exposed(kind: str, seconds: float, plat: Platform, plan: Any, window: float, param_bytes: float, M: int,
-             units: list[float], fwd: float, bwd: float) -> float:
+             units: list[float], fwd: float, bwd: float, kept: list[bool] | None = None) -> float:
     """Seconds of a collective kind the step waits for (the overlap rules of the module docstring).
-    ZeRO-3: ``units`` the bytes of each gather unit (its 3 collectives per micro-batch share the kind's
-    seconds by bytes), ``fwd`` / ``bwd`` one micro-batch's compute, spread evenly over the units."""
+    ZeRO-3: ``units`` the bytes of each gather unit (its collectives per micro-batch share the kind's
+    seconds by bytes: gather, reduce-scatter, and the backward's gather unless ``kept``), ``fwd`` /
+    ``bwd`` one micro-batch's compute, spread evenly over the units."""
     if kind != "dp" or not plat.copy_overlaps_compute or plan.pp > 1 or plan.zero == 1:
         return seconds
     if plan.zero == 3:
-        n, total = len(units), sum(units) or 1.0
-        one = [seconds / M / 3 * u / total for u in units]
-        return M * exposed_seconds(*prefetch_windows(one, one, [fwd / n] * n, [bwd / n] * n))
+        n, kept = len(units), kept or [False] * len(units)
+        moved = sum(u * (2 if k else 3) for u, k in zip(units, kept)) or 1.0  # bytes behind ``seconds``
+        one = [seconds / M * u / moved for u in units]
+        again = [0.0 if k else o for o, k in zip(one, kept)]
+        return M * exposed_seconds(*prefetch_windows(one, one, [fwd / n] * n, [bwd / n] * n, again))
     buckets = max(1, math.ceil(param_bytes / (plan.bucket_mb * 2**20)))
     issued = {0: buckets, 2: (M + 1) * buckets}[plan.zero]
     last = min(seconds / issued, seconds)  # the last starts when the backward ends
