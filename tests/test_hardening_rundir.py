@@ -108,3 +108,20 @@ def test_a_restart_row_only_in_a_restarted_round(tmp_path, monkeypatch):
     elastic.claim(out)  # the next round's rank 0
     clock = elastic.restart_clock(out, 18)
     assert clock is not None and (clock.attempt, clock.failed_step, clock.start_step) == (1, 20, 18)
+
+
+def test_a_full_disk_during_a_consolidated_save_is_one_line_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """torch.save's zip writer reports a disk that fills mid-record as a RuntimeError ("unexpected pos",
+    seen on a 1.5 MB tmpfs): the save is a one-line UserError, its temp file is gone, older files stay."""
+    import torch
+
+    old = ckpt.save(tmp_path, 1, {"w": torch.zeros(4)})
+
+    def full(obj, f, *a, **k):
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1336576 vs 1336464")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(ckpt.UserError, match="checkpoint of step 2 not written.*unexpected pos"):
+        ckpt.save(tmp_path, 2, {"w": torch.zeros(4)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [old.name]

@@ -11,6 +11,7 @@ atomic on POSIX), so a crash mid-write leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from pathlib import Path
@@ -48,10 +49,13 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int = 2) -> Pa
 
     try:  # a full disk (or no permission) fails in one line; the previous checkpoints stay
         write_atomic(final, write)  # a fresh temp name, never a pre-placed symlink (.safe_write)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
-        if isinstance(e, RuntimeError) and "writ" not in str(e):
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError of its
+        # zip writer ("file write failed", or "unexpected pos" when the disk filled up mid-record)
+        if isinstance(e, RuntimeError) and not any(k in str(e) for k in ("writ", "inline_container", "unexpected pos")):
             raise
         why = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        with contextlib.suppress(OSError):
+            why += f"; {shutil.disk_usage(directory).free:,} bytes free there now"
         raise UserError(f"checkpoint of step {step} not written: could not write {final} ({why}); "
                         "the previous checkpoints are intact") from None
     rotate(directory, keep)
