@@ -13,6 +13,7 @@ The stable public surface (the internal layout may move behind it)::
 Names are imported on first use, so ``import scaletrain`` stays cheap.
 """
 
+import types
 from importlib import import_module
 from typing import Any
 
@@ -27,6 +28,19 @@ _LAZY = {
 }
 
 __all__ = [*_LAZY, "estimate", "models", "offload", "optim", "plan", "remat"]
+
+
+class _CallablePlanModule(types.ModuleType):
+    """``scaletrain.plan`` is the module of the :class:`Plan` value type and, called, the planner:
+    ``scaletrain.plan(model, platform=..., devices=..., global_batch=..., seq=...)`` ranks the plans that
+    fit (:func:`scaletrain.planner.api.plan`, the list ``scaletrain plan --json`` prints). Wired here, at the
+    top, so that the value type never imports the planner above it."""
+
+    def __call__(self, model: Any, **kw: Any) -> list[dict[str, Any]]:
+        return import_module("scaletrain.planner.api").plan(model, **kw)
+
+
+import_module("scaletrain.plan").__class__ = _CallablePlanModule  # stdlib-only module: cheap to import
 
 
 def __getattr__(name: str) -> Any:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-import types
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,16 +326,3 @@ def load_plan_overrides(path: str | Path) -> list[str]:
     walk(data, "")
     return out
 
-
-class _PlanModule(types.ModuleType):
-    """``scaletrain.plan`` is this module (the :class:`Plan` type) and, called, the planner:
-    ``scaletrain.plan(model, platform=..., devices=..., global_batch=..., seq=...)`` ranks the plans
-    that fit (:func:`scaletrain.planner.api.plan`; the same list as ``scaletrain plan --json``)."""
-
-    def __call__(self, model: Any, **kw: Any) -> list[dict[str, Any]]:
-        from scaletrain.planner.api import plan
-
-        return plan(model, **kw)
-
-
-sys.modules[__name__].__class__ = _PlanModule

@@ -15,6 +15,18 @@ from typing import Any
 from scaletrain.errors import UserError
 
 
+def target(model: Any, **overrides: Any) -> Any:
+    """What the planner prices: the decoder :class:`~.shape.Shape` on paper, or any other model (a name or
+    an ``nn.Module``) built on the meta device and traced (:class:`.traced.Traced`)."""
+    from scaletrain.planner.shape import Shape, analytic
+
+    if analytic(model):
+        return Shape.of(model, **overrides)
+    from scaletrain.planner.traced import Traced
+
+    return Traced.of(model, **overrides)
+
+
 def rank(model: Any, overrides: dict[str, Any], platforms: list, nodes: list[int], *, gpus_per_node: int,
          global_batch: int, seq: int = 0, fix: list[str] | dict[str, Any] | None = None, precision: str = "bf16",
          optimizer: str = "adamw", **budget: Any) -> tuple[Any, int, Any]:
@@ -23,7 +35,6 @@ def rank(model: Any, overrides: dict[str, Any], platforms: list, nodes: list[int
     from scaletrain.measure import optimizers
     from scaletrain.planner import budget as bud
     from scaletrain.planner.search import parse_fixed
-    from scaletrain.planner.shape import target
 
     fixed = parse_fixed(fix) if isinstance(fix, list) else dict(fix or {})
     shape = target(model, **overrides)

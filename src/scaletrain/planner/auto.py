@@ -181,7 +181,8 @@ def _plan_on_rank0(cfg: Any, world: int, fixed: dict[str, Any], plat: Any, devic
     from scaletrain import models
     from scaletrain.planner.cost import Options
     from scaletrain.planner.search import search
-    from scaletrain.planner.shape import analytic, target
+    from scaletrain.planner.api import target
+    from scaletrain.planner.shape import analytic
     from scaletrain.planner.traced import search as traced_search
     from scaletrain.techniques import compat
     from scaletrain.techniques.plan_cost import heaviest, plan_costs

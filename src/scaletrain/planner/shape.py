@@ -213,16 +213,6 @@ def analytic(model: Any) -> bool:
         return False
 
 
-def target(model: Any, **overrides: Any) -> Any:
-    """What the planner prices: the decoder :class:`Shape` on paper, or any other model (a name or an
-    ``nn.Module``) built on the meta device and traced (:class:`.traced.Traced`)."""
-    if analytic(model):
-        return Shape.of(model, **overrides)
-    from scaletrain.planner.traced import Traced
-
-    return Traced.of(model, **overrides)
-
-
 def _positive(model: str, a: dict[str, Any], keys: tuple[str, ...], hidden: str, heads: str) -> None:
     """One-line UserError unless every ``keys`` value is a positive integer and heads divide hidden."""
     for k in keys:
