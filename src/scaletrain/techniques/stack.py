@@ -70,8 +70,9 @@ def build_runtime(plan: Plan, model: nn.Module, ctx: RunContext, facts: compat.F
 
         try:
             counts = local_param_counts(model, tp=plan.tp, ep=plan.ep)  # of the unsharded model
-        except (AttributeError, KeyError, TypeError):  # a layout the GPT-2 cost faces do not describe
+        except (AttributeError, KeyError, TypeError) as e:  # a layout the GPT-2 cost faces do not describe
             counts = None
+            _no_prediction(ctx, e)
         try:
             mp = build_mesh(world=ctx.world, tp=plan.tp, cp=plan.cp, ep=plan.ep,
                             hsdp=plan.hsdp if plan.zero else 0, sequence_parallel=plan.sp,
@@ -182,8 +183,17 @@ def _predict_mesh(plan: Plan, model: nn.Module, ctx: RunContext, mp: Any, counts
                                           optim=(plan.optimizer, [e.local_shape() for e in rt.entries],
                                                  ctx.optim_hyper), recomputes=recomputes,
                                           kept=getattr(getattr(rt, "sync", None), "kept", 0))
-    except (AttributeError, KeyError, TypeError):  # a model the GPT-2 cost faces do not describe
+    except (AttributeError, KeyError, TypeError) as e:  # a model the GPT-2 cost faces do not describe
         rt.predictions = {}
+        _no_prediction(ctx, e)
+
+
+def _no_prediction(ctx: RunContext, e: Exception) -> None:
+    """Say once (rank 0) that this run logs no predicted traffic / model states, and why — never a silent
+    empty prediction. Training goes on: the prediction is a check, not a requirement."""
+    why = str(e).splitlines()[0][:120] if str(e) else ""
+    ctx.log(f"note: no predicted traffic or model-state bytes for this model under this layout (the mesh "
+            f"cost faces describe GPT-2-style models: {type(e).__name__}: {why})")
 
 
 def _warn_sharded_optimizer(ctx: RunContext, plan: Plan, layout: str) -> None:
