@@ -9,8 +9,6 @@ from pathlib import Path
 
 from scaletrain.argtypes import check_output, count, positive_float, positive_int
 from scaletrain.errors import UserError
-from scaletrain.planner.api import entry  # noqa: F401 - the JSON of one ranked plan (--json)
-from scaletrain.planner.shape import analytic
 
 NAME = "plan"
 HELP = "choose the fastest plan that fits any model on a platform (priced on paper, nothing run)"
@@ -160,7 +158,8 @@ def _platforms(args: argparse.Namespace, nodes: list[int]) -> list:
 def run(args: argparse.Namespace) -> int:
     from scaletrain.measure.report import parse_overrides
     from scaletrain.planner import budget as bud
-    from scaletrain.planner.api import rank
+    from scaletrain.planner.api import entry, rank
+    from scaletrain.planner.shape import analytic
 
     _check(args)
     nodes = bud.parse_nodes(args.nodes)

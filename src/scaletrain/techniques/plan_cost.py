@@ -267,7 +267,9 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
             from scaletrain.techniques.data_parallel.fsdp import gathered_peak_bytes
 
             mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + gathered_peak_bytes(
-                chain, list(chain.blocks[bounds[s]:bounds[s + 1]]), plan.fsdp_group, N, accum, "cpu" if gloo else device)
+                chain, list(chain.blocks[bounds[s]:bounds[s + 1]]), plan.fsdp_group, N, accum,
+                "cpu" if gloo else device,
+                keep_last=plan.pp == 1 and plan.tp == 1 and plan.ep == 1)  # as fsdp.plan_kept_elements
 
 
 def _shard_experts(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module) -> None:

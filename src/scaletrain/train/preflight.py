@@ -33,8 +33,11 @@ def build_model(cfg: Config) -> nn.Module:
     cfg.model.overrides.update(overrides)  # recorded in config.toml and checkpoints: export and resume rebuild it
     try:
         return model_registry.get(cfg.model.name, **overrides)
-    except UserError:
-        raise
+    except UserError as e:  # a value the builder's ranges refuse: named as the config key the user set
+        key = next((k for k in overrides if f": {k}=" in str(e)), None)
+        if key is None:
+            raise
+        raise ConfigError(str(e).replace(f": {key}=", f": model.overrides.{key}=", 1)) from None
     except Exception as e:  # noqa: BLE001 - any builder failure here is caused by the overrides
         raise ConfigError(f"model {cfg.model.name!r} cannot be built with model.overrides={cfg.model.overrides!r} "
                           f"({type(e).__name__}: {one_line(e)[:160]})") from None
