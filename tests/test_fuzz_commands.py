@@ -31,7 +31,8 @@ FILES = {"plat_str.json": b'{"name": "x", "flops_fp32": "fast"}', "plat_zero.jso
                                                        b'"intra_node_bytes_per_s": 1e11, "devices_per_node": 8}',
          "plat_bool.json": b'{"name": "x", "copy_overlaps_compute": 1}', "plat_eff.json": b'{"name": "x", "mem_efficiency": [[1, 2]]}',
          "bin.json": b"\xff\xfe\x00garbage", "empty.toml": b"", "bad.toml": b"[train\n", "runs.toml": b"[[run]]\nbogus = 1\n",
-         "plan.toml": b"[parallel]\npp = 0\n", "profile.json": b'{"blocks": 3}'}
+         "plan.toml": b"[parallel]\npp = 0\n", "profile.json": b'{"blocks": 3}', "notes.txt": b"to be or not to be\n",
+         "latin1.txt": b"caf\xe9\n", "rows.jsonl": b'{"text": "a b"}\n{"body": 1}\n', "empty.txt": b""}
 PATHS = ["adir", "afile", "nope/missing.json", "/proc/nope/x", "bin.json", "empty.toml"]
 OUTS = ["adir", "afile", "/proc/nope/out", "new/x.toml", "/proc/x.png"]
 PLATS = ["h100", "a100-40g", "nope", "local", *[k for k in FILES if k.startswith("plat_")], "nope.json", "bin.json"]
@@ -87,19 +88,33 @@ COMMANDS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
 """Per command: a cheap base argv (RUN: a trained run directory) and option -> value pools."""
 
 
+LATER: dict[str, tuple[list[str], dict[str, list[str]]]] = {
+    "data prepare": (["FILE", "--progress", "off"],
+                     {"FILE": ["notes.txt", "latin1.txt", "rows.jsonl", "empty.txt", "adir", "nope/*.txt", "bin.json"],
+                      "--out": OUTS + ["newtok"], "--tokenizer": PATHS + ["adir"], "--field": ["text", "body", ""],
+                      "--progress": ["x", "on"], "--json": [""]}),
+    "remat": (["--model", "gpt2-tiny", "--seq", "8", "--budget", "64MiB", "--methods", "none", "--time-limit", "1"],
+              {"--threads": INT, "--repeats": INT, "--measure": [""]}),
+    "calibrate": (["--model", "nope", "--compile"], {"--nproc-per-node": INT, "--out": OUTS}),
+}
+"""Commands and flags added after the seeded draw above was fixed: drawn from a generator of their own, so the
+cases of COMMANDS stay the ones that passed before."""
+
+
 WEIGHTS = {"estimate": 2, "remat": 1, "profile": 1, "checkpoint export": 1, "models": 0.1, "optimizers": 0.1}
 """Relative frequency of a command's cases (default 10): the ones whose valid cases build or export a model are
 rarer, so that the whole test stays quick; `models` builds every reference model."""
 
 
-def _cases(n: int, seed: int = 27) -> list[tuple[str, list[str]]]:
+def _cases(n: int, seed: int = 27, commands: dict | None = None) -> list[tuple[str, list[str]]]:
+    commands = COMMANDS if commands is None else commands
     rng = random.Random(seed)
-    names = list(COMMANDS)
+    names = list(commands)
     weights = [WEIGHTS.get(k, 10) for k in names]
     out = []
     for _ in range(n):
         name = rng.choices(names, weights)[0]
-        base, pools = COMMANDS[name]
+        base, pools = commands[name]
         argv = list(base)
         for opt in rng.sample(list(pools), k=min(len(pools), rng.randint(1, 3))):
             val = rng.choice(pools[opt])
@@ -113,6 +128,7 @@ def _cases(n: int, seed: int = 27) -> list[tuple[str, list[str]]]:
 
 
 CASES = _cases(int(os.environ.get("FUZZ_CMD_CASES", "1600")), int(os.environ.get("FUZZ_SEED", "27")))
+CASES += _cases(int(os.environ.get("FUZZ_LATER_CASES", "150")), int(os.environ.get("FUZZ_SEED", "27")), LATER)
 
 
 @pytest.fixture(scope="module")
