@@ -6,8 +6,8 @@ offloading, precision and optimizer — and nothing about *what* (model, data, s
 rate). It is pure data: techniques read it, :mod:`scaletrain.techniques.compat` decides whether it
 combines, :mod:`scaletrain.techniques.stack` applies it, :mod:`scaletrain.techniques.cost` prices it.
 
-One schema. Every plan field *is* a config key (:data:`PLAN_KEYS`: plan field -> dotted config
-key), so a plan file is a config file restricted to those keys (``[parallel]``, ``[memory]``,
+One schema. Every plan field *is* a config key, declared once in :mod:`scaletrain.schema`
+(:data:`PLAN_KEYS`: plan field -> dotted config key), so a plan file is a config file restricted to those keys (``[parallel]``, ``[memory]``,
 ``train.precision`` ...), validated by the config schema with its one-line errors, and
 ``scaletrain train --plan FILE`` is the same as giving those keys. JSON (``to_dict``) uses the
 flat field names (``dp``, ``tp``, ``pp``, ``zero``, ``micro_batch``, ``remat``, ``offload`` ...).
@@ -22,48 +22,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scaletrain import schema
 from scaletrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
+@schema.plan_fields("remat.")
 class RematPlan:
     """Rematerialization (``memory.remat.*``): a solver and its budget, explicit blocks, or
-    Megatron's selective recompute of the attention core."""
-
-    method: str = "none"
-    """none, periodic, revolve, optimal, ilp, dtr: the schedule over the Chain's blocks."""
-    budget: str = ""
-    """Activation bytes of one micro-batch (of one stage with a pipeline); '' = none."""
-    blocks: str = "none"
-    """Blocks recomputed whole (torchtitan's full AC on chosen layers): none, all, or '0,3,5'."""
-    selective: str = "none"
-    """none, or attention: recompute the attention core of every transformer block (Korthikanti
-    et al. 2022's selective recompute) and keep everything else."""
+    Megatron's selective recompute of the attention core. Fields: the ``remat.*`` keys of
+    :mod:`scaletrain.schema`."""
 
     @property
     def active(self) -> bool:
         return self.method != "none" or self.blocks != "none" or self.selective != "none"
 
+    @classmethod
+    def of_kind(cls, kind: str) -> "RematPlan":
+        """The plan of a planner remat kind (none, selective, full: :data:`scaletrain.schema.REMAT_KINDS`)."""
+        return cls(**{f.split(".", 1)[1]: v for f, v in schema.REMAT_KINDS[kind].items()})
+
 
 @dataclass(frozen=True)
+@schema.plan_fields("offload.")
 class OffloadPlan:
-    """Offloading (``memory.offload.*`` and ``memory.device_budget``); see the config for each key."""
-
-    plan: str = "manual"
-    activations: str = "none"
-    recompute: str = "none"
-    prefetch: int = 1
-    params: str = "device"
-    param_window: int = 1
-    optimizer: str = "device"
-    dpu: bool = False
-    host_budget: str = ""
-    disk_dir: str = ""
-    disk_max_bytes: str = ""
-    disk_chunk_bytes: str = "4MiB"
-    disk_masters: bool = False
-    strict: bool = True
-    device_budget: str = ""
+    """Offloading (``memory.offload.*`` and ``memory.device_budget``). Fields: the ``offload.*`` keys of
+    :mod:`scaletrain.schema`."""
 
     @property
     def active(self) -> bool:
@@ -72,37 +56,15 @@ class OffloadPlan:
 
 
 @dataclass(frozen=True)
+@schema.plan_fields()
 class Plan:
     """How to train (see the module docstring). Degrees are ranks; 0 for ``dp`` means "every
-    process left once pp x tp x cp are placed"."""
+    process left once pp x tp x cp are placed". Fields: the top-level keys of :mod:`scaletrain.schema`
+    (``dp``, ``zero``, ``tp``, ``schedule``, ``precision``, ``optimizer``, ``compile`` ...) and the two
+    nested plans."""
 
-    dp: int = 0
-    zero: int = 0
-    hsdp: int = 0
-    compression: str = "none"
-    compression_rank: int = 4
-    topk_ratio: float = 0.01
-    compression_warmup_steps: int = 10
-    bucket_mb: float = 25.0
-    fsdp_group: str = "auto"
-    tp: int = 1
-    sp: bool = False
-    cp: int = 1
-    ep: int = 1
-    pp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 0
-    virtual: int = 0
-    balance: str = "profile"
-    micro_batch: int = 0
     remat: RematPlan = field(default_factory=RematPlan)
-    activation_compression: bool = False
     offload: OffloadPlan = field(default_factory=OffloadPlan)
-    precision: str = "fp32"
-    params_dtype: str = "fp32"
-    optimizer: str = "adamw"
-    compile: str = "false"
-    """torch.compile of each Chain block (``train.compile``): false, true, auto (CUDA only)."""
 
     # -------------------------------------------------------------- derived
     def world(self, dp: int | None = None) -> int:
@@ -223,7 +185,7 @@ class Plan:
         out = []
         for name, value in self.to_flat().items():
             if value != Plan().to_flat()[name]:
-                out.append(f"{PLAN_KEYS[name]}={_toml_value(value)}")
+                out.append(f"{PLAN_KEYS[name]}={toml_value(value)}")
         return out
 
     def to_toml(self) -> str:
@@ -246,27 +208,12 @@ class Plan:
         return dataclasses.replace(self, **changes)
 
 
-PLAN_KEYS: dict[str, str] = {
-    "dp": "parallel.dp", "zero": "parallel.zero", "hsdp": "parallel.hsdp", "compression": "parallel.compression",
-    "compression_rank": "parallel.compression_rank", "topk_ratio": "parallel.topk_ratio",
-    "compression_warmup_steps": "parallel.compression_warmup_steps", "bucket_mb": "parallel.bucket_mb",
-    "fsdp_group": "parallel.fsdp_group",
-    "tp": "parallel.tp", "sp": "parallel.sequence_parallel", "cp": "parallel.cp", "ep": "parallel.ep",
-    "pp": "parallel.pp", "schedule": "parallel.schedule", "microbatches": "parallel.microbatches",
-    "virtual": "parallel.virtual", "balance": "parallel.balance", "micro_batch": "train.micro_batch",
-    "remat.method": "memory.remat.method", "remat.budget": "memory.remat.budget",
-    "remat.blocks": "memory.remat.blocks", "remat.selective": "memory.remat.selective",
-    "activation_compression": "memory.activation_compression",
-    **{f"offload.{f.name}": f"memory.offload.{f.name}" for f in dataclasses.fields(OffloadPlan)
-       if f.name != "device_budget"},
-    "offload.device_budget": "memory.device_budget",
-    "precision": "train.precision", "params_dtype": "train.params_dtype", "optimizer": "optim.name",
-    "compile": "train.compile",
-}
+PLAN_KEYS: dict[str, str] = {k.field: k.path for k in schema.KEYS}
 """Plan field (``remat.method`` for nested ones) -> dotted config key: the plan is this part of the config."""
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
+    """``v`` written as the TOML value of a ``key=value`` override (strings quoted, booleans lower case)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
@@ -304,7 +251,7 @@ def load_plan_overrides(path: str | Path) -> list[str]:
         if unknown:
             raise ConfigError(f"plan file {str(p)!r}: unknown plan field {unknown[0]!r}; allowed: "
                               f"{', '.join(PLAN_KEYS)}")
-        return [f"{PLAN_KEYS[k]}={_toml_value(v)}" for k, v in flat.items()]
+        return [f"{PLAN_KEYS[k]}={toml_value(v)}" for k, v in flat.items()]
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -321,7 +268,7 @@ def load_plan_overrides(path: str | Path) -> list[str]:
                 raise ConfigError(f"plan file {str(p)!r}: {key!r} is not a plan key (model, data, steps and "
                                   f"learning rate belong in --config); allowed: {', '.join(sorted(allowed))}")
             else:
-                out.append(f"{key}={_toml_value(v)}")
+                out.append(f"{key}={toml_value(v)}")
 
     walk(data, "")
     return out

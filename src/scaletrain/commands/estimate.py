@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from scaletrain import schema
 from scaletrain.argtypes import (MAX_MICROBATCHES, MAX_PIPELINE_RANKS, MAX_RANKS, MAX_VIRTUAL,
                                  count, positive_float, positive_int)
 from scaletrain.measure.report import add_step_arguments, check_step_args, parse_overrides
@@ -31,12 +32,21 @@ once (scaletrain calibrate --nproc-per-node N --out FILE.json, then --platform F
 
 examples:
   scaletrain estimate --model gpt2-xl --batch 16 --seq 1024 --precision bf16 --optimizer adamw
-  scaletrain estimate --model gpt2-xl --batch 4 --seq 1024 --precision bf16 --tp 2 --pp 2 --microbatches 8 \
+  scaletrain estimate --model gpt2-xl --batch 4 --seq 1024 --precision bf16 --tp 2 --pp 2 --microbatches 8 \\
       --platform h100
   scaletrain estimate --model hf:llama --set num_hidden_layers=8 --set hidden_size=512 --batch 4 --seq 256
   scaletrain estimate --model gpt2-small --set n_layer=96 --set n_embd=12288 --set n_head=96 \\
       --set n_positions=2048 --seq 2048 --params-dtype bf16 --precision bf16 --json
 """
+
+
+PLAN_FLAGS = (("tp", "tp", positive_int(MAX_RANKS)), ("sp", "sp", None), ("cp", "cp", positive_int(MAX_RANKS)),
+              ("ep", "ep", positive_int(MAX_RANKS)), ("pp", "pp", positive_int(MAX_PIPELINE_RANKS)),
+              ("schedule", "schedule", str), ("microbatches", "microbatches", count(MAX_MICROBATCHES)),
+              ("virtual", "virtual", count(MAX_VIRTUAL)), ("remat", "remat.method", str),
+              ("remat-budget", "remat.budget", str))
+"""The plan flags: (flag, plan field of :mod:`scaletrain.schema`, argparse type with the CLI's bounds); their
+help and default are the key's, and ``_plan`` turns each into its config key, validated by the config."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,17 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      "category (the heaviest rank's is `bytes.peak`) and the bytes it receives per "
                                      "step in collectives — the composed cost faces, scaletrain.techniques.plan_cost")
     g.add_argument("--plan", metavar="FILE", help="a plan file (TOML or JSON, as `scaletrain train --plan`)")
-    g.add_argument("--tp", type=positive_int(MAX_RANKS), default=1, help="tensor-parallel ranks")
-    g.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
-    g.add_argument("--cp", type=positive_int(MAX_RANKS), default=1, help="context-parallel ranks")
-    g.add_argument("--ep", type=positive_int(MAX_RANKS), default=1, help="expert-parallel ranks")
-    g.add_argument("--pp", type=positive_int(MAX_PIPELINE_RANKS), default=1, help="pipeline stages")
-    g.add_argument("--schedule", default="1f1b", help="pipeline schedule (default 1f1b)")
-    g.add_argument("--microbatches", type=count(MAX_MICROBATCHES), default=0, help="pipeline micro-batches per step")
-    g.add_argument("--virtual", type=count(MAX_VIRTUAL), default=0, help="stages per rank (interleaved)")
-    g.add_argument("--remat", default="none", help="remat method: none, periodic, revolve, optimal (with --pp: "
-                                                   "per stage and micro-batch)")
-    g.add_argument("--remat-budget", default="", help="remat budget: bytes or a size like 7MiB")
+    for flag, name, typ in PLAN_FLAGS:  # help and default from the plan key's one declaration
+        key = schema.BY_FIELD[name]
+        words = f": {', '.join(map(str, key.choices))}" if key.choices else ""
+        text = f"{key.help}{words} ({key.path}; default {key.default!r})"
+        if key.type is bool:
+            g.add_argument(f"--{flag}", action="store_true", help=text)
+        else:
+            g.add_argument(f"--{flag}", type=typ, default=key.default, help=text)
     g.add_argument("--global-batch", type=count(), default=0,
                    help="samples per optimizer step over all replicas (default: --batch x --accum x dp)")
 
@@ -153,18 +160,14 @@ def _plan(args: argparse.Namespace, overrides: dict, plat: Any = None) -> dict:
     """The whole plan, rank by rank (scaletrain.techniques.plan_cost), refused as `train` would refuse it;
     with a platform (or, for one process, this machine measured in-process) each rank's seconds by phase."""
     from scaletrain import models
-    from scaletrain.plan import Plan, load_plan_overrides
+    from scaletrain.plan import Plan, toml_value, load_plan_overrides
     from scaletrain.techniques import compat
     from scaletrain.techniques.plan_cost import heaviest, plan_costs
     from scaletrain.train.config import load_config
 
-    keys = [f"parallel.dp={args.dp}", f"parallel.zero={args.zero}", f"parallel.hsdp={args.hsdp}",
-            f"parallel.tp={args.tp}", f"parallel.sequence_parallel={str(args.sp).lower()}", f"parallel.cp={args.cp}",
-            f"parallel.ep={args.ep}", f"parallel.pp={args.pp}", f"parallel.schedule={args.schedule}",
-            f"parallel.microbatches={args.microbatches}", f"parallel.virtual={args.virtual}",
-            f"memory.remat.method={args.remat}", f"memory.remat.budget=\"{args.remat_budget}\"",
-            f"train.precision={args.precision}", f"train.params_dtype={args.params_dtype}",
-            f"optim.name={args.optimizer}"]
+    flags = [("dp", "dp"), ("zero", "zero"), ("hsdp", "hsdp"), *((f.replace("-", "_"), n) for f, n, _ in PLAN_FLAGS),
+             ("precision", "precision"), ("params_dtype", "params_dtype"), ("optimizer", "optimizer")]
+    keys = [f"{schema.BY_FIELD[name].path}={toml_value(getattr(args, dest))}" for dest, name in flags]
     cfg = load_config(None, keys + (load_plan_overrides(args.plan) if args.plan else []))
     plan = Plan.from_config(cfg)
     world = plan.world(max(plan.dp, 1))

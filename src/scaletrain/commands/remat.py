@@ -32,10 +32,10 @@ With --intra-block the budget is what block K may keep for backward beyond its i
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from scaletrain.train.config import RematConfig  # the methods without importing torch (the parser of every
-    # command is built for any command)
+    from scaletrain.schema import BY_FIELD  # the methods without importing torch (the parser of every command is
+    # built for any command)
 
-    METHODS = RematConfig.__dataclass_fields__["method"].metadata["choices"]
+    METHODS = BY_FIELD["remat.method"].choices
 
     p.add_argument("--model", required=True, help="model: a reference name, hf:<family>, hf:/path/to/dir or "
                                                    "py:module:factory (see `scaletrain models`)")

@@ -37,14 +37,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scaletrain import schema
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.plan import PLAN_KEYS, Plan
 
-PINNABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "zero": "zero", "sp": "sp", "schedule": "schedule",
-            "virtual": "virtual", "micro_batch": "micro_batch"}
-"""Plan field -> ``search`` fix key, for the plan keys ``plan=auto`` chooses and a user may pin."""
-KEPT = {"precision", "optimizer", "bucket_mb", "fsdp_group", "balance", "compression_rank", "topk_ratio",
-        "compression_warmup_steps"}
+PINNABLE = {k: k for k in schema.searched()}
+"""Plan field -> ``search`` fix key, for the plan keys ``plan=auto`` chooses and a user may pin (the schema's
+searched keys; their fix keys are their field names)."""
+KEPT = schema.kept()
 """Plan fields that are the user's and kept as given (or meaningless without a refused key)."""
 WARMUP_STEPS = 2
 """Steps left out of the measured step time (allocator and autograd warm-up)."""
@@ -62,10 +62,8 @@ def check(cfg: Any) -> dict[str, Any]:
             continue  # derived from the pinned micro-batch (a resumed plan=auto run's config holds both)
         if name in PINNABLE:
             fixed[PINNABLE[name]] = value
-        elif name == "remat.blocks" and value == "all":
-            fixed["remat"] = "full"
-        elif name == "remat.selective" and value == "attention":
-            fixed["remat"] = "selective" if fixed.get("remat") != "full" else "full"
+        elif (kind := _remat_kind(name, value)) is not None:
+            fixed["remat"] = kind if fixed.get("remat") != "full" else "full"
         else:
             raise ConfigError(f"plan=auto does not plan {PLAN_KEYS[name]}={value!r}: it chooses parallel.dp/tp/pp/"
                               f"zero/sequence_parallel/schedule/virtual, train.micro_batch and the remat (pin any "
@@ -74,6 +72,11 @@ def check(cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"plan=auto plans the synchronous schedules 1f1b, gpipe and interleaved; "
                           f"parallel.schedule={fixed['schedule']!r} needs plan=manual")
     return fixed
+
+
+def _remat_kind(name: str, value: Any) -> str | None:
+    """The planner's remat kind (``schema.REMAT_KINDS``) that plan key ``name=value`` asks for, if any."""
+    return next((kind for kind, keys in schema.REMAT_KINDS.items() if keys.get(name) == value), None)
 
 
 @dataclass

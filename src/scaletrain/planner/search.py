@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from scaletrain import schema
 from scaletrain.errors import UserError
 from scaletrain.plan import OffloadPlan, Plan, RematPlan
 from scaletrain.planner import memory as mem
@@ -37,10 +38,10 @@ from scaletrain.platform import Platform
 from scaletrain.techniques import compat
 from scaletrain.techniques.data_parallel import cost as zero_cost
 
-FIX_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "cp": int, "zero": int, "micro_batch": int, "virtual": int,
-            "schedule": str, "remat": str, "sp": bool, "offload": str, "params_dtype": str, "attention": str}
-"""What ``--fix KEY=VALUE`` may pin, and the type of its value."""
-REMATS = ("none", "selective", "full")
+FIX_KEYS = {**{k: schema.BY_FIELD[k].type for k in schema.pinnable()}, "remat": str, "offload": str, "attention": str}
+"""What ``--fix KEY=VALUE`` may pin, and the type of its value: the plan keys the schema marks searched or
+pinned, and the planner's own words (remat kind, offload, attention pricing)."""
+REMATS = tuple(schema.REMAT_KINDS)
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 TRACED_SCHEDULES = ("zb1p", "chimera")
 """Synchronous schedules only the traced planner prices (the pipeline simulator runs them); the analytic
@@ -86,7 +87,7 @@ def parse_fixed(items: list[str]) -> dict[str, Any]:
                 raise UserError(f"--fix {k}={v}: must be >= {0 if k == 'zero' else 1}")
         else:
             allowed = {"remat": REMATS, "schedule": SCHEDULES + TRACED_SCHEDULES, "offload": OFFLOADS,
-                       "params_dtype": ("fp32", "bf16", "fp16"), "attention": ("flash", "materialized")}[k]
+                       "attention": ("flash", "materialized")}.get(k) or schema.BY_FIELD[k].choices
             if v not in allowed:
                 raise UserError(f"--fix {k}={v}: allowed: {', '.join(allowed)}")
             out[k] = v
@@ -98,8 +99,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _remat(kind: str) -> RematPlan:
-    return {"none": RematPlan(), "selective": RematPlan(selective="attention"),
-            "full": RematPlan(blocks="all")}[kind]
+    return RematPlan.of_kind(kind)
 
 
 def _states_lower_bound(shape: Shape, tp: int, pp: int, dp: int, zero_max: int, k: float, storage: str,

@@ -29,13 +29,14 @@ from torch import nn
 
 from scaletrain.errors import UserError
 from scaletrain.plan import Plan, RematPlan
+from scaletrain.schema import REMAT_KINDS
 from scaletrain.planner.cost import Options, PlanCost, remat_kind
 from scaletrain.platform import Platform
 from scaletrain.techniques import compat
 
 MAX_MICRO_BATCH = 64
 """Largest micro-batch searched (each is one fake-tensor trace of the model)."""
-REMATS = ("none", "selective", "full")
+REMATS = tuple(REMAT_KINDS)
 
 
 @dataclass
@@ -83,7 +84,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _remat(kind: str) -> RematPlan:
-    return {"none": RematPlan(), "selective": RematPlan(selective="attention"), "full": RematPlan(blocks="all")}[kind]
+    return RematPlan.of_kind(kind)
 
 
 def price(target: Traced, plan: Plan, plat: Platform, *, global_batch: int, seq: int, device: str = "cuda",

@@ -17,10 +17,11 @@ from typing import Any, Callable
 
 from scaletrain.errors import ConfigError
 from scaletrain.plan import Plan
+from scaletrain.schema import ASYNC_SCHEDULES
 
 TREE_METHODS = ("none", "periodic", "revolve", "optimal")
 """Remat solvers whose schedules are nests of checkpoints (:mod:`.remat.tree`), which compose."""
-ASYNC = ("pipedream", "pipedream-2bw")
+ASYNC = ASYNC_SCHEDULES
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 Every field is a dataclass field whose ``metadata`` carries its help text, unit and (where the
 set of values is closed) its allowed choices; ``scaletrain train --help`` is generated from it.
+The plan keys (parallelism, remat, offload, precision, optimizer...) are declared once in
+:mod:`scaletrain.schema` and placed into their sections here by ``schema.config_fields``.
 TOML sections map to the sections below; command-line overrides are dotted paths
 (``train.steps=200``, ``memory.remat.method=optimal``) whose values are parsed as TOML values
 (so ``optim.lr=3e-4`` is a float and ``model.overrides.n_layer=2`` an int), falling back to a
@@ -16,32 +18,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import tomli_w
 
+from scaletrain import schema
 from scaletrain.errors import ConfigError, UserError, one_line
-
-
-MAX_INT = 2**53
-"""Largest integer any config field takes unless it states its own ``max``: JSON and float arithmetic hold it
-exactly, and no count of steps, samples or ranks comes near it."""
-
-
-def opt(default: Any, help: str, unit: str = "", choices: tuple | None = None, min: float | None = None,
-        max: float | None = None, words: tuple = ()) -> Any:
-    """A documented config field (``help`` says what it does, ``unit`` its unit; ``words``: the values a
-    ``bytes`` field takes besides sizes)."""
-    meta = {"help": help, "unit": unit, "choices": choices, "min": min, "max": max, "words": words}
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def section(cls: type, help: str) -> Any:
-    return field(default_factory=cls, metadata={"help": help, "section": True})
+from scaletrain.schema import MAX_INT, opt, section
 
 
 @dataclass
@@ -68,9 +53,8 @@ class DataConfig:
 
 
 @dataclass
+@schema.config_fields("optim")
 class OptimConfig:
-    name: str = opt("adamw", "optimizer",
-                    choices=("adamw", "adam", "sgd", "adamw8bit", "adam8bit", "adafactor", "came", "lamb", "lars"))
     lr: float = opt(2e-3, "peak learning rate (after warm-up)", "1/step", min=0.0)
     weight_decay: float = opt(0.1, "decoupled weight decay (not applied to biases and norms)", min=0.0)
     beta1: float = opt(0.9, "first-moment decay (Adam family) ", min=0.0, max=1.0)
@@ -87,20 +71,10 @@ class OptimConfig:
 
 
 @dataclass
+@schema.config_fields("train", after="global_batch")
 class TrainConfig:
     steps: int = opt(800, "optimizer steps to run", "steps", min=1)
     global_batch: int = opt(16, "samples per optimizer step, summed over all devices and accumulation", "samples", min=1)
-    micro_batch: int = opt(0, "samples per forward/backward on one device; 0 = global_batch / data-parallel size",
-                           "samples", min=0)
-    precision: str = opt("fp32", "compute precision: fp32, bf16 (autocast), fp16 (autocast + dynamic loss scaling)",
-                         choices=("fp32", "bf16", "fp16"))
-    params_dtype: str = opt("fp32", "storage dtype of parameters and gradients: fp32, or bf16/fp16 with fp32 master "
-                                    "weights kept by the optimizer (2 + 2 + 4 + K bytes per parameter; one process or "
-                                    "parallel.zero=1/2)", choices=("fp32", "bf16", "fp16"))
-    compile: str = opt("false", "torch.compile each block of the model (after TP/remat, before DDP/FSDP, as torchtitan): "
-                                "true, false, auto (compile on CUDA only: on a CPU the tens of seconds of compiling "
-                                "outweigh what it saves); the first step pays the compile time",
-                       choices=("false", "true", "auto"))
     eval_every: int = opt(200, "validate every N steps (and at the end); 0 = only at the end", "steps", min=0)
     eval_batches: int = opt(8, "validation micro-batches per evaluation", "batches", min=1)
     log_every: int = opt(10, "write a metrics row every N steps", "steps", min=1)
@@ -131,83 +105,33 @@ class TrainConfig:
 
 
 @dataclass
+@schema.config_fields("memory.remat")
 class RematConfig:
-    method: str = opt("none", "rematerialization schedule",
-                      choices=("none", "periodic", "revolve", "optimal", "ilp", "dtr"))
-    budget: str = opt("", "memory budget for activations of a step (with parallel.pp > 1: of one micro-batch in "
-                          "one stage): bytes or a string like '1.5GiB'; empty = none", "bytes")
-    blocks: str = opt("none", "blocks recomputed whole in the backward (activation checkpointing of chosen Chain "
-                              "blocks, as torchtitan's full AC): none, all, or a list like '1,3,5'")
-    selective: str = opt("none", "selective recompute: attention = recompute the attention core (QK^T, softmax, "
-                                 "dropout, x V) of every transformer block, keep the rest (Korthikanti et al. 2022)",
-                         choices=("none", "attention"))
+    """Rematerialization (activation recomputation): every key is a plan key (:mod:`scaletrain.schema`)."""
 
 
 @dataclass
+@schema.config_fields("memory.offload")
 class OffloadConfig:
-    plan: str = opt("manual", "manual: use the keys below; auto: the joint offload + recompute planner chooses them",
-                    choices=("manual", "auto"))
-    activations: str = opt("none", "blocks whose saved tensors go to host memory: none, all, or a list like '0,3,5'")
-    recompute: str = opt("none", "blocks recomputed in backward (checkpointed): none, all, or a list")
-    prefetch: int = opt(1, "offloaded activations are fetched this many blocks ahead of their backward", "blocks",
-                        min=0)
-    params: str = opt("device", "device: parameters stay on the device; host: streamed block by block (L2L / "
-                                "ZeRO-Infinity)", choices=("device", "host"))
-    param_window: int = opt(1, "streamed weights: blocks fetched ahead of the one computing", "blocks", min=0)
-    optimizer: str = opt("device", "where optimizer states and fp32 masters live: device, host (ZeRO-Offload: Adam "
-                                   "on the CPU), disk (ZeRO-Infinity NVMe tier)", choices=("device", "host", "disk"))
-    dpu: bool = opt(False, "delayed parameter update: the host update overlaps the next step (weights 1 step stale)")
-    host_budget: str = opt("", "host memory the plan may use: bytes or '64GiB'; empty = the platform's", "bytes")
-    disk_dir: str = opt("", "directory for the disk tier's files; empty = the system temp dir", "path")
-    disk_max_bytes: str = opt("", "largest size the disk tier may use; empty = the free space", "bytes")
-    disk_chunk_bytes: str = opt("4MiB", "disk tier read/update/write chunk per state tensor", "bytes")
-    disk_masters: bool = opt(False, "keep the fp32 master weights on disk too")
-    strict: bool = opt(True, "CPU logical device: fail like a GPU would when the device budget is exceeded")
+    """Offloading of activations, weights and optimizer states: every key is a plan key (:mod:`scaletrain.schema`)."""
 
 
 @dataclass
+@schema.config_fields("memory")
 class MemoryConfig:
+    """Memory-saving techniques: plan keys (:mod:`scaletrain.schema`) and the two sections below."""
+
     remat: RematConfig = section(RematConfig, "rematerialization (activation recomputation)")
-    activation_compression: bool = opt(False, "store tensors saved for backward as 8-bit per-channel (ActNN-style)")
-    device_budget: str = opt("", "device memory a plan may use (parameters, gradients, states, activations): bytes "
-                                 "or '1.5GiB'; empty = the whole device. Used by memory.offload", "bytes")
     offload: OffloadConfig = section(OffloadConfig, "offloading of activations, weights and optimizer states")
 
 
 @dataclass
+@schema.config_fields("parallel")
 class ParallelConfig:
-    dp: int = opt(0, "data-parallel ranks; 0 = every process the launcher started (torchrun --nproc-per-node / "
-                     "scaletrain train --nproc-per-node)", "processes", min=0)
-    zero: int = opt(0, "ZeRO stage: 0 = DDP (replicated, bucketed all-reduce overlapped with backward), "
-                       "1 = + optimizer states sharded, 2 = + gradients sharded (reduce-scatter), "
-                       "3 = + parameters sharded (FSDP2, gathered per block with prefetch)", "stage", min=0, max=3)
-    hsdp: int = opt(0, "hybrid sharding for zero>=1: shard within groups of this many ranks, replicate across "
-                       "groups; 0 = shard over all dp ranks", "ranks", min=0)
-    compression: str = opt("none", "gradient compression for zero=0: powersgd (low rank), topk (sparsification), "
-                                   "onebit (scaled sign); all with error feedback",
-                           choices=("none", "powersgd", "topk", "onebit"))
-    compression_rank: int = opt(4, "PowerSGD rank r of the low-rank approximation", "rank", min=1)
-    topk_ratio: float = opt(0.01, "top-k: fraction of gradient entries sent per bucket", "fraction", min=0.0, max=1.0)
-    compression_warmup_steps: int = opt(10, "uncompressed steps before compression starts (1-bit Adam / DGC "
-                                            "warm-up; PowerSGD needs at least 2)", "optimizer steps", min=0)
-    bucket_mb: float = opt(25.0, "gradient bucket size for all-reduce / reduce-scatter (zero 0-2)", "MiB", min=0.0)
-    fsdp_group: str = opt("auto", "zero=3: consecutive blocks one FSDP all-gather / reduce-scatter moves: auto (the "
-                                  "size the cost model prices fastest), block (one group per block), or a size "
-                                  "limit such as 8MiB", "bytes", words=("auto", "block"))
+    """Parallelism: the plan keys of :mod:`scaletrain.schema` under ``parallel.``, and the collective timeout."""
+
     timeout_s: float = opt(600.0, "collective timeout; a rank waiting longer fails with a message naming the "
                                   "collective", "seconds", min=1.0, max=1e7)
-    pp: int = opt(1, "pipeline-parallel stages (ranks); world = dp x pp x tp x cp", "ranks", min=1)
-    schedule: str = opt("1f1b", "pipeline schedule (parallel.pp > 1)",
-                        choices=("gpipe", "1f1b", "interleaved", "zb1p", "chimera", "pipedream", "pipedream-2bw"))
-    microbatches: int = opt(0, "pipeline micro-batches per optimizer step; 0 = global_batch / (dp x micro_batch)",
-                            "micro-batches", min=0)
-    virtual: int = opt(0, "pipeline stages per rank (interleaved); 0 = 2 for interleaved, else 1", "stages", min=0)
-    balance: str = opt("profile", "pipeline stage split: profile (memory-aware partitioner over the estimated "
-                                  "profile) or equal (equal block counts)", choices=("profile", "equal"))
-    tp: int = opt(1, "tensor-parallel ranks (Megatron column/row parallel, vocab-parallel loss)", "ranks", min=1)
-    sequence_parallel: bool = opt(False, "Megatron sequence parallelism inside the tensor-parallel group (tp > 1)")
-    cp: int = opt(1, "context-parallel ranks: ring attention over sequence chunks", "ranks", min=1)
-    ep: int = opt(1, "expert-parallel ranks for mixture-of-experts layers (divides dp)", "ranks", min=1)
 
 
 @dataclass
@@ -269,12 +193,7 @@ def _coerce(path: str, value: Any, typ: Any, meta: dict) -> Any:
     choices, lo, hi = meta.get("choices"), meta.get("min"), meta.get("max")
     if typ is int and hi is None:
         hi = MAX_INT  # every count and size: a value past this is a typo (train.steps=99999999999999999999)
-    if choices and value not in choices:
-        raise ConfigError(f"{path}={value!r} is not allowed; allowed: {', '.join(map(str, choices))}")
-    if lo is not None and value < lo:
-        raise ConfigError(f"{path}={value!r} is not allowed; must be >= {lo}")
-    if hi is not None and value > hi:
-        raise ConfigError(f"{path}={value!r} is not allowed; must be <= {hi}")
+    schema.check_value(path, value, choices, lo, hi)
     return value
 
 

@@ -42,8 +42,10 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.errors import ConfigError
+from scaletrain.schema import BY_FIELD
 
-METHODS = ("none", "powersgd", "topk", "onebit")
+METHODS = BY_FIELD["compression"].choices
+"""The methods, as the plan key ``parallel.compression`` declares them (:mod:`scaletrain.schema`)."""
 
 Hook = Callable[[Any, "dist.GradBucket"], "torch.futures.Future[torch.Tensor]"]
 

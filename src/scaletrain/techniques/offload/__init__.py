@@ -14,7 +14,7 @@
 Each module keeps its cost face next to its apply face.
 """
 
-from scaletrain.techniques.offload.runtime import (CONFIG_FIELDS, OffloadOptions, OffloadRuntime,
+from scaletrain.techniques.offload.runtime import (OffloadOptions, OffloadRuntime,
                                                    build_offload_runtime, options_from_cfg)
 
-__all__ = ["CONFIG_FIELDS", "OffloadOptions", "OffloadRuntime", "build_offload_runtime", "options_from_cfg"]
+__all__ = ["OffloadOptions", "OffloadRuntime", "build_offload_runtime", "options_from_cfg"]

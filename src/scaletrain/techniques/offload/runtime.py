@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from scaletrain import schema
 from scaletrain.chain import Chain, to_chain
 from scaletrain.errors import UserError
 from scaletrain.platform import Platform
@@ -46,7 +47,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass
 class OffloadOptions:
-    """What goes where (the ``memory.offload.*`` keys; see ``CONFIG_FIELDS``)."""
+    """What goes where: the ``memory.offload.*`` keys (declared in :mod:`scaletrain.schema`) read into bytes."""
 
     plan: str = "manual"
     activations: str = "none"
@@ -71,40 +72,15 @@ class OffloadOptions:
     """Resolved per-block activation mode ("keep" | "recompute" | "offload"); set by the runtime/planner."""
 
     def validate(self) -> None:
-        if self.plan not in ("manual", "auto"):
-            raise UserError(f"memory.offload.plan={self.plan!r} is not allowed; allowed: manual, auto")
-        if self.params not in ("device", "host"):
-            raise UserError(f"memory.offload.params={self.params!r} is not allowed; allowed: device, host")
-        if self.optimizer not in ("device", "host", "disk"):
-            raise UserError(f"memory.offload.optimizer={self.optimizer!r} is not allowed; allowed: device, host, disk")
+        """Each key against its declaration (:mod:`scaletrain.schema`: choices and range, one line naming the
+        config key), then the rules that tie keys together."""
+        for name in ("plan", "params", "optimizer", "prefetch", "param_window"):
+            schema.check(f"offload.{name}", getattr(self, name))
         if self.params == "host" and self.optimizer == "device":
             raise UserError("memory.offload.params=host needs memory.offload.optimizer=host or disk "
                             "(streamed weights are updated where their master copy lives)")
         if self.dpu and self.optimizer == "device":
             raise UserError("memory.offload.dpu needs memory.offload.optimizer=host or disk")
-        if self.prefetch < 0 or self.param_window < 0:
-            raise UserError("memory.offload.prefetch and memory.offload.param_window must be >= 0")
-
-
-CONFIG_FIELDS: list[tuple[str, str, Any, str, str]] = [
-    # (key, type, default, unit, help)
-    ("memory.device_budget", "str", "", "bytes or '1.5GiB'",
-     "device memory the plan may use (everything: parameters, gradients, states, activations); empty = the device's"),
-    ("memory.offload.plan", "str", "manual", "", "manual: use the keys below; auto: the joint planner chooses them"),
-    ("memory.offload.activations", "str", "none", "blocks", "blocks whose saved tensors go to host: none, all, '0,3,h.2'"),
-    ("memory.offload.recompute", "str", "none", "blocks", "blocks recomputed in backward (checkpointed): none, all, list"),
-    ("memory.offload.prefetch", "int", 1, "blocks", "offloaded activations are fetched this many blocks ahead of their backward"),
-    ("memory.offload.params", "str", "device", "", "device: parameters stay on the device; host: streamed block by block"),
-    ("memory.offload.param_window", "int", 1, "blocks", "streamed weights: blocks fetched ahead of the one computing"),
-    ("memory.offload.optimizer", "str", "device", "", "device | host (ZeRO-Offload: fp32 master + Adam on the CPU) | disk"),
-    ("memory.offload.dpu", "bool", False, "", "delayed parameter update: CPU update overlaps the next step (1 step stale)"),
-    ("memory.offload.host_budget", "str", "", "bytes", "host memory the plan may use; empty = the platform's"),
-    ("memory.offload.disk_dir", "str", "", "path", "directory for the disk tier's files; empty = the system temp dir"),
-    ("memory.offload.disk_max_bytes", "str", "", "bytes", "largest size the disk tier may use; empty = the free space"),
-    ("memory.offload.disk_chunk_bytes", "str", "4MiB", "bytes", "disk tier read/update/write chunk per state tensor"),
-    ("memory.offload.disk_masters", "bool", False, "", "keep fp32 master weights on disk too (params on device only)"),
-    ("memory.offload.strict", "bool", True, "", "CPU logical device: fail like a GPU when the budget is exceeded"),
-]
 
 
 def options_from_cfg(cfg_like: Any) -> OffloadOptions:

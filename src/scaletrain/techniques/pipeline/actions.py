@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scaletrain.schema import ASYNC_SCHEDULES, SCHEDULES  # noqa: F401  (the names of parallel.schedule, declared once)
+
 # Action kinds. Compute: F (forward), B (full backward), I (input-gradient part of a split
 # backward), W (weight-gradient part). Communication: SEND_*/RECV_* carry a peer rank.
 F, B, I, W = "F", "B", "I", "W"
@@ -21,8 +23,6 @@ COMPUTE_KINDS = (F, B, I, W)
 COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
 BACKWARD_KINDS = (B, I)  # kinds that produce the gradient sent to the previous stage
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "chimera", "pipedream", "pipedream-2bw")
-ASYNC_SCHEDULES = ("pipedream", "pipedream-2bw")
 
 
 @dataclass(frozen=True)

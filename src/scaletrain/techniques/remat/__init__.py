@@ -31,13 +31,15 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from scaletrain.errors import UserError
+from scaletrain.schema import BY_FIELD
 from scaletrain.measure.types import Profile
 from scaletrain.techniques.remat.executor import RematChain, Runner, apply, run_schedule
 from scaletrain.techniques.remat.schedule import (Graph, Node, Op, Schedule, as_graph, fmt_bytes,
                                                   ops_from_str, parse_bytes)
 from scaletrain.techniques.remat.simulate import Replay, baseline_time, simulate
 
-METHODS = ("none", "periodic", "revolve", "optimal", "ilp", "dtr")
+METHODS = BY_FIELD["remat.method"].choices
+"""The solvers, as the plan key ``memory.remat.method`` declares them (:mod:`scaletrain.schema`)."""
 
 __all__ = ["METHODS", "Graph", "Node", "Op", "Profile", "Replay", "RematChain", "Runner", "Schedule", "apply",
            "baseline_time", "fmt_bytes", "graph_of", "min_budget", "ops_from_str", "parse_bytes", "plan",
