@@ -41,6 +41,9 @@ class _CallablePlanModule(types.ModuleType):
 
 
 import_module("scaletrain.plan").__class__ = _CallablePlanModule  # stdlib-only module: cheap to import
+# The estimator's optimizers are the optimizer technique's registry, wired here at the top (imported on first use)
+# so that measuring, below the techniques, names none of them.
+import_module("scaletrain.measure").use_optimizers(lambda: import_module("scaletrain.techniques.optim.registry"))
 
 
 def __getattr__(name: str) -> Any:

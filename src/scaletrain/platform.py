@@ -13,7 +13,7 @@ server these cards sit in (the DGX of the same generation) and are assumptions: 
 :func:`calibrate` measures *this* machine: memcpy bandwidth, disk read/write bandwidth
 (with the page cache dropped for the file read back), CPU Adam parameters/s and matmul
 FLOP/s; on CUDA also pinned host<->device bandwidth and the device's memory. On a CPU-only
-machine the "device" is the logical device pool of :mod:`scaletrain.techniques.offload.pools`,
+machine the "device" is the logical device pool of the offload technique (its ``pools``),
 so host<->device copies are memcpys (``copy_overlaps_compute=False``: they run on the same
 cores as the compute).
 """
@@ -26,6 +26,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -365,15 +366,26 @@ def measure_disk(directory: str | None = None, nbytes: int = 64 * 2**20) -> tupl
     return read, write
 
 
-def measure_cpu_adam(numel: int = 1 << 22, repeats: int = 3) -> float:
-    """fp32 AdamW updates per second of the fused CPU kernel on one flat buffer (all threads)."""
-    from scaletrain.techniques.offload.optimizer import CPUAdam
+def cpu_adam_update(numel: int) -> tuple[Callable[[], None], torch.Tensor]:
+    """One fp32 AdamW update of a flat buffer of ``numel`` values by torch's fused CPU kernel
+    (``torch._fused_adamw_``, lr 1e-3, betas 0.9/0.999, no weight decay): the call the offload technique's
+    host optimizer (CPUAdam) makes for a flat group, which is what ``cpu_adam_params_per_s`` prices. Returns
+    (the update, the buffer it updates). Defined here, below the techniques, so that calibrating names none."""
+    p, g = torch.zeros(numel), torch.full((numel,), 1e-3)
+    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros((), dtype=torch.float32)
 
-    p = torch.zeros(numel)
-    p.grad = torch.full((numel,), 1e-3)
-    opt = CPUAdam([p], lr=1e-3)
-    opt.step()
-    return numel / _best_time(opt.step, repeats)
+    def update() -> None:
+        torch._foreach_add_([step], 1.0)
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0,
+                            eps=1e-8, amsgrad=False, maximize=False)
+    return update, p
+
+
+def measure_cpu_adam(numel: int = 1 << 22, repeats: int = 3) -> float:
+    """fp32 AdamW updates per second of the fused CPU kernel on one flat buffer (all threads): :func:`cpu_adam_update`."""
+    update, _ = cpu_adam_update(numel)
+    update()
+    return numel / _best_time(update, repeats)
 
 
 def measure_matmul_flops(n: int = 512, dtype: torch.dtype = torch.float32, device: str = "cpu",

@@ -1,10 +1,11 @@
 """Optimizer memory, in one place: state bytes and the transient bytes of ``optimizer.step()``.
 
-Optimizers come from the project's registry (``scaletrain.techniques.optim.registry``: sgd,
-adam, adamw, adam8bit, adamw8bit, adafactor, came, lamb, lars); their *state* bytes are the
-registry's cost face ``state_bytes`` (for torch's own, the closed form below, which a test
-checks equal to the registry's on CPU and which also knows where Adam's step counters live and
-CUDA's 512-byte rounding). This module adds what the registry does not give: the *transient*
+Optimizers come from the project's registry (sgd, adam, adamw, adam8bit, adamw8bit, adafactor, came,
+lamb, lars), which the optimizer technique provides and the package root installs with
+:func:`scaletrain.measure.use_optimizers` (measuring sits below the techniques and names none of
+them); their *state* bytes are the registry's cost face ``state_bytes`` (for torch's own, the
+closed form below, which a test checks equal to the registry's on CPU and which also knows where
+Adam's step counters live and CUDA's 512-byte rounding). This module adds what the registry does not give: the *transient*
 bytes of a step, which decide whether the optimizer step is the peak.
 
 PyTorch's own optimizers (``sgd``, ``adam``, ``adamw``; the registry builds them with
@@ -42,7 +43,6 @@ One parameter group is assumed (the estimator builds optimizers over a parameter
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -62,12 +62,11 @@ CLOSED_FORM = ("adam8bit", "adamw8bit")
 """Registry optimizers whose step transient is the registry's closed form, not a fake run."""
 
 
-def _registry():
-    """The scaletrain optimizer registry, or None if it is not installed."""
-    try:
-        return importlib.import_module("scaletrain.techniques.optim.registry")
-    except ImportError:  # pragma: no cover - the registry ships with scaletrain
-        return None
+def _registry() -> Any:
+    """The optimizer registry installed with :func:`scaletrain.measure.use_optimizers`, or None (torch's only)."""
+    from scaletrain import measure
+
+    return measure.optimizer_source()
 
 
 def names() -> list[str]:

@@ -32,7 +32,7 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32, or bf16/fp16 autocast with fp32 parameters (default fp32)")
     p.add_argument("--optimizer", default="adamw",
-                   help="an optimizer of scaletrain.techniques.optim.registry: sgd, adam, adamw, adam8bit, "
+                   help="an optimizer of the registry (`scaletrain optimizers`): sgd, adam, adamw, adam8bit, "
                         "adamw8bit, adafactor, came, lamb, lars (default adamw)")
     p.add_argument("--accum", type=positive_int(1 << 20), default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--params-dtype", choices=PRECISIONS, default="fp32",

@@ -1,0 +1,67 @@
+"""Measuring and the platform sit below the techniques: they import none of them, and what they measure or
+price is still what the techniques run."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import scaletrain
+from scaletrain import measure, platform
+
+SRC = Path(scaletrain.__file__).parent
+ABOVE = ("scaletrain.techniques", "scaletrain.planner", "scaletrain.train", "scaletrain.sweep", "scaletrain.compare",
+         "scaletrain.commands", "scaletrain.cli")
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules ``path`` imports or names as a dotted string (importlib)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("scaletrain."):
+            out.add(node.value.split()[0])
+    return out
+
+
+@pytest.mark.parametrize("path", [SRC / "platform.py", SRC / "schema.py", SRC / "plan.py",
+                                  *sorted((SRC / "measure").glob("*.py"))], ids=lambda p: p.name)
+def test_lower_floors_name_no_layer_above(path):
+    bad = sorted(m for m in _imports(path) if m.startswith(ABOVE))
+    assert not bad, f"{path.name} imports {bad}"
+
+
+def test_calibrated_cpu_adam_kernel_is_the_one_cpuadam_runs():
+    from scaletrain.techniques.offload.optimizer import CPUAdam
+
+    update, p = platform.cpu_adam_update(1000)
+    q = torch.zeros(1000)
+    q.grad = torch.full((1000,), 1e-3)
+    opt = CPUAdam([q], lr=1e-3)
+    for _ in range(3):
+        update()
+        opt.step()
+    assert torch.equal(p, q) and p.abs().sum() > 0
+
+
+def test_the_estimator_optimizers_are_the_registry_the_root_installs():
+    from scaletrain.measure import optimizers
+    from scaletrain.techniques.optim import registry
+
+    assert optimizers.names() == list(registry.names())
+    saved = measure._OPTIMIZERS
+    try:
+        measure.use_optimizers(None)  # without the technique: torch's own only, and said so in one line
+        assert optimizers.names() == ["sgd", "adam", "adamw"]
+        with pytest.raises(scaletrain.UserError, match="unknown optimizer 'lamb'; allowed: sgd, adam, adamw$"):
+            optimizers.check("lamb")
+    finally:
+        measure.use_optimizers(saved)
+    assert "lamb" in optimizers.names()
