@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run lint test test-fast bench clean
 
 install: $(STAMP)
 
@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 run: install
 	$(BIN)/scaletrain train
 
-test: install
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+
+test: install lint
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider --durations=15
 
 test-fast: install

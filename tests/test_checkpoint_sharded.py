@@ -171,7 +171,8 @@ def test_checkpoint_info_and_streamed_export(one_process_run, tmp_path, capsys):
     _, res = _train(tmp_path / "imported", "train.steps=1", resume=True)  # starts from the weights, fresh AdamW
     assert any("resumed from" in s and "step 0" in s for s in res["logs"])
     capsys.readouterr()
-    for argv in (["checkpoint", "info", str(tmp_path / "nope")], ["checkpoint", "export", str(out), "--to", "hf", "--out", str(out / "config.toml")],
+    for argv in (["checkpoint", "info", str(tmp_path / "nope")],
+                 ["checkpoint", "export", str(out), "--to", "hf", "--out", str(out / "config.toml")],
                  ["checkpoint", "info", str(tmp_path / "imported" / "metrics.jsonl")],
                  ["checkpoint", "import", str(target), "--out", str(tmp_path / "imported")],
                  ["checkpoint", "import", str(out / "config.toml"), "--out", str(tmp_path / "x")]):

@@ -20,7 +20,8 @@ TINY = ["model.name=gpt2-tiny", "model.overrides.n_layer=1", "data.name=syntheti
         "train.progress=off", "train.checkpoint_format=none"]
 
 
-@pytest.mark.slow  # inductor compiles 3 blocks (forward + backward): 78 s with an empty cache on 2 busy cores, 13 s warm
+# inductor compiles 3 blocks (forward + backward): 78 s with an empty cache on 2 busy cores, 13 s warm
+@pytest.mark.slow
 def test_compiled_gpt2_trains_and_equals_eager():
     eager = Trainer(load_config(None, TINY), None, log=lambda s: None)
     e = eager.fit().losses
@@ -62,7 +63,8 @@ def test_cost_multiplies_by_the_measured_factor_or_says_not_priced():
 @pytest.mark.parametrize("keys,rule", [
     ({"pp": 2}, "compile-pp"), ({"offload": {"optimizer": "host"}}, "compile-offload"),
     ({"remat": {"method": "dtr", "budget": "1MiB"}}, "compile-remat-ops"), ({"tp": 2}, "compile-parallel"),
-    ({"activation_compression": True}, "compile-compress"), ({"remat": {"selective": "attention"}}, "compile-selective"),
+    ({"activation_compression": True}, "compile-compress"),
+    ({"remat": {"selective": "attention"}}, "compile-selective"),
 ])
 def test_refused_where_unverified(keys, rule):
     plan = Plan(compile="true").with_(**keys)

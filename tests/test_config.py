@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from scaletrain.errors import ConfigError
-from scaletrain.train.config import Config, describe, load_config, to_toml
+from scaletrain.train.config import describe, load_config, to_toml
 
 
 def test_defaults_and_overrides(tmp_path):

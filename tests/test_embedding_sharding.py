@@ -123,7 +123,8 @@ def test_sharded_embeddings_parity(world):
         assert out["grad_err"] <= 1e-5, (r, out["grad_err"])
         # the gradient is indices + values: one row per id served, never the dense shard
         assert out["grad_sparse"] and out["grad_nnz"] <= world * BATCH * 3 * SHAPE["bag_size"]
-        assert out["shard_numel"] * 4 == es.sharded_embedding_bytes_per_rank(SHAPE["table_sizes"], 8, world)["parameters"]
+        per_rank = es.sharded_embedding_bytes_per_rank(SHAPE["table_sizes"], 8, world)
+        assert out["shard_numel"] * 4 == per_rank["parameters"]
         pred = es.sharded_embedding_comm(BATCH, 3, SHAPE["bag_size"], 8, world)
         for kind in ("all_to_all", "all_gather"):
             assert out["comm"][kind]["count"] == pred[kind]["count"], out["comm"]

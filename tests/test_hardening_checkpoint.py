@@ -91,7 +91,8 @@ HOSTILE = {
     "world zero": lambda m, s: m.update(world=0),
     "world huge": lambda m, s: m.update(world=10**9),
     "no files": lambda m, s: m.pop("files"),
-    "tensor key a path": lambda m, s: m["tensors"].update({"model/../../x": m["tensors"].pop("model/embed.wte.weight")}),
+    "tensor key a path":
+        lambda m, s: m["tensors"].update({"model/../../x": m["tensors"].pop("model/embed.wte.weight")}),
     "alias a path": lambda m, s: m.update(aliases={"/etc/passwd": "embed.wte.weight"}),
     "no tensors": lambda m, s: m.update(tensors=[]),
 }

@@ -188,7 +188,8 @@ def test_model_four_times_the_device_budget_trains():
     n = sum(p.numel() for p in model.parameters())
     budget = 16 * n // 4  # fp32 params + grads + Adam states = 16 B/param = 4x the budget
     opts = OffloadOptions(params="host", optimizer="host", activations="all", param_window=1, device_budget=budget)
-    rt = OffloadRuntime(model, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3), opts, PLAT, F.cross_entropy, (x, y))
+    rt = OffloadRuntime(model, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3), opts, PLAT, F.cross_entropy,
+                        (x, y))
     losses = []
     for _ in range(12):
         losses.append(rt.forward_backward(x, y).item())

@@ -49,7 +49,8 @@ def gpt(seed=0):
 
 def batches(n, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)) for _ in range(n)]
+    return [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
+            for _ in range(n)]
 
 
 def test_knapsack_is_optimal_on_small_instances():

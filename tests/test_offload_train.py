@@ -165,7 +165,8 @@ def test_impossible_budget_is_one_line_naming_the_smallest_that_works(tmp_path):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["memory.remat.method=periodic"], "memory.remat.\\* with memory.offload: the offload planner chooses recomputation itself"),
+    (["memory.remat.method=periodic"],
+     "memory.remat.\\* with memory.offload: the offload planner chooses recomputation itself"),
     (["train.precision=fp16"], "train.precision=fp16 with memory.offload"),
     (["memory.activation_compression=true"], "memory.activation_compression=true with memory.offload"),
     (["model.name=gpt2-moe", "model.overrides.n_layer=2"], "does not run its auxiliary loss"),

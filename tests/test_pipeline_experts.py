@@ -5,8 +5,8 @@
   estimate run it) and its dispatch / combine stay bitwise the masked gather; the compatibility table runs
   pp on the MoE model and pp × ep with zero 0 or 1 and the synchronous unreplicated schedules, and refuses the
   rest in one line; the cost face keeps 1/ep of a stage's experts and prices their all-to-alls;
-* gloo (slow): pp=2 × dp=2 × ep=2 × 1f1b with zero 0 and 1 (4 processes) and pp=2 × zb1p (2 processes) through the Trainer
-  equal one process run with the same micro-batches (losses with each stage's load-balancing term,
+* gloo (slow): pp=2 × dp=2 × ep=2 × 1f1b with zero 0 and 1 (4 processes) and pp=2 × zb1p (2 processes)
+  through the Trainer equal one process run with the same micro-batches (losses with each stage's load-balancing term,
   gradient norms, final parameters, the consolidated momentum; fp32 relative 1e-5); every rank's traffic
   equals the runtime's and the cost face's prediction to the byte, its peak the cost face's within the
   margin of :mod:`test_plan_cost`; the sharded checkpoint (expert slices) resumes to the same losses.
@@ -65,7 +65,8 @@ def test_moe_forward_has_static_shapes_and_stays_the_masked_gather():
     m(torch.randint(0, 40, (2, 8))).sum().backward()  # the last forward's loss is a non-leaf tensor ...
     import copy
 
-    assert copy.deepcopy(m).moe_layers()[0].aux_loss is None and m.moe_layers()[0].aux_loss is not None  # ... not copied
+    # ... not copied
+    assert copy.deepcopy(m).moe_layers()[0].aux_loss is None and m.moe_layers()[0].aux_loss is not None
     # dispatch / combine against the masked gather they replace (capacity 0.5: half the choices dropped)
     torch.manual_seed(0)
     T, E, k, h = 12, 4, 2, 5
@@ -83,8 +84,8 @@ def test_moe_forward_has_static_shapes_and_stays_the_masked_gather():
     assert torch.equal(combine(buf, idx, slots, gates, T), torch.zeros(T, h).index_add(0, tok, vals))
 
 
-@pytest.mark.parametrize("extra", [[], ["parallel.schedule=zb1p"], ["parallel.schedule=interleaved"], ["parallel.zero=1"],
-                                   ["parallel.ep=1", "train.precision=bf16"]])
+@pytest.mark.parametrize("extra", [[], ["parallel.schedule=zb1p"], ["parallel.schedule=interleaved"],
+                                   ["parallel.zero=1"], ["parallel.ep=1", "train.precision=bf16"]])
 def test_table_runs_pp_on_the_moe_model_and_pp_x_ep(extra):
     _check(*extra)
 

@@ -49,7 +49,8 @@ def test_each_pass_once_per_stage_and_microbatch(name):
             if a.kind in (F, B, I, W):
                 counts[(a.kind, a.pipe, a.stage, a.mb)] = counts.get((a.kind, a.pipe, a.stage, a.mb), 0) + 1
     kinds = (F, I, W) if s.split_backward else (F, B)
-    expected = {(k, s.mb_pipe[m], st, m) for k in kinds for st in range(s.n_stages) for m in range(s.total_microbatches)}
+    expected = {(k, s.mb_pipe[m], st, m) for k in kinds for st in range(s.n_stages)
+                for m in range(s.total_microbatches)}
     assert set(counts) == expected and set(counts.values()) == {1}
 
 

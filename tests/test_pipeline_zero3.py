@@ -124,7 +124,8 @@ def test_pp2_dp2_zero3_1f1b_equals_one_process_and_its_prediction(tmp_path):
         assert r["losses"] == pytest.approx(one.losses, rel=1e-5), rank
         assert r["norm"] == pytest.approx(one_norm, rel=1e-5), rank
         assert r["resumed"] == pytest.approx(one.losses[2:], rel=1e-5), rank
-        worst = max(float((r["model"][k] - v).abs().max() / v.abs().max().clamp_min(1e-12)) for k, v in one_params.items())
+        worst = max(float((r["model"][k] - v).abs().max() / v.abs().max().clamp_min(1e-12))
+                    for k, v in one_params.items())
         assert worst <= 1e-5, (rank, worst)
         for i, st in one_opt["state"].items():  # the consolidated momentum, in the one-process numbering
             a, b = r["opt"]["state"][i]["momentum_buffer"], st["momentum_buffer"]

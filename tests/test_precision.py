@@ -55,7 +55,8 @@ def test_fp16_parameters_with_loss_scaling_train():
 
 
 def test_params_dtype_conflicts_are_one_line():
-    with pytest.raises(ConfigError, match="16-bit parameter storage with fp32 masters runs with one process or ZeRO-1/2"):
+    with pytest.raises(ConfigError,
+                       match="16-bit parameter storage with fp32 masters runs with one process or ZeRO-1/2"):
         _trainer(["train.params_dtype=bf16", "memory.offload.plan=auto", "memory.device_budget=1GiB"])
     with pytest.raises(ConfigError, match="allowed"):
         _trainer(["train.params_dtype=int8"])

@@ -95,7 +95,8 @@ def test_ilp_matches_brute_force():
         budget = int(total * frac)
         a = plan_block(None, None, budget, ops=ops)
         b = brute_force_plan(ops, budget)
-        assert abs(a.predicted_recompute_time_s - b.predicted_recompute_time_s) <= 1e-12 + 1e-9 * b.predicted_recompute_time_s
+        gap = abs(a.predicted_recompute_time_s - b.predicted_recompute_time_s)
+        assert gap <= 1e-12 + 1e-9 * b.predicted_recompute_time_s
 
 
 def test_ilp_matches_brute_force_synthetic():

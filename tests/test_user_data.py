@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 from scaletrain.cli import main
@@ -106,9 +105,10 @@ def test_bad_data_is_one_line_exit_2_nothing_written(tmp_path, corpus):
              f"data.name=text:{tmp_path / 'rows.jsonl'}": "no string field 'text'",
              f"data.name=tokens:{corpus}": "scaletrain data prepare",
              f"data.name=images:{corpus}": "no class sub-directories",
-             f"data.name=py:no_such_module_x:f": "cannot import",
+             "data.name=py:no_such_module_x:f": "cannot import",
              f"data.name=shakespeare data.tokenizer={tok}": "has its own tokens",
-             f"model.overrides.vocab_size=100 data.tokenizer={tok} data.name=text:{corpus}": "model.overrides.vocab_size >= "}
+             f"model.overrides.vocab_size=100 data.tokenizer={tok} data.name=text:{corpus}":
+                 "model.overrides.vocab_size >= "}
     out = tmp_path / "run"
     for arg, words in cases.items():
         code, err = cli("train", *arg.split(), *BASE, "--out", str(out))
@@ -187,7 +187,8 @@ def test_python_datasets_lists_and_collate(tmp_path):
         torch.stack([torch.arange(16) + r[0] for r in rows]) % 256,
         torch.stack([torch.arange(1, 17) + r[0] for r in rows]) % 256), model=get("gpt2-tiny", n_layer=1))
     assert len(c.losses) == 4
-    images = [(torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(i)), torch.tensor(i % 10)) for i in range(40)]
+    images = [(torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(i)), torch.tensor(i % 10))
+              for i in range(40)]
 
     class ImageStream(IterableDataset):  # a classifier on a stream: no length, no image-size preflight by index
         def __iter__(self):

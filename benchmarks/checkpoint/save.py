@@ -6,7 +6,8 @@ save and rank: wall seconds (the slowest rank's is the save's time: every rank w
 checkpoint to be complete), bytes the rank wrote, and the peak bytes of tensors allocated *during*
 the save (the memory tracker's temporaries: a consolidated save gathers whole tensors, a sharded
 one should allocate next to nothing; ``sharded-async``: training waits only for the snapshot of
-this rank's shards, ``complete_seconds`` is until the checkpoint exists). Output: ``benchmarks/results/checkpoint_save.json``.
+this rank's shards, ``complete_seconds`` is until the checkpoint exists). Output:
+``benchmarks/results/checkpoint_save.json``.
 
     PYTHONPATH=src .venv/bin/python benchmarks/checkpoint/save.py --model gpt2-mini --layout parallel.zero=3
 """
@@ -93,7 +94,8 @@ def main() -> None:
               "command": f"PYTHONPATH=src python benchmarks/checkpoint/save.py --model {args.model} "
                          f"--layout '{args.layout}' --world {args.world} --rounds {args.rounds}", **summary}
     RESULTS.mkdir(exist_ok=True)
-    name = f"checkpoint_save_{args.model}_{args.layout.replace('parallel.', '').replace('=', '').replace(' ', '_')}.json"
+    layout = args.layout.replace("parallel.", "").replace("=", "").replace(" ", "_")
+    name = f"checkpoint_save_{args.model}_{layout}.json"
     (RESULTS / name).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 

@@ -6,8 +6,8 @@ optimal remat inside the stages — against one process, in fp32 (equal losses) 
 Runs ``scaletrain train`` four times (one process and 8 processes, fp32 and bf16) on the shipped text
 with the same global batch (16 x 128 bytes) and micro-batches (2 samples, 4 per replica and step),
 then writes ``benchmarks/results/compose_done_when.json``: the loss curves, their largest relative
-difference, the per-rank traffic and every pipeline rank's peak (tracker, last step) next to `scaletrain estimate`'s, and the
-machine, versions and date.
+difference, the per-rank traffic and every pipeline rank's peak (tracker, last step) next to
+`scaletrain estimate`'s, and the machine, versions and date.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def main() -> None:
     args = p.parse_args()
     steps = [f"train.steps={args.steps}"]
     res: dict = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.processor() or
-                 platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0],
+                 platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                 "python": sys.version.split()[0],
                  "load_avg": os.getloadavg(), "steps": args.steps, "budget": args.budget,
                  "command": "scaletrain train --nproc-per-node 8 " + " ".join(COMMON + PLAN + steps)
                  + f" memory.remat.budget={args.budget} [train.precision=bf16]"}

@@ -210,7 +210,8 @@ def main() -> None:
     print(f"{'variant':18s} {'step ms':>8s} {'CPU ms/rank':>11s} {'peak MiB/rank':>13s}  losses  (ratios: wall, CPU)")
     for v in variants:
         r = table[v]
-        ratio_s = ", ".join(f"{k} {x:.2f}, {r['cpu_ratio_to'][k]:.2f}" for k, x in r.get("step_time_ratio_to", {}).items())
+        ratio_s = ", ".join(f"{k} {x:.2f}, {r['cpu_ratio_to'][k]:.2f}"
+                            for k, x in r.get("step_time_ratio_to", {}).items())
         print(f"{v:18s} {r['step_time_s'] * 1e3:8.0f} {r['cpu_s_per_rank'] * 1e3:11.0f} "
               f"{r['peak_rss_growth_bytes_per_rank'] / 2**20:13.0f}  {r['losses'][0]:.4f} .. {r['losses'][-1]:.4f}  "
               f"{ratio_s}")

@@ -73,7 +73,8 @@ def main() -> None:
         rows = [json.loads(line) for line in (Path(tmp) / "hit" / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "loss" in r]
     result = {
-        "command": "scaletrain train --nproc-per-node {} --max-restarts 3 {}".format(args.nproc, " ".join(args.overrides)),
+        "command": "scaletrain train --nproc-per-node {} --max-restarts 3 {}".format(args.nproc,
+                                                                                    " ".join(args.overrides)),
         "fault": {"kind": "SIGKILL", "rank": rank, "steps": faults},
         "max_abs_param_diff": diff, "equal_within_1e-6": diff <= 1e-6, "final_step": b["step"],
         "steps_logged_once": steps == list(range(1, args.steps + 1)),

@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list] = {"cp": [], "ep": [], "embedding_sharding": []}
     med = lambda res: statistics.median(max(r["times"][i] for r in res) for i in range(args.steps))  # noqa: E731
     a = dict(n_layer=2, n_embd=128, seq=512, batch=2, steps=args.steps)
-    cfg = models.get("gpt2-tiny", device="meta", n_layer=2, n_embd=128, n_head=4, vocab_size=256, n_positions=512).config
+    cfg = models.get("gpt2-tiny", device="meta", n_layer=2, n_embd=128, n_head=4, vocab_size=256,
+                     n_positions=512).config
     for c in degrees:
         res = run_distributed(_cp, c, a, timeout_s=1800)
         rows["cp"].append({"cp": c, "seq_total": a["seq"], "seq_per_rank": a["seq"] // c, "step_time_s": med(res),
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         rows["embedding_sharding"].append({
             "ranks": d, "step_time_s": med(res), "shard_bytes_measured": res[0]["shard_bytes"],
             "shard_bytes_predicted": es.sharded_embedding_bytes_per_rank(dc.table_sizes, dc.embed_dim, d)["parameters"],
-            "grad_rows_sparse": res[0]["grad_nnz"], "collectives_measured": res[0]["comm"], "collectives_predicted": pred})
+            "grad_rows_sparse": res[0]["grad_nnz"], "collectives_measured": res[0]["comm"],
+            "collectives_predicted": pred})
         print("es", {k: v for k, v in rows["embedding_sharding"][-1].items() if not k.startswith("coll")}, flush=True)
     doc = {"benchmark": "intralayer_cp_ep_es", "date": datetime.now(timezone.utc).isoformat(),
            "machine": {"platform": platform.platform(), "processor": platform.processor()},

@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": "intralayer_tp_degree", "date": datetime.now(timezone.utc).isoformat(),
            "machine": {"platform": platform.platform(), "processor": platform.processor(),
                        "cpus": torch.get_num_threads()},
-           "torch": torch.__version__, "python": sys.version.split()[0], "args": {k: str(v) for k, v in vars(args).items()},
+           "torch": torch.__version__, "python": sys.version.split()[0],
+           "args": {k: str(v) for k, v in vars(args).items()},
            "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))

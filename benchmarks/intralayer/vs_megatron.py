@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in (int(d) for d in args.degrees.split(",")):
         a = dict(hidden=args.hidden, layers=args.layers, seq=args.seq, batch=args.batch, iters=args.iters)
         res = run_distributed(_worker, t, a, timeout_s=1800)
-        med = {k: statistics.median(max(r[k][i] for r in res) for i in range(args.iters)) for k in ("dtensor", "megatron")}
+        med = {k: statistics.median(max(r[k][i] for r in res) for i in range(args.iters))
+               for k in ("dtensor", "megatron")}
         row = {"tp": t, "dtensor_step_s": med["dtensor"], "megatron_step_s": med["megatron"],
                "ratio_dtensor_over_megatron": med["dtensor"] / med["megatron"], "max_abs_diff": res[0]["diff"]}
         rows.append(row)

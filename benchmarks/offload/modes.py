@@ -91,22 +91,26 @@ def run_mode(name, model, opts: OffloadOptions, plat, x, y, steps: int, device) 
     row["transfer_s"] = statistics.median(copies[1:])  # seconds spent in host<->device copies (timed)
     # block times measured in the timed run's first step (copies excluded), transfers modelled
     row["predicted_step_time_s"] = rt.last_stats()["predicted_step_time_s"]
-    print(f"{name:28s} peak {row['device_peak_bytes'] / MiB:7.2f} MiB (pred {row['predicted_device_peak_bytes'] / MiB:7.2f})"
+    print(f"{name:28s} peak {row['device_peak_bytes'] / MiB:7.2f} MiB "
+          f"(pred {row['predicted_device_peak_bytes'] / MiB:7.2f})"
           f"  h2d {row['h2d_bytes'] / MiB:7.2f} (pred {row['predicted_h2d_bytes'] / MiB:7.2f})"
           f"  step {row['step_time_s'] * 1e3:7.1f} ms (pred {row['predicted_step_time_s'] * 1e3:7.1f})", flush=True)
     return row
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| mode | plan | device peak MiB (pred) | h2d MiB (pred) | d2h MiB (pred) | disk r/w MiB | host peak MiB (pred) | step ms (pred) |",
+    out = ["| mode | plan | device peak MiB (pred) | h2d MiB (pred) | d2h MiB (pred) | disk r/w MiB "
+           "| host peak MiB (pred) | step ms (pred) |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['mode']} | no plan fits {r['budget_bytes'] / MiB:.1f} MiB | | | | | | |")
             continue
         p = r["plan"]
-        plan = f"params={p['params']} opt={p['optimizer']}{' dpu' if p['dpu'] else ''}{' masters-on-disk' if p['disk_masters'] else ''} blocks={p['modes']}"
-        out.append(f"| {r['mode']} | {plan} | {r['device_peak_bytes'] / MiB:.2f} ({r['predicted_device_peak_bytes'] / MiB:.2f}) "
+        extra = (" dpu" if p["dpu"] else "") + (" masters-on-disk" if p["disk_masters"] else "")
+        plan = f"params={p['params']} opt={p['optimizer']}{extra} blocks={p['modes']}"
+        out.append(f"| {r['mode']} | {plan} | {r['device_peak_bytes'] / MiB:.2f} "
+                   f"({r['predicted_device_peak_bytes'] / MiB:.2f}) "
                    f"| {r['h2d_bytes'] / MiB:.2f} ({r['predicted_h2d_bytes'] / MiB:.2f}) "
                    f"| {r['d2h_bytes'] / MiB:.2f} ({r['predicted_d2h_bytes'] / MiB:.2f}) "
                    f"| {r['disk_read_bytes'] / MiB:.1f}/{r['disk_write_bytes'] / MiB:.1f} "
@@ -136,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(args.device)
     y = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(args.device)
     plat = calibrate()
-    print(f"platform: memcpy {plat.host_memcpy_bytes_per_s / 1e9:.1f} GB/s, disk r/w {plat.disk_read_bytes_per_s / 1e9:.2f}/"
+    print(f"platform: memcpy {plat.host_memcpy_bytes_per_s / 1e9:.1f} GB/s, "
+          f"disk r/w {plat.disk_read_bytes_per_s / 1e9:.2f}/"
           f"{plat.disk_write_bytes_per_s / 1e9:.2f} GB/s, CPU Adam {plat.cpu_adam_params_per_s / 1e6:.0f} M params/s, "
           f"matmul {plat.flops_fp32 / 1e9:.1f} GFLOP/s", flush=True)
     plain = plain_step_time(copy.deepcopy(model), x, y, args.steps)
@@ -159,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                           ("auto @ 25% of keep peak", keep_peak // 4),
                           ("auto @ 16·Ψ / 4", 16 * nparams // 4)):
         try:
-            rows.append(run_mode(label, model, OffloadOptions(plan="auto", device_budget=int(budget), disk_dir=disk_dir),
-                                 plat, x, y, args.steps, args.device))
+            opts = OffloadOptions(plan="auto", device_budget=int(budget), disk_dir=disk_dir)
+            rows.append(run_mode(label, model, opts, plat, x, y, args.steps, args.device))
         except UserError as e:  # below the floor of every plan: reported, not a failure of the benchmark
             print(f"{label}: {e}", flush=True)
             rows.append({"mode": label, "budget_bytes": int(budget), "error": str(e)})

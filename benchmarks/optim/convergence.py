@@ -41,7 +41,8 @@ def run(extra: list[str], eval_every: int) -> dict:
         if "loss" in r:
             elapsed += r["step_time_s"]
             clock[r["step"]] = elapsed
-    curve = [{"step": r["step"], "val_loss": r["val_loss"], "seconds": clock[r["step"]]} for r in rows if "val_loss" in r]
+    curve = [{"step": r["step"], "val_loss": r["val_loss"], "seconds": clock[r["step"]]}
+             for r in rows if "val_loss" in r]
     return {"overrides": extra, "curve": curve, "final_val_loss": curve[-1]["val_loss"], "seconds": elapsed}
 
 

@@ -48,7 +48,8 @@ def _worker(rank: int, world: int, windows: int) -> dict:
     val = get_dataset("shakespeare", "val", seq_len=SEQ)
     for name in SCHEDS:
         model = make_model(**MODEL)
-        rt = PipelineRuntime(model, name, M, pp=world, loss_fn=lm_loss, example_input=torch.zeros(MB, SEQ, dtype=torch.long),
+        rt = PipelineRuntime(model, name, M, pp=world, loss_fn=lm_loss,
+                             example_input=torch.zeros(MB, SEQ, dtype=torch.long),
                              record_events=False)
         opt = torch.optim.AdamW(rt.parameters(), lr=LR, weight_decay=0.0)
         updates = 0

@@ -326,7 +326,8 @@ def main() -> None:
             png = RESULTS / f"pipeline_timeline_{name}_P{P}.png"
             if not args.no_plots:
                 draw(runs[pick], png, n_ranks=P, title=f"{name} P={P} M={M} measured (gloo, CPU): bubble "
-                     f"{res[name]['measured']['bubble_fraction']:.3f}, simulated {res[name]['simulated']['bubble_fraction']:.3f}")
+                     f"{res[name]['measured']['bubble_fraction']:.3f}, "
+                     f"simulated {res[name]['simulated']['bubble_fraction']:.3f}")
             m, s = res[name]["measured"], res[name]["simulated"]
             print(f"P={P} {name:14s} step {m['step_time_s'] * 1e3:7.1f} ms (sim {s['step_time_s'] * 1e3:7.1f}, "
                   f"x{res[name]['ratio_step_time']:.3f}; replayed x{res[name]['replayed']['ratio_step_time']:.3f}; "
@@ -334,7 +335,8 @@ def main() -> None:
                   f"delivery ms {m['delivery'].get('median_s', 0) * 1e3:.2f}/{m['delivery'].get('p90_s', 0) * 1e3:.2f} "
                   f"(link {m['delivery'].get('link_model_s', 0) * 1e3:.2f})  bubble {m['bubble_fraction']:.3f} (sim "
                   f"{s['bubble_fraction']:.3f})  peak MiB " + " ".join(
-                      f"{a / 2**20:.1f}/{b / 2**20:.1f}" for a, b in zip(m["peak_memory_bytes"], s["peak_memory_bytes"])),
+                      f"{a / 2**20:.1f}/{b / 2**20:.1f}"
+                      for a, b in zip(m["peak_memory_bytes"], s["peak_memory_bytes"])),
                   flush=True)
         res["wall_s"] = time.time() - t
         out["results"][str(P)] = res

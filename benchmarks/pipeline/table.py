@@ -27,7 +27,8 @@ def measured(name: str = "pipeline_measured.json") -> str:
     rows = [f"Measured vs simulated ({d['model']}, M={d['microbatches']}, micro-batch {d['micro_batch']}×{d['seq']}; "
             f"{where}, load average {m['load_average_1_5_15']}, torch {m['torch']}, {m['date']}):", "",
             "| P | schedule | step ms meas / sim (ratio) | ratio to replay | message delivery ms median / p90 (link) "
-            "| bubble meas / sim | bubble per rank meas / sim | peak MiB per rank meas / sim | in 10%: step, bubble, memory |",
+            "| bubble meas / sim | bubble per rank meas / sim | peak MiB per rank meas / sim "
+            "| in 10%: step, bubble, memory |",
             "|---|---|---|---|---|---|---|---|---|"]
     for P, res in d["results"].items():
         for name, r in res.items():
@@ -44,7 +45,8 @@ def measured(name: str = "pipeline_measured.json") -> str:
                      if dl else "-")
             rep = f"{r['replayed']['ratio_step_time']:.2f}" if "replayed" in r else "-"
             rows.append(f"| {P} | {name} | {me['step_time_s'] * 1e3:.0f} / {si['step_time_s'] * 1e3:.0f} "
-                        f"({r['ratio_step_time']:.2f}) | {rep} | {deliv} | {me['bubble_fraction']:.3f} / {si['bubble_fraction']:.3f} "
+                        f"({r['ratio_step_time']:.2f}) | {rep} | {deliv} "
+                        f"| {me['bubble_fraction']:.3f} / {si['bubble_fraction']:.3f} "
                         f"| {per} | {mem} | {ok} |")
     return "\n".join(rows)
 
@@ -80,4 +82,5 @@ def async_loss() -> str:
 
 
 if __name__ == "__main__":
-    print("\n\n".join(t for t in (measured(), measured("pipeline_measured_cores0.json"), vs_torch(), async_loss()) if t))
+    tables = (measured(), measured("pipeline_measured_cores0.json"), vs_torch(), async_loss())
+    print("\n\n".join(t for t in tables if t))

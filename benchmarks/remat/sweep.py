@@ -95,7 +95,8 @@ def sweep_model(name: str, build, shape: dict, budgets_n: int, repeats: int) -> 
             row.update(step_time_s=statistics.median(t), step_time_min_s=min(t),
                        autograd_time_s=statistics.median(times["autograd"]),
                        measured_overhead=statistics.median(t) / statistics.median(times["autograd"]))
-            print(f"{name:12s} {row['method']:9s} budget {b / 2**20:8.2f} MiB  pred {row['predicted_peak_bytes'] / 2**20:8.2f}"
+            print(f"{name:12s} {row['method']:9s} budget {b / 2**20:8.2f} MiB  "
+                  f"pred {row['predicted_peak_bytes'] / 2**20:8.2f}"
                   f"  meas {row['measured_peak_bytes'] / 2**20:8.2f} MiB  time x{row['measured_overhead']:.3f}"
                   f" (pred x{row['predicted_overhead']:.3f})  fwds {row['forwards']:3d}"
                   f"  grads {'=' if row['grads_match'] else 'DIFF'}", flush=True)

@@ -186,8 +186,8 @@ def main() -> None:
     from scaletrain.testing import run_distributed
 
     has_ds = importlib.util.find_spec("deepspeed") is not None
-    engines = ["st-zero3-auto", "st-zero3-block", "st-zero3-one", "fully_shard-block", "fully_shard-one", "st-zero2", "st-ddp",
-               "torch-ddp"] + (["deepspeed-zero2", "deepspeed-zero3"] if has_ds else [])
+    engines = ["st-zero3-auto", "st-zero3-block", "st-zero3-one", "fully_shard-block", "fully_shard-one", "st-zero2",
+               "st-ddp", "torch-ddp"] + (["deepspeed-zero2", "deepspeed-zero3"] if has_ds else [])
     if args.engines:
         engines = args.engines.split(",")
     load_before = os.getloadavg()
@@ -211,7 +211,8 @@ def main() -> None:
             fits = [q for q in there if stats[q]["peak_bytes"] <= stats[mine]["peak_bytes"] * 1.001]
             at_peak = min(fits, key=lambda q: stats[q]["median_s"]) if fits else None
             out_rows.append({"best_peer_at_most_its_peak": at_peak,
-                             "ratio_at_most_its_peak": stats[mine]["median_s"] / stats[at_peak]["median_s"] if at_peak else None,
+                             "ratio_at_most_its_peak":
+                                 stats[mine]["median_s"] / stats[at_peak]["median_s"] if at_peak else None,
                              "workload": wl, "technique": tech, "scaletrain": mine, "best_peer": best,
                              "scaletrain_median_s": stats[mine]["median_s"],
                              "peer_median_s": stats[best]["median_s"],
@@ -222,14 +223,16 @@ def main() -> None:
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                        "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
                        "note": "shared machine (other agents' jobs running): compare ratios, not absolute times"},
-           "versions": {"torch": torch.__version__, "deepspeed": _version("deepspeed"), "python": sys.version.split()[0]},
+           "versions": {"torch": torch.__version__, "deepspeed": _version("deepspeed"),
+                        "python": sys.version.split()[0]},
            "setup": {**vars(args), "engines": engines, "backend": "gloo", "threads_per_rank": 1, "dtype": "fp32",
                      "timing": "barrier, step, slowest rank; engines interleaved in rotated rounds, round 0 warm-up"},
            "workloads": raw, "table": out_rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"load average before/after: {load_before} / {os.getloadavg()}")
-    print(f"{'workload':10s} {'technique':17s} {'scaletrain':>15s} {'best peer':>18s} {'ratio':>6s} {'peak MiB st/peer':>17s}"
+    print(f"{'workload':10s} {'technique':17s} {'scaletrain':>15s} {'best peer':>18s} {'ratio':>6s} "
+          f"{'peak MiB st/peer':>17s}"
           f"  {'best peer at <= peak':>20s} {'ratio':>6s}")
     for r in out_rows:
         if r.get("best_peer") is None:

@@ -80,7 +80,8 @@ def sweep(steps: int, budget: str, policy: str, out: Path) -> dict:
     s = res.summary
     return {k: s[k] for k in ("makespan_s", "predicted_makespan_s", "makespan_error", "utilisation",
                               "predicted_utilisation", "device_peak_bytes", "budget_bytes", "bytes_moved",
-                              "predicted_bytes_moved", "shards")} | {"final_losses": [r["final_loss"] for r in res.runs]}
+                              "predicted_bytes_moved", "shards")} | {
+        "final_losses": [r["final_loss"] for r in res.runs]}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -126,7 +127,8 @@ def main() -> None:
             if seq and r.get("makespan_s"):
                 r["speedup_vs_one_after_another"] = seq / r["makespan_s"]
         path = write_json("sweep.json", {"steps": args.steps, "budget": args.budget, "runs": LRS,
-                                         "command": "PYTHONPATH=src python benchmarks/sweep/bench.py", "variants": results})
+                                         "command": "PYTHONPATH=src python benchmarks/sweep/bench.py",
+                                         "variants": results})
         print(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

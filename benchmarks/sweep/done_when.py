@@ -42,7 +42,8 @@ def common(steps: int) -> list[str]:
             "train.progress=off"]
 
 
-def solo(steps: int, lr: str, extra: list[str], threads: int, out: Path | None) -> tuple[list[float], float, dict, float]:
+def solo(steps: int, lr: str, extra: list[str], threads: int,
+         out: Path | None) -> tuple[list[float], float, dict, float]:
     torch.set_num_threads(threads)
     tr = Trainer(load_config(None, common(steps) + [f"optim.lr={lr}", *extra]), out, log=lambda s: None)
     t0 = time.monotonic()

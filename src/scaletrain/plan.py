@@ -7,9 +7,9 @@ rate). It is pure data: techniques read it, :mod:`scaletrain.techniques.compat` 
 combines, :mod:`scaletrain.techniques.stack` applies it, :mod:`scaletrain.techniques.cost` prices it.
 
 One schema. Every plan field *is* a config key, declared once in :mod:`scaletrain.schema`
-(:data:`PLAN_KEYS`: plan field -> dotted config key), so a plan file is a config file restricted to those keys (``[parallel]``, ``[memory]``,
-``train.precision`` ...), validated by the config schema with its one-line errors, and
-``scaletrain train --plan FILE`` is the same as giving those keys. JSON (``to_dict``) uses the
+(:data:`PLAN_KEYS`: plan field -> dotted config key), so a plan file is a config file restricted to
+those keys (``[parallel]``, ``[memory]``, ``train.precision`` ...), validated by the config schema with
+its one-line errors, and ``scaletrain train --plan FILE`` is the same as giving those keys. JSON (``to_dict``) uses the
 flat field names (``dp``, ``tp``, ``pp``, ``zero``, ``micro_batch``, ``remat``, ``offload`` ...).
 """
 

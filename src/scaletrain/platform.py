@@ -382,7 +382,8 @@ def cpu_adam_update(numel: int) -> tuple[Callable[[], None], torch.Tensor]:
 
 
 def measure_cpu_adam(numel: int = 1 << 22, repeats: int = 3) -> float:
-    """fp32 AdamW updates per second of the fused CPU kernel on one flat buffer (all threads): :func:`cpu_adam_update`."""
+    """fp32 AdamW updates per second of the fused CPU kernel on one flat buffer (all threads):
+    :func:`cpu_adam_update`."""
     update, _ = cpu_adam_update(numel)
     update()
     return numel / _best_time(update, repeats)

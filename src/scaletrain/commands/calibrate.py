@@ -23,13 +23,15 @@ HELP = "measure this machine (N processes at once) as a platform file for plan /
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc-per-node", type=positive_int(MAX_PROCS), default=1, help="processes measuring at once (default 1)")
+    p.add_argument("--nproc-per-node", type=positive_int(MAX_PROCS), default=1,
+                   help="processes measuring at once (default 1)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="matmul and elementwise precision to measure (default fp32)")
     p.add_argument("--model", default="gpt2-mini", help="a gpt2-* model whose operators set the fixed cost "
                    "per kernel (default gpt2-mini)")
     p.add_argument("--out", default="", help="write the platform JSON here (default: print it)")
-    p.add_argument("--timeout", type=positive_float(1e7), default=300.0, help="give up after this many seconds (default 300)")
+    p.add_argument("--timeout", type=positive_float(1e7), default=300.0,
+                   help="give up after this many seconds (default 300)")
     p.add_argument("--json", action="store_true", help="print the platform as JSON (also without --out)")
     p.add_argument("--compile", action="store_true", help="also time a torch.compile'd gpt2 block against eager "
                    "(compile_factor, what the cost model multiplies compute by under train.compile; tens of seconds "

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--to", default="safetensors", choices=("safetensors", "hf"),
                    help="safetensors: one file with scaletrain's names; hf: a directory transformers' from_pretrained "
                         "loads (hf: models and the gpt2-* family)")
-    e.add_argument("--out", default=None, help="output file, or directory with --to hf (default: beside the checkpoint)")
+    e.add_argument("--out", default=None,
+                   help="output file, or directory with --to hf (default: beside the checkpoint)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     m = sub.add_parser("import", help="a safetensors file as the step-0 checkpoint of a new run directory")
     m.add_argument("file", help="a .safetensors file with the model's single-process tensor names")

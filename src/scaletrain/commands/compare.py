@@ -37,8 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", metavar="A,B", help=f"models (of {', '.join(MODELS)})")
     p.add_argument("--devices", metavar="1,2,4", help="process counts (default 1,2,4)")
     p.add_argument("--strategies", metavar="A,B", help=f"strategies (of {', '.join(STRATEGIES)})")
-    p.add_argument("--repeats", type=positive_int(1000), metavar="R", help="runs per cell, interleaved (default 3; --quick 1)")
-    p.add_argument("--steps", type=positive_int(1 << 24), metavar="S", help="optimizer steps per run (default: the model's; --quick 12)")
+    p.add_argument("--repeats", type=positive_int(1000), metavar="R",
+                   help="runs per cell, interleaved (default 3; --quick 1)")
+    p.add_argument("--steps", type=positive_int(1 << 24), metavar="S",
+                   help="optimizer steps per run (default: the model's; --quick 12)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of progress lines")
 
 

@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", action="store_true", help="print the matrix as Markdown (what the README holds)")
     p.add_argument("--config", metavar="FILE", help="a config TOML to check")
     p.add_argument("--plan", metavar="FILE", help="a plan file to check (TOML or JSON, see `scaletrain train --plan`)")
-    p.add_argument("--nproc", type=positive_int(MAX_RANKS), default=1, help="processes the plan would run on (default 1)")
+    p.add_argument("--nproc", type=positive_int(MAX_RANKS), default=1,
+                   help="processes the plan would run on (default 1)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides to check")
 
 

@@ -59,10 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or local (this machine, one process): its device, FLOP/s and memory; says whether the "
                         "step fits and prices the plan's step time by phase")
     p.add_argument("--flops-per-s", type=positive_float(), default=None, help="FLOP/s to turn FLOPs into times")
-    p.add_argument("--dp", type=positive_int(MAX_RANKS), default=1, help="data-parallel ranks: adds per-rank model-state bytes and "
-                                                     "bytes communicated per step (default 1)")
+    p.add_argument("--dp", type=positive_int(MAX_RANKS), default=1,
+                   help="data-parallel ranks: adds per-rank model-state bytes and bytes communicated per step "
+                        "(default 1)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage with --dp (default 0)")
-    p.add_argument("--hsdp", type=count(MAX_RANKS), default=0, help="with --zero >= 1: shard within groups of this many ranks")
+    p.add_argument("--hsdp", type=count(MAX_RANKS), default=0,
+                   help="with --zero >= 1: shard within groups of this many ranks")
     p.add_argument("--simulate", action="store_true",
                    help="also run a whole step on fake tensors under the tracker, as a cross-check")
     g = p.add_argument_group("plan", "any of these (or --plan) predicts every rank of that plan: its peak by "

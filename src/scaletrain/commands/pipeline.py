@@ -37,8 +37,10 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb1p, chimera, pipedream, "
                    "pipedream-2bw (default 1f1b)")
-    p.add_argument("--ranks", "-P", type=positive_int(MAX_PIPELINE_RANKS), default=4, help="pipeline ranks P (default 4)")
-    p.add_argument("--microbatches", "-M", type=positive_int(MAX_MICROBATCHES), default=8, help="micro-batches per step M (default 8)")
+    p.add_argument("--ranks", "-P", type=positive_int(MAX_PIPELINE_RANKS), default=4,
+                   help="pipeline ranks P (default 4)")
+    p.add_argument("--microbatches", "-M", type=positive_int(MAX_MICROBATCHES), default=8,
+                   help="micro-batches per step M (default 8)")
     p.add_argument("--virtual", "-v", type=positive_int(MAX_VIRTUAL), default=None,
                    help="stages per rank for interleaved (default 2 there, 1 elsewhere)")
     p.add_argument("--steps", type=positive_int(64), default=None,
@@ -47,12 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", default=None, help="reference model to estimate per-block costs for (e.g. gpt2-tiny)")
     src.add_argument("--profile", type=Path, default=None, help="Profile JSON giving per-block costs (seconds, bytes)")
     p.add_argument("--batch", type=positive_int(), default=1, help="with --model: micro-batch size (default 1)")
-    p.add_argument("--seq", type=positive_int(), default=None, help="with --model: sequence length (default: the model's)")
+    p.add_argument("--seq", type=positive_int(), default=None,
+                   help="with --model: sequence length (default: the model's)")
     p.add_argument("--equal-split", action="store_true", help="with --profile: equal-blocks stages instead of the DP")
     p.add_argument("--bandwidth-gbps", type=positive_float(infinite=True), default=math.inf,
                    help="point-to-point bandwidth in GB/s (1e9 bytes/s) for boundary tensors (default: infinite)")
-    p.add_argument("--latency-us", type=bounded(float, 0.0, 1e9), default=0.0, help="per-message latency in microseconds (default 0)")
-    p.add_argument("--memory-limit-gib", type=positive_float(infinite=True), default=math.inf, help="per-rank memory limit for the partitioner")
+    p.add_argument("--latency-us", type=bounded(float, 0.0, 1e9), default=0.0,
+                   help="per-message latency in microseconds (default 0)")
+    p.add_argument("--memory-limit-gib", type=positive_float(infinite=True), default=math.inf,
+                   help="per-rank memory limit for the partitioner")
     p.add_argument("--bytes-per-param", type=positive_float(1e6), default=16.0,
                    help="weights+grads+optimizer bytes per parameter (default 16, fp32 Adam)")
     p.add_argument("--png", type=Path, default=None, help="write a timeline PNG (ranks x time) here")

@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=positive_int(), required=True, help="sequences per optimizer step")
     p.add_argument("--seq", type=count(), default=0, help="tokens per sequence (default: the model's n_positions)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
-                   help="pin a dimension: dp, tp, pp, ep, zero, micro_batch, schedule, virtual, remat, sp, params_dtype, attention, offload "
-                        "(none|optimizer) (repeatable)")
+                   help="pin a dimension: dp, tp, pp, ep, zero, micro_batch, schedule, virtual, remat, sp, "
+                        "params_dtype, attention, offload (none|optimizer) (repeatable)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute precision")
     p.add_argument("--optimizer", default="adamw", help="optimizer (default adamw)")
     p.add_argument("--tokens", metavar="N", help="the training run: tokens in total, e.g. 300e9")
@@ -66,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the ranked list as JSON (an array, best first)")
     p.add_argument("--json-rejected", action="store_true",
                    help="with --json: an object with the ranked list, the rejected regions and the search's size")
-    p.add_argument("--explain", type=count(1 << 20), default=0, metavar="N", help="full breakdown of the N-th plan (1 = best)")
+    p.add_argument("--explain", type=count(1 << 20), default=0, metavar="N",
+                   help="full breakdown of the N-th plan (1 = best)")
     p.add_argument("--out", metavar="FILE", help="write the best plan as a plan TOML for `scaletrain train --plan`")
     p.add_argument("--timeline", metavar="FILE.png",
                    help="draw one predicted step of the best plan (or of --explain N's) per pipeline rank, in ms")
@@ -203,8 +204,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.timeline}: one predicted step of plan {args.explain or 1} ({chosen.where})")
     if args.out:  # the plan file holds how to train; what to train stays on the command line
         sets = "".join(f" model.overrides.{kv}" for kv in args.set)
-        print(f"wrote {args.out}; run it with: scaletrain train --nproc-per-node {best.gpus_per_node} --plan {args.out} "
-              f"model.name={args.model}{sets} train.global_batch={args.global_batch}" + (f" data.seq_len={seq}" if seq else ""))
+        print(f"wrote {args.out}; run it with: scaletrain train --nproc-per-node {best.gpus_per_node} "
+              f"--plan {args.out} "
+              f"model.name={args.model}{sets} train.global_batch={args.global_batch}"
+              + (f" data.seq_len={seq}" if seq else ""))
     return 0
 
 
@@ -232,12 +235,14 @@ def _print(args, shape, seq, plats, nodes, workload, res, top) -> None:
     if several:
         print(f"{args.model} ({_n(shape.params())} parameters) on {', '.join(p.name for p in plats)} x "
               f"{', '.join(map(str, nodes))} node(s) of {args.gpus_per_node}, global batch {args.global_batch}"
-              f"{f' x {seq} tokens' if seq else ' samples'}: {len(res.ranked)} plans kept of {res.evaluated} priced in {res.seconds:.1f} s")
+              f"{f' x {seq} tokens' if seq else ' samples'}: {len(res.ranked)} plans kept of {res.evaluated} priced "
+              f"in {res.seconds:.1f} s")
     else:
         plat = plats[0]
         print(f"{args.model} ({_n(shape.params())} parameters) on {nodes[0]} x {args.gpus_per_node} "
               f"{plat.name} ({plat.device_memory_bytes / 2**30:.0f} GiB each), global batch {args.global_batch}"
-              f"{f' x {seq} tokens' if seq else ' samples'}: {len(res.ranked)} plans fit of {res.evaluated} priced in {res.seconds:.1f} s")
+              f"{f' x {seq} tokens' if seq else ' samples'}: {len(res.ranked)} plans fit of {res.evaluated} priced "
+              f"in {res.seconds:.1f} s")
     if workload.stated:
         print(f"training run: {workload.describe()} = {best.steps:,} steps; ranked by "
               + ("the run's cost" if args.objective == "cost" else "predicted step time"))
@@ -289,7 +294,8 @@ def _explain(n: int, r, shape) -> None:
     for k, v in c.phases_s.items():
         print(f"    {k:22s} {_ms(v):>10s} ms")
     print(f"    {'step':22s} {_ms(c.step_time_s):>10s} ms")
-    print(f"  the heaviest rank ({c.heaviest_rank}{' stage' if c.heaviest_rank in ('first', 'last') else ''}) at its peak:")
+    stage = " stage" if c.heaviest_rank in ("first", "last") else ""
+    print(f"  the heaviest rank ({c.heaviest_rank}{stage}) at its peak:")
     for k, v in c.peak_bytes.items():
         print(f"    {k:22s} {_gib(v):>10s}" + ("" if _gib(v).endswith("MiB") else " GiB"))
     print(f"    {'device':22s} {c.device_bytes / 2**30:10.2f} GiB (2 GiB of it reserved)")

@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD",
                    help=f"methods to plan (default: all of {', '.join(METHODS)})")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="autocast precision")
-    p.add_argument("--time-limit", type=positive_float(86400.0), default=20.0, help="ilp solver time limit, seconds (default 20)")
+    p.add_argument("--time-limit", type=positive_float(86400.0), default=20.0,
+                   help="ilp solver time limit, seconds (default 20)")
     p.add_argument("--measure", action="store_true", help="run each schedule once for real and measure it")
     p.add_argument("--repeats", type=positive_int(1000), default=5,
                    help="timed rounds with --measure: every method once a round, in rotated order, after one "
@@ -170,7 +171,8 @@ def _print_table(args, profile, graph, budget, lowest, rows) -> None:
                 print(f"{r['method']:<10} infeasible: {r['error']}")
                 continue
             print(f"{r['method']:<10} infeasible: needs {mib(need)} MiB"
-                  f"{' without rematerialization' if r['method'] == 'none' else ''}, over the budget of {mib(budget)} MiB")
+                  f"{' without rematerialization' if r['method'] == 'none' else ''}, over the budget of "
+                  f"{mib(budget)} MiB")
             continue
         pt = "-" if r["predicted_time_s"] is None else f"{r['predicted_time_s'] / base:.3f}x"
         line = f"{r['method']:<10} {mib(r['predicted_peak_bytes']):>13} {pt:>10} {r.get('forwards', '-'):>5}"
@@ -240,7 +242,7 @@ def _intra_block(args: argparse.Namespace, budget: int) -> int:
     def saved():
         with MemoryTracker(model=block, track_saved=False) as tr:
             y = fwd(x.detach().requires_grad_(x.is_floating_point()))
-            keep, y = y.grad_fn, None  # drop the output, keep the graph: what survives is kept for backward
+            _keep, y = y.grad_fn, None  # drop the output, keep the graph: what survives is kept for backward
             return sum(r.nbytes for r in tr.records if r.died is None and r.origin != "pre-existing"
                        and r.category not in EXCLUDED)
 

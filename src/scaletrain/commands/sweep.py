@@ -33,14 +33,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a grid axis (Cartesian product over all axes; one value = set for every run)")
     p.add_argument("--runs", metavar="FILE", help="TOML runs file ([sweep], [base], [[run]] tables) instead of --grid")
     p.add_argument("--config", metavar="FILE", help="TOML config shared by every run of the grid")
-    p.add_argument("--nproc-per-node", "--devices", dest="devices", type=positive_int(MAX_PROCS), default=None, metavar="N",
+    p.add_argument("--nproc-per-node", "--devices", dest="devices", type=positive_int(MAX_PROCS), default=None,
+                   metavar="N",
                    help="logical devices (worker processes) the runs share (default 2)")
     p.add_argument("--policy", default=None, help="lrtf, round_robin, sequential or task (see below)")
-    p.add_argument("--shards", type=positive_int(1 << 16), default=None, metavar="K", help="shards per model (default: fewest that fit)")
+    p.add_argument("--shards", type=positive_int(1 << 16), default=None, metavar="K",
+                   help="shards per model (default: fewest that fit)")
     p.add_argument("--device-budget", default=None, metavar="BYTES", help="per-device budget (default: the runs' "
                    "memory.device_budget)")
     p.add_argument("--cores", type=positive_int(1 << 16), default=None, help="host cores (default: this machine's)")
-    p.add_argument("--threads", type=positive_int(1 << 16), default=None, help="compute threads per device (default cores / devices)")
+    p.add_argument("--threads", type=positive_int(1 << 16), default=None,
+                   help="compute threads per device (default cores / devices)")
     p.add_argument("--predict-only", action="store_true", help="profile and simulate, print the prediction, train "
                    "nothing (no run directory is written)")
     p.add_argument("--out", metavar="DIR", help="sweep directory (default runs/sweep-<timestamp>); one run directory "

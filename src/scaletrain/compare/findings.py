@@ -41,7 +41,8 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.1f} MiB"
 
 
-def _curve(ok: dict[tuple[str, int], dict[str, Any]], strategy: str, key: str = "peak_bytes") -> list[tuple[int, float]]:
+def _curve(ok: dict[tuple[str, int], dict[str, Any]], strategy: str,
+           key: str = "peak_bytes") -> list[tuple[int, float]]:
     """(devices, value) of ``strategy`` with the one-process run (ddp, 1 device) as its 1-device point."""
     pts = {d: c[key] for (s, d), c in ok.items() if s == strategy and c.get(key) is not None and d > 1}
     if ("ddp", 1) in ok and ok[("ddp", 1)].get(key) is not None:

@@ -1,8 +1,9 @@
 """report.html: one self-contained page (figures as base64 PNG, no external file or script).
 
 Sections: the setup (machine, versions, load, dates, fixed hyperparameters, strategies), the
-findings table, the peers beside their scaletrain twins, the figures, how each figure was measured (and what was not), and every cell —
-failed, out-of-memory, not applicable and not installed ones with their one-line reason.
+findings table, the peers beside their scaletrain twins, the figures, how each figure was measured
+(and what was not), and every cell — failed, out-of-memory, not applicable and not installed ones with
+their one-line reason.
 """
 
 from __future__ import annotations

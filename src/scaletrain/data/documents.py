@@ -1,10 +1,10 @@
 """The user's text as documents: a file, a directory or a glob of ``.txt`` / ``.jsonl``, read as UTF-8.
 
-A ``.txt`` file is one document (read in pieces, :data:`PIECE_BYTES`); a ``.jsonl`` file holds one document per line, the string under
-``data.field`` (default ``text``). Files are read in sorted path order, so the token stream — and
-with it every sample index, the split and a resumed run's position — is the same on every rank and
-every run. Packing: documents are tokenized and concatenated into one stream, joined by the
-tokenizer's end-of-document token when it has one (bytes have none). Attention is *not* masked at
+A ``.txt`` file is one document (read in pieces, :data:`PIECE_BYTES`); a ``.jsonl`` file holds one
+document per line, the string under ``data.field`` (default ``text``). Files are read in sorted path
+order, so the token stream — and with it every sample index, the split and a resumed run's position —
+is the same on every rank and every run. Packing: documents are tokenized and concatenated into one
+stream, joined by the tokenizer's end-of-document token when it has one (bytes have none). Attention is *not* masked at
 document boundaries: the reference and ``hf:`` models attend over the whole window, as nanoGPT and
 GPT-2 pre-training do; the separator token is what tells the model a document ended.
 

@@ -35,7 +35,8 @@ from scaletrain.measure.step import autocast
 
 aten = torch.ops.aten
 _NO_WORK = {aten.detach, aten.empty, aten.empty_like, aten.empty_strided, aten.lift_fresh, aten.alias,
-            aten._local_scalar_dense, aten.new_empty, aten.new_empty_strided, aten.set_, aten.resize_, aten._unsafe_view}
+            aten._local_scalar_dense, aten.new_empty, aten.new_empty_strided, aten.set_, aten.resize_,
+            aten._unsafe_view}
 """Operators that allocate or relabel storage without reading or writing it."""
 
 

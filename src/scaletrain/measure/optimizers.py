@@ -5,8 +5,8 @@ lamb, lars), which the optimizer technique provides and the package root install
 :func:`scaletrain.measure.use_optimizers` (measuring sits below the techniques and names none of
 them); their *state* bytes are the registry's cost face ``state_bytes`` (for torch's own, the
 closed form below, which a test checks equal to the registry's on CPU and which also knows where
-Adam's step counters live and CUDA's 512-byte rounding). This module adds what the registry does not give: the *transient*
-bytes of a step, which decide whether the optimizer step is the peak.
+Adam's step counters live and CUDA's 512-byte rounding). This module adds what the registry does not
+give: the *transient* bytes of a step, which decide whether the optimizer step is the peak.
 
 PyTorch's own optimizers (``sgd``, ``adam``, ``adamw``; the registry builds them with
 ``foreach=True``) are modelled in closed form from their source (torch/optim/{sgd,adam}.py,

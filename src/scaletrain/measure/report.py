@@ -28,13 +28,15 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
                                                    "hf:bert, hf:/path/to/dir or py:module:factory (see `scaletrain "
                                                    "models`); --set KEY=VALUE sets its config fields")
     p.add_argument("--batch", type=positive_int(), default=1, help="micro-batch size (default 1)")
-    p.add_argument("--seq", type=positive_int(), default=None, help="sequence length for language models (default: context)")
+    p.add_argument("--seq", type=positive_int(), default=None,
+                   help="sequence length for language models (default: context)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32, or bf16/fp16 autocast with fp32 parameters (default fp32)")
     p.add_argument("--optimizer", default="adamw",
                    help="an optimizer of the registry (`scaletrain optimizers`): sgd, adam, adamw, adam8bit, "
                         "adamw8bit, adafactor, came, lamb, lars (default adamw)")
-    p.add_argument("--accum", type=positive_int(1 << 20), default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--accum", type=positive_int(1 << 20), default=1,
+                   help="micro-batches per optimizer step (default 1)")
     p.add_argument("--params-dtype", choices=PRECISIONS, default="fp32",
                    help="storage dtype of parameters and gradients; bf16/fp16 adds fp32 master weights "
                         "to the optimizer state (ZeRO's 2+2+12 bytes/parameter with Adam)")

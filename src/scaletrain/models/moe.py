@@ -45,7 +45,8 @@ class GPT2MoEConfig(GPT2Config):
 # --------------------------------------------------------------------------- routing (pure functions)
 
 
-def top_k_route(logits: torch.Tensor, k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top_k_route(logits: torch.Tensor, k: int,
+                normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (expert ids [T, k], gates [T, k], probabilities [T, E]), fp32."""
     probs = torch.softmax(logits.float(), dim=-1)
     gates, idx = torch.topk(probs, k, dim=-1)

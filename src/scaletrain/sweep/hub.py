@@ -64,8 +64,9 @@ class Hub:
                 dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
                 if dead or time.monotonic() - t0 > 300:
                     self._kill()
+                    code = self._procs[dead[0]].exitcode if dead else "none: timed out"
                     raise SweepTaskError(f"sweep device {dead[0] if dead else '?'} did not start "
-                                         f"(exit code {self._procs[dead[0]].exitcode if dead else 'none: timed out'})")
+                                         f"(exit code {code})") from None
                 continue
             ready += "ready" in msg
         self._cv = threading.Condition()
@@ -101,7 +102,8 @@ class Hub:
         return [self._check(f.result()) for f in futs]
 
     # -- scheduled tasks -------------------------------------------------------------------------
-    def call(self, model: int, kind: str, shard: int, payload: dict[str, Any], pin: int | None = None) -> dict[str, Any]:
+    def call(self, model: int, kind: str, shard: int, payload: dict[str, Any],
+             pin: int | None = None) -> dict[str, Any]:
         """Run one shard task of ``model`` when the policy places it; blocks; returns the worker's result."""
         fut: Future = Future()
         t = Pending(model, kind, shard, pin, next(self._seq), payload=(payload, fut))

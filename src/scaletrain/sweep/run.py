@@ -123,7 +123,8 @@ def run_sweep(runs: list[Run], opts: SweepOptions, out: Path, *, log: Callable[[
     try:
         for i, r in enumerate(runs):
             tr = Trainer(r.cfg, None if predict_only else out / r.name, resume=resume,
-                         log=lambda s, n=r.name: log(f"[{n}] {s}"), runtime=_factory(hub, i, r, budget, opts.shards, facts))
+                         log=lambda s, n=r.name: log(f"[{n}] {s}"),
+                         runtime=_factory(hub, i, r, budget, opts.shards, facts))
             tr.parallel.capture_rng()
             trainers.append(tr)
         bounds = [facts[i]["bounds"] for i in range(len(runs))]
@@ -219,7 +220,8 @@ def _prediction(runs, opts, cores, threads, budget, bounds, costs, durs, progs, 
         "predicted_bytes_moved": want, "shards": {runs[i].name: bounds[i] for i in range(len(runs))},
         "task_seconds": {runs[i].name: {f"{k}{s_}": v for (k, s_), v in durs[i].tasks.items()}
                          for i in range(len(runs))},
-        "host_step_s": [d.host for d in durs], "checkpoint_s": [d.checkpoint for d in durs], "latency_s": durs[0].latency if durs else 0.0,
+        "host_step_s": [d.host for d in durs], "checkpoint_s": [d.checkpoint for d in durs],
+        "latency_s": durs[0].latency if durs else 0.0,
     }
 
 

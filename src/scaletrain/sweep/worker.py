@@ -223,7 +223,8 @@ class Worker:
         sk = self.models[m]
         k = len(sk.bounds)
         times: dict[tuple[str, int], list[float]] = {}
-        shared, sk.slots = sk.slots, {n: torch.empty_like(t) for n, t in sk.slots.items()}  # private: all devices at once
+        # private: all devices at once
+        shared, sk.slots = sk.slots, {n: torch.empty_like(t) for n, t in sk.slots.items()}
         x, y = desc_of("x", msg["x"]), desc_of("y", msg["y"])
         slot_view(sk.slots["x"], x).copy_(msg["x"])
         slot_view(sk.slots["y"], y).copy_(msg["y"])

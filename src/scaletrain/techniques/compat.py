@@ -280,7 +280,8 @@ RULES: list[Rule] = [
     Rule("remat-chain", lambda p, f: p.remat.active and not f.chain, "memory.remat.*",
          "rematerialization cuts the model's Chain of blocks", "a model cut into blocks (see scaletrain.chain)",
          "needs a Chain"),
-    Rule("remat-pp-schedule", lambda p, f: p.remat.active and p.pp > 1 and (p.schedule == "zb1p" or p.schedule in ASYNC),
+    Rule("remat-pp-schedule",
+         lambda p, f: p.remat.active and p.pp > 1 and (p.schedule == "zb1p" or p.schedule in ASYNC),
          lambda p, f: f"memory.remat.* with parallel.schedule={p.schedule}",
          "recomputation would undo zb1p's deferred weight gradients / ignore weight stashing",
          "parallel.schedule=gpipe, 1f1b, interleaved, chimera", "not with zb1p/async"),
@@ -320,8 +321,8 @@ RULES: list[Rule] = [
     Rule("offload-pp", lambda p, f: _offload(p) and p.pp > 1, lambda p, f: f"memory.offload with parallel.pp={p.pp}",
          "offloading inside pipeline stages is not composed yet", "memory.offload defaults", "not yet"),
     Rule("compress-mp", lambda p, f: p.activation_compression and _mp(p), "memory.activation_compression=true with "
-         "tp/cp/ep", "8-bit activation compression of DTensor activations is not composed yet (DTensor's saved tensors have no "
-         "plain storage to pack)", "false", "not yet"),
+         "tp/cp/ep", "8-bit activation compression of DTensor activations is not composed yet (DTensor's saved "
+         "tensors have no plain storage to pack)", "false", "not yet"),
     # ---------------------------------------------------------------- torch.compile (train.compile, .compile)
     Rule("compile-chain", lambda p, f: _compiles(p, f) and not f.chain, "train.compile=true on a model without "
          "a Chain of blocks", "torch.compile is applied per Chain block (torchtitan's per-block compile)",

@@ -92,7 +92,8 @@ def local_param_counts(model: nn.Module, *, tp: int = 1, ep: int = 1) -> dict[st
 
 
 def mesh_predictions(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: int, seq: int, counts: dict[str, int],
-                     grad_clip: bool, world: int, optim: tuple[str, list[tuple[int, ...]], dict[str, Any]] | None = None,
+                     grad_clip: bool, world: int,
+                     optim: tuple[str, list[tuple[int, ...]], dict[str, Any]] | None = None,
                      act_bytes: int = 4, recomputes: list[int] | None = None, kept: float = 0.0) -> dict[str, float]:
     """Bytes received per rank per optimizer step and per-rank model-state bytes (fp32), from the
     cost faces (module docstring). ``micro_batch``: samples per data-parallel rank and micro-batch.

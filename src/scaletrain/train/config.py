@@ -74,7 +74,8 @@ class OptimConfig:
 @schema.config_fields("train", after="global_batch")
 class TrainConfig:
     steps: int = opt(800, "optimizer steps to run", "steps", min=1)
-    global_batch: int = opt(16, "samples per optimizer step, summed over all devices and accumulation", "samples", min=1)
+    global_batch: int = opt(16, "samples per optimizer step, summed over all devices and accumulation", "samples",
+                            min=1)
     eval_every: int = opt(200, "validate every N steps (and at the end); 0 = only at the end", "steps", min=0)
     eval_batches: int = opt(8, "validation micro-batches per evaluation", "batches", min=1)
     log_every: int = opt(10, "write a metrics row every N steps", "steps", min=1)
@@ -179,7 +180,8 @@ def _coerce(path: str, value: Any, typ: Any, meta: dict) -> Any:
     elif typ is str:
         if not isinstance(value, str):
             value = str(value).lower() if isinstance(value, bool) else str(value)  # TOML true -> "true"
-        if meta.get("unit") == "bytes" and value not in meta.get("words", ()):  # read every size now, used or not (a typo must not wait for its feature)
+        # read every size now, used or not (a typo must not wait for its feature)
+        if meta.get("unit") == "bytes" and value not in meta.get("words", ()):
             from scaletrain.techniques.remat.schedule import parse_bytes
 
             try:
@@ -208,7 +210,8 @@ def _fill(obj: Any, data: dict, prefix: str) -> None:
         f = fields[key]
         if _is_section(f):
             if not isinstance(value, dict):
-                raise ConfigError(f"{path} must be a table of keys: {', '.join(x.name for x in dataclasses.fields(getattr(obj, key)))}")
+                keys = ", ".join(x.name for x in dataclasses.fields(getattr(obj, key)))
+                raise ConfigError(f"{path} must be a table of keys: {keys}")
             _fill(getattr(obj, key), value, f"{path}.")
         else:
             setattr(obj, key, _coerce(path, value, hints[key], dict(f.metadata)))

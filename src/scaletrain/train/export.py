@@ -97,7 +97,8 @@ def _model_tensors(path: Path) -> tuple[list[tuple[str, torch.dtype, list[int]]]
             raise UserError(f"checkpoint {str(path)!r} is damaged, not exported: {why} (`scaletrain checkpoint info` "
                             f"describes it; an older checkpoint of the run may be intact)")
         r = sharded.Reader(path)
-        heads = [(k[6:], getattr(torch, v["dtype"]), v["shape"]) for k, v in r.tensors.items() if k.startswith("model/")]
+        heads = [(k[6:], getattr(torch, v["dtype"]), v["shape"]) for k, v in r.tensors.items()
+                 if k.startswith("model/")]
         return heads, lambda n: r.read("model/" + n), dict(r.manifest.get("aliases", {}))
     try:  # memory-mapped: tensors are paged in one at a time as they are written
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -75,7 +75,8 @@ def maybe_fire(step: int, rank: int, run_dir: Path | None, where: str = "step") 
         marker = marker_dir / (f"fault-{step}.json" if where == "step" else f"fault-{step}-{where}.json")
         if marker.exists():
             return
-        write_atomic(marker, json.dumps({"step": step, "rank": rank, "kind": kind, "where": where, "time": time.time()}))
+        write_atomic(marker, json.dumps({"step": step, "rank": rank, "kind": kind, "where": where,
+                                         "time": time.time()}))
     if kind == "raise":
         raise RuntimeError(f"injected fault at step {step} ({where}) on rank {rank}")
     if kind == "enospc":

@@ -178,7 +178,8 @@ def check(m: dict[str, Any], path: Path) -> dict[str, Any]:
         raise BadManifest("config or layout is not a string")
     _jsonish(_dict(m, "scheduler", required=False), "field 'scheduler'")
     groups = m.get("param_groups", [])
-    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
         raise BadManifest("param_groups is not a list of groups with 'params' lists")
     for g in groups:
         _jsonish({k: v for k, v in g.items() if k != "params"}, "a param group")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError

@@ -93,7 +93,8 @@ def check_model_data(cfg: Config, model: nn.Module, task: str, model_name: str, 
     if kind is not None and kind != want:
         allowed = ", ".join(n for n, d in DATASETS.items() if d.kind == want)
         what = "a language model" if task == "lm" else "an image classifier"
-        raise ConfigError(f"data.name={data_name!r} holds {'images' if kind == 'image' else kind} but model {model_name!r} is {what}; allowed "
+        holds = "images" if kind == "image" else kind
+        raise ConfigError(f"data.name={data_name!r} holds {holds} but model {model_name!r} is {what}; allowed "
                           f"data.name for it: {allowed}")
     check_params_dtype(cfg, model, task, model_name)
     n_pos = getattr(getattr(model, "config", None), "n_positions", None)

@@ -126,7 +126,8 @@ class Trainer:
         try:
             self._setup(cfg, model, log)
         except BaseException:
-            launch.shutdown(self._created_group, finished=getattr(self, "_finished", False))  # a bad config must not leave the process group behind
+            # a bad config must not leave the process group behind
+            launch.shutdown(self._created_group, finished=getattr(self, "_finished", False))
             self._run_lock.release()
             raise
 
@@ -214,8 +215,8 @@ class Trainer:
         self.ctx.forward_backward = fn
 
     def _build_data(self) -> None:
-        self.data_name, self.train_set, self.val_set = build_datasets(self.cfg, self.adapter, self._snapshot is not None,
-                                                                      *self._user_data)
+        self.data_name, self.train_set, self.val_set = build_datasets(self.cfg, self.adapter,
+                                                                      self._snapshot is not None, *self._user_data)
         self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 1)
 
     def _make_train_loader(self, start_sample: int):
@@ -495,7 +496,8 @@ class Trainer:
                 metrics.after_step(self.step)
                 losses.append(step_loss)
                 last = self.step == cfg.train.steps
-                periodic, stop = guard.periodic(self.step, time.perf_counter() - t0), guard.stop()  # alike on every rank
+                # alike on every rank
+                periodic, stop = guard.periodic(self.step, time.perf_counter() - t0), guard.stop()
                 every = cfg.train.checkpoint_every
                 saves = last or stop or periodic or bool(every and self.step % every == 0)
                 # the ranks' losses are averaged on logging steps and before a save (no diverged checkpoint)

@@ -122,7 +122,8 @@ class Adapter:
     # -- shapes --------------------------------------------------------------------------
     def input_spec(self, batch: int, seq: int | None = None) -> torch.Tensor:
         """A meta-device example input of ``batch`` samples (``seq`` tokens for language models)."""
-        own = getattr(self.model, "input_spec", None) or getattr(getattr(self.model, "source", None), "input_spec", None)
+        source = getattr(self.model, "source", None)
+        own = getattr(self.model, "input_spec", None) or getattr(source, "input_spec", None)
         if callable(own):
             return own(batch, seq)
         if not self.knows_input:

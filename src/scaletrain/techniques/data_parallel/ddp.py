@@ -35,7 +35,8 @@ class DDPStrategy(Strategy):
         super().__init__(model, rank, world)
         ids = [device.index] if device.type == "cuda" else None
         # ``module``: what runs the forward (the model, or its blocks under nested checkpoints)
-        self.ddp = DDP(module if module is not None else model, device_ids=ids, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, init_sync=True)
+        self.ddp = DDP(module if module is not None else model, device_ids=ids, bucket_cap_mb=bucket_mb,
+                       gradient_as_bucket_view=True, init_sync=True)
         self.compressor = comp.make_hook(compression, world=world, rank=compression_rank, topk_ratio=topk_ratio,
                                          warmup_steps=compression_warmup_steps, seed=seed)
         self.ddp.register_comm_hook(self.compressor.state, self.compressor.hook)

@@ -11,11 +11,11 @@ except the units whose backward runs first, the root and the last group (torchti
 default for the root): freed after forward they would be gathered again at once, so they stay whole from
 their forward into their backward, one all-gather a micro-batch (:func:`kept_elements`; without TP/EP,
 where the cost faces count it), and a single group is the root's own unit (one set of hooks, as one-group
-``fully_shard``: the per-module hooks of a grouped unit cost ~5 % of a small step on gloo); gradients are reduce-scattered per block; the next block's all-gather is
-prefetched explicitly in both directions. With a 2-D data-parallel mesh (replicate x shard) this is
-HSDP. Applied *after* tensor parallelism (torchtitan's 2-D: ``parallelize_module`` on the TP mesh,
-then ``fully_shard`` on the data-parallel mesh of the same device mesh), every parameter becomes a
-DTensor over both dims.
+``fully_shard``: the per-module hooks of a grouped unit cost ~5 % of a small step on gloo); gradients
+are reduce-scattered per block; the next block's all-gather is prefetched explicitly in both
+directions. With a 2-D data-parallel mesh (replicate x shard) this is HSDP. Applied *after* tensor
+parallelism (torchtitan's 2-D: ``parallelize_module`` on the TP mesh, then ``fully_shard`` on the
+data-parallel mesh of the same device mesh), every parameter becomes a DTensor over both dims.
 
 The runtime (:class:`~scaletrain.techniques.spmd.MeshRuntime`) sees the same face as
 :class:`~.zero.GradSync`: the optimizer updates *proxies* — plain tensors sharing storage with each
@@ -110,7 +110,8 @@ def shardable_blocks(model: nn.Module) -> list[nn.Module]:
     # called by the model's own forward: shard the layer inside it, whose hooks fire on either path
     # (other glue, e.g. a head made of the final norm and the LM head, is left to the root's group)
     in_model = {id(m) for m in model.modules()}
-    blocks = [b2 for b2 in (getattr(b, "layer", b) if id(b) not in in_model else b for b in blocks) if id(b2) in in_model]
+    unwrapped = (getattr(b, "layer", b) if id(b) not in in_model else b for b in blocks)
+    blocks = [b2 for b2 in unwrapped if id(b2) in in_model]
     users: dict[int, int] = {}
     for b in blocks:
         for p in b.parameters():

@@ -127,7 +127,8 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
     import sys
 
     return [sys.executable, "-c", "import sys; from scaletrain.techniques.data_parallel.launch import torchrun_main; "
-            "sys.exit(torchrun_main())", "--standalone", f"--nproc-per-node={nproc}", f"--shutdown-timeout={SHUTDOWN_S}",
+            "sys.exit(torchrun_main())", "--standalone", f"--nproc-per-node={nproc}",
+            f"--shutdown-timeout={SHUTDOWN_S}",
             "-m", "scaletrain.cli", *argv]
 
 

@@ -226,7 +226,8 @@ def _probe(chain, x, y, loss_fn, ac, device: torch.device) -> ChainCosts:
                 return t
 
             tr.reset_peak()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as fc, ac():
+            with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                  FlopCounterMode(display=False) as fc, ac()):
                 out = functional_call(blk, pdict, (inp,))
             fwd_temp = tr.peak_bytes - tr.current_bytes
             bc = BlockCost(name, used, saved, out.untyped_storage().nbytes(), sid(out), in_sid,

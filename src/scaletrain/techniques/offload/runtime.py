@@ -103,7 +103,8 @@ def options_from_cfg(cfg_like: Any) -> OffloadOptions:
             continue
         v = get(f.name, getattr(o, f.name))
         if f.name in ("device_budget", "host_budget", "disk_max_bytes", "disk_chunk_bytes"):
-            v = parse_bytes(v) if v not in (None, "") else (None if f.name != "disk_chunk_bytes" else o.disk_chunk_bytes)
+            unset = None if f.name != "disk_chunk_bytes" else o.disk_chunk_bytes
+            v = parse_bytes(v) if v not in (None, "") else unset
         setattr(o, f.name, v)
     o.validate()
     return o
@@ -113,7 +114,8 @@ class OffloadRuntime:
     """Runs forward/backward and the optimizer step of ``model`` as ``options`` place things."""
 
     def __init__(self, model: nn.Module, optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
-                 options: OffloadOptions, platform: Platform, loss_fn: LossFn, example: tuple[torch.Tensor, torch.Tensor],
+                 options: OffloadOptions, platform: Platform, loss_fn: LossFn,
+                 example: tuple[torch.Tensor, torch.Tensor],
                  *, autocast: Callable[[], Any] | None = None, accum: int = 1, device: torch.device | str | None = None,
                  costs: ChainCosts | None = None):
         self.model = model

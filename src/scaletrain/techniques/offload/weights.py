@@ -135,8 +135,8 @@ def predict_streaming(block_params: Sequence[Sequence[int]], param_bytes: Sequen
 class WeightStreamer:
     """Apply face: moves the parameters of a Chain in and out of the device pool."""
 
-    def __init__(self, params: list[nn.Parameter], block_params: Sequence[Sequence[int]], masters: dict[int, torch.Tensor],
-                 pools: Pools, window: int = 1):
+    def __init__(self, params: list[nn.Parameter], block_params: Sequence[Sequence[int]],
+                 masters: dict[int, torch.Tensor], pools: Pools, window: int = 1):
         self.params = params
         self.pools = pools
         self.masters = masters

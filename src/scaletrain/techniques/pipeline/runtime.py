@@ -399,7 +399,8 @@ class PipelineRuntime:
                 spec = self.specs[a.stage + 1]
                 rep.grad_out[a.mb] = self.transport.recv(spec.shape, spec.dtype, self._global(a.peer),
                                                          p2p.tag(1, a.pipe, a.stage, a.mb, S),
-                                                         f"RECV_B of micro-batch {a.mb} (gradient into stage {a.stage})")
+                                                         f"RECV_B of micro-batch {a.mb} "
+                                                         f"(gradient into stage {a.stage})")
             self._record(k, a, t0, comm=True)
         elif k == SEND_F:
             rep = self.replicas[(a.pipe, a.stage)]

@@ -120,7 +120,8 @@ class _DeferredLinear(torch.autograd.Function):
     """``F.linear`` whose backward defers the weight-gradient GEMM to a queue (zero-bubble W)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, queue: list) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                queue: list) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         # the parameter itself, for the W pass to set .grad on: a saved tensor comes back through any
         # saved-tensor hooks (the memory tracker's), maybe as an alias whose .grad is not the parameter's

@@ -184,7 +184,8 @@ class PipelineStrategy(PipelineState, Strategy):
             rt = pipeline_runtime(model, pp=p.pp, dp=ctx.dp_world, schedule=p.schedule,
                                   microbatches=ctx.accum, micro_batch=ctx.micro_batch,
                                   loss_fn=ctx.loss_fn, seq_len=seq, virtual=v, device=ctx.device,
-                                  timeout_s=ctx.timeout_s, balance=p.balance, forward_context=_forward_context(ctx, model, p),
+                                  timeout_s=ctx.timeout_s, balance=p.balance,
+                                  forward_context=_forward_context(ctx, model, p),
                                   remat=p.remat.method, remat_budget=p.remat.budget or None,
                                   remat_precision=ctx.precision, tp=p.tp, sequence_parallel=p.sp,
                                   loss_scale=_loss_scale(ctx), stage_aux=_stage_aux(model), ep=p.ep)
@@ -468,8 +469,9 @@ class PipelineStrategy(PipelineState, Strategy):
             from .experts import moe_layers_per_block, rank_ep_bytes
 
             x = rt.specs[0].shape
-            total += rank_ep_bytes(self.model.config, self.sched, list(rt.bounds), moe_layers_per_block(rt.chain.blocks),
-                                   rt.pp_rank, x[0], x[1], plan.ep, self._precision)
+            total += rank_ep_bytes(self.model.config, self.sched, list(rt.bounds),
+                                   moe_layers_per_block(rt.chain.blocks), rt.pp_rank, x[0], x[1], plan.ep,
+                                   self._precision)
         if self._scaled:  # fp16: the loss scaler's found-inf all-reduce (one fp32) over the world
             total += ring_ar(self.world, 4.0)
         return {"predicted_comm_bytes": total}

@@ -139,7 +139,8 @@ def stage_tp_bytes(cfg: Any, t: int, micro_batch: int, seq: int, kinds: list[str
     (P·h), 2 LayerNorms per block (4 h), ln_f (2 h); the re-gathers of ``regather`` are
     ``torch.distributed`` calls (in the ledger, not here). The vocabulary-parallel loss all-reduces 3
     fp32 vectors of b·s. ``recomputes``: extra forwards of each block per micro-batch (remat), which
-    replay the block's forward collectives (:func:`~scaletrain.techniques.tensor_parallel.cost.tp_forward_bytes_per_block`).
+    replay the block's forward collectives
+    (:func:`~scaletrain.techniques.tensor_parallel.cost.tp_forward_bytes_per_block`).
     Under 16-bit autocast (``precision`` bf16 / fp16, no SP) a layer's two forward all-reduces carry the
     row-parallel matmuls' 16-bit outputs (half the bytes); the embedding's, the backward's (gradients
     of fp32 LayerNorm outputs) and the loss's stay fp32."""

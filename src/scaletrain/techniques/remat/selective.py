@@ -8,9 +8,10 @@ in the backward while everything else (the QKV and output projections, the MLP, 
 Apply face: the attention module's forward runs under PyTorch's selective activation
 checkpointing with a policy that keeps the outputs of the linear projections (``mm``/``addmm``/
 ``linear``: what is expensive to recompute) and recomputes every other op of the module — the
-core (every op between the QKV projection and the output projection). Because it wraps the module's *current* forward, it composes with tensor parallelism
-(applied first: the core then runs on this rank's heads), with the data-parallel wrappers and with
-pipeline stages, and with whole-block checkpoints (a block checkpointed whole recomputes it anyway).
+core (every op between the QKV projection and the output projection). Because it wraps the module's
+*current* forward, it composes with tensor parallelism (applied first: the core then runs on this
+rank's heads), with the data-parallel wrappers and with pipeline stages, and with whole-block
+checkpoints (a block checkpointed whole recomputes it anyway).
 
 With a fused attention kernel (``scaled_dot_product_attention``'s flash kernels, the CPU one
 included) there is no ``s^2`` matrix to save; what remains is the kernel's output and log-sum-exp
@@ -21,7 +22,7 @@ both sides so the cost face carries the real figure.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -48,6 +49,11 @@ def _policy_factory() -> Callable:
         return CheckpointPolicy.PREFER_RECOMPUTE if seen.get(phase, 0) == 1 else CheckpointPolicy.MUST_SAVE
 
     return policy
+
+
+def _selective_contexts() -> Any:
+    """The (forward, recompute) context pair of one checkpointed call under a fresh policy."""
+    return create_selective_checkpoint_contexts(_policy_factory(), allow_cache_entry_mutation=True)
 
 
 def attention_modules(blocks: list[nn.Module]) -> list[nn.Module]:
@@ -84,8 +90,7 @@ def _wrapped(orig: Callable) -> Callable:
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return orig(*args, **kwargs)
-        return checkpoint(orig, *args, use_reentrant=False,
-                          context_fn=lambda: create_selective_checkpoint_contexts(_policy_factory(), allow_cache_entry_mutation=True), **kwargs)
+        return checkpoint(orig, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
     return forward
 
 
@@ -114,6 +119,5 @@ def selective_saved_bytes(attn: nn.Module, x: torch.Tensor) -> tuple[int, int]:
         return int(live)
 
     plain = kept(orig)
-    sel = kept(lambda xg: checkpoint(orig, xg, use_reentrant=False,
-                                     context_fn=lambda: create_selective_checkpoint_contexts(_policy_factory(), allow_cache_entry_mutation=True)))
+    sel = kept(lambda xg: checkpoint(orig, xg, use_reentrant=False, context_fn=_selective_contexts))
     return plain, sel

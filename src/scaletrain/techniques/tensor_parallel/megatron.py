@@ -203,7 +203,8 @@ def _reduce_partial_grads_eagerly(model: nn.Module) -> None:
 def apply_megatron(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
                    regather: bool = True) -> nn.Module:
     """Shard a GPT-2 (``scaletrain.models.gpt2.GPT2`` or a subclass) over ``tp_mesh`` in place
-    (Hugging Face's GPT-2 layout: :mod:`.hf`; both through :func:`scaletrain.techniques.tensor_parallel.apply_tensor_parallel`).
+    (Hugging Face's GPT-2 layout: :mod:`.hf`; both through
+    :func:`scaletrain.techniques.tensor_parallel.apply_tensor_parallel`).
 
     ``tp_mesh`` is a 1-D DeviceMesh (e.g. ``mesh["tp"]`` of a 2-D (dp, tp) mesh). Every rank must
     hold the same initial weights (rank 0's are scattered). The model's output becomes a DTensor
