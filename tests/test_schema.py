@@ -100,3 +100,26 @@ def test_the_compatibility_table_names_only_declared_config_keys():
     assert named and named <= keys, sorted(named - keys)
     for field_name in re.findall(r"\bp\.([a-z_]+)\b", text):  # the rules read only declared plan fields
         assert field_name in {f.name for f in dataclasses.fields(Plan)} or hasattr(Plan, field_name), field_name
+
+
+def test_a_new_plan_key_is_one_declaration(monkeypatch):
+    """One Key row gives the config field (documented, validated) and the Plan field: nothing else to edit."""
+    demo = schema.Key("demo", "parallel.demo", 3, "a demonstration key", "ranks", min=1, planner="searched")
+    monkeypatch.setattr(schema, "KEYS", (*schema.KEYS, demo))
+
+    @dataclasses.dataclass
+    @schema.config_fields("parallel")
+    class Section:
+        timeout_s: float = 1.0
+
+    @dataclasses.dataclass(frozen=True)
+    @schema.plan_fields()
+    class PlanLike:
+        pass
+
+    f = {x.name: x for x in dataclasses.fields(Section)}["demo"]
+    assert Section().demo == 3 and f.metadata["help"] == "a demonstration key" and f.metadata["unit"] == "ranks"
+    assert PlanLike().demo == 3 and PlanLike(demo=5).demo == 5
+    assert "demo" in schema.searched()
+    with pytest.raises(ConfigError, match=r"^parallel\.demo=0 is not allowed; must be >= 1$"):
+        demo.check(0)
