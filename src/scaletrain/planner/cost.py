@@ -86,6 +86,11 @@ class Options:
     """What selective recompute recomputes: attention (Megatron, Korthikanti et al. 2022: the attention
     core; nothing to redo under flash attention) or op (torchtitan's op-level policy: keep every other
     matmul's output and the attention output, recompute the rest of the layer in the backward)."""
+    dp_overlap: bool = True
+    """Whether DDP's gradient buckets overlap the backward. False: the whole all-reduce runs after the
+    forward-backward, exposed — Megatron-LM 2021's ``--DDP-impl local`` (NVIDIA/Megatron-LM
+    ``megatron/training.py`` ``train_step`` calls ``allreduce_gradients()`` after ``forward_backward_func``,
+    under its ``backward-params-all-reduce`` timer)."""
 
 
 @dataclass
@@ -266,7 +271,7 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     n_rank = max(n_first, n_last)
     dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, e if plan.zero == 3 else 4,
                                  blocks=int(L) + 2, bucket_bytes=plan.bucket_mb * 1e6)
-    if pp == 1 and plan.zero != 1:
+    if pp == 1 and plan.zero != 1 and (opts.dp_overlap or plan.zero == 3):
         window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: 0.0}[plan.zero]
         last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4, bucket_bytes=plan.bucket_mb * 1e6)[0]
         # an overlapped collective still slows the compute it hides behind: NCCL's kernels take SMs and
