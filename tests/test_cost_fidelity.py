@@ -22,3 +22,20 @@ def test_ddp_without_overlap_exposes_the_whole_all_reduce():
     assert after.phases_s["dp_comm"] == pytest.approx(full, rel=1e-12)
     assert hidden.phases_s["dp_comm"] < full
     assert after.step_time_s - hidden.step_time_s == pytest.approx(full - hidden.phases_s["dp_comm"], rel=1e-9)
+
+
+def test_eager_fp32_norm_and_rotary_move_their_counted_bytes():
+    # torchtitan's RMSNorm and rotary in eager fp32: 36 and 20 bytes per element in the forward instead of
+    # a fused kernel's 2 + 2; on a 1 TB/s device at full efficiency with no per-kernel cost, the forward
+    # grows by exactly those bytes and the backward by twice them
+    shape = Shape(layers=2, hidden=256, heads=4, kv_heads=2, vocab=1024, ffn=512, gated=True, rmsnorm=True,
+                  bias=False, rotary=True, tied=False)
+    plat = P.Platform(name="t", device_mem_bytes_per_s=1e12, mem_efficiency=((0.0, 1.0),), flops_bf16=1e15)
+    kw = dict(seq=128, b=2, tp=1, sp=False, precision="bf16")
+    fused = layer_times(shape, plat, opts=Options(), **kw)
+    eager = layer_times(shape, plat, opts=Options(fp32_norm_rotary=True), **kw)
+    tokens = 128 * 2
+    extra = (2 * (36 - 4) * tokens * 256 + (20 - 4) * tokens * (256 + shape.kv_width)) / 1e12
+    assert shape.kv_width == 128
+    assert eager["fwd"] - fused["fwd"] == pytest.approx(extra, rel=1e-9)
+    assert eager["bwd"] - fused["bwd"] == pytest.approx(2 * extra, rel=1e-9)

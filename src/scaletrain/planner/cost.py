@@ -71,6 +71,12 @@ def optim_state_bytes(name: str, hidden: int) -> float:
     return float(state_bytes_per_param(name.lower(), (hidden, hidden)))
 
 
+NORM_FP32_BYTES = 36
+"""Bytes per element of an eager fp32 RMSNorm's forward kernels on a 16-bit input (:attr:`Options.fp32_norm_rotary`)."""
+ROTARY_FP32_BYTES = 20
+"""Bytes per element of eager fp32 complex rotary's forward kernels on 16-bit q or k (same)."""
+
+
 @dataclass(frozen=True)
 class Options:
     """How the priced system runs, where it is not in the plan."""
@@ -91,6 +97,14 @@ class Options:
     forward-backward, exposed — Megatron-LM 2021's ``--DDP-impl local`` (NVIDIA/Megatron-LM
     ``megatron/training.py`` ``train_step`` calls ``allreduce_gradients()`` after ``forward_backward_func``,
     under its ``backward-params-all-reduce`` timer)."""
+    fp32_norm_rotary: bool = False
+    """Norms and rotary as Meta's Llama reference code runs them, which torchtitan keeps (``norm_type =
+    "rmsnorm"`` in its llama3 tomls; ``torchtitan/models/norms.py`` RMSNorm ``self._norm(x.float()).type_as(x)
+    * self.weight``; ``apply_rotary_emb``: ``view_as_complex(xq.float() ...)`` times ``freqs_cis``, then
+    ``type_as``): unfused eager kernels in fp32. Bytes per element of each forward kernel, counted from that
+    code: the norm 36 (cast 2 + 4, ``pow`` 4 + 4, ``mean`` 4, scale 4 + 4, cast back 4 + 2, weight 2 + 2)
+    instead of a fused norm's 2 + 2; rotary 20 (cast 2 + 4, complex multiply 4 + 4, cast back 4 + 2)
+    instead of 2 + 2. The backward stays 2 x the forward (module docstring)."""
 
 
 @dataclass
@@ -181,12 +195,13 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
     rep = t if sp else 1  # what TP replicates, SP splits
     drop = 1 if shape.dropout > 0 else 0
     # LayerNorm x2 (read + write), bias-GELU on f (read + write), bias-dropout-add x2 (2 reads, 1 write, mask)
-    elementwise = [2 * sbh * e / rep, 2 * sbh * e / rep, 2 * s * b * f * e / t,
+    norm = (NORM_FP32_BYTES if opts.fp32_norm_rotary else 2 * e) * sbh / rep
+    elementwise = [norm, norm, 2 * s * b * f * e / t,
                    (3 * e + drop) * sbh / rep, (3 * e + drop) * sbh / rep]
     if shape.gated:  # SwiGLU: silu(w1 x) (read f, write f) then the product with w3 x (read 2f, write f)
         elementwise[2:3] = [2 * s * b * f * e / t, 3 * s * b * f * e / t]
     if shape.rotary:  # rotary on q and k: read and write each
-        elementwise.append(2 * s * b * (h + shape.kv_width) * e / t)
+        elementwise.append((ROTARY_FP32_BYTES if opts.fp32_norm_rotary else 2 * e) * s * b * (h + shape.kv_width) / t)
     ew = sum(plat.memory_bound_seconds(x) for x in elementwise)
     if opts.attention == "materialized":
         n2 = b * a * s * s / t
