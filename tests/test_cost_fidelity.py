@@ -39,3 +39,22 @@ def test_eager_fp32_norm_and_rotary_move_their_counted_bytes():
     assert shape.kv_width == 128
     assert eager["fwd"] - fused["fwd"] == pytest.approx(extra, rel=1e-9)
     assert eager["bwd"] - fused["bwd"] == pytest.approx(2 * extra, rel=1e-9)
+
+
+def test_autocast_over_fp32_parameters_prices_the_fp32_residual_stream():
+    # GPT-2 under autocast with fp32 parameters: per element of the stream, 2 LayerNorms read and write 4
+    # bytes (not 2), 2 residual adds read 4 + 2 and write 4 (not 2 + 2 + 2), and the fused QKV and fc
+    # each cast a norm's fp32 output (read 4, write 2): 2*4 + 2*4 + 2*6 = 28 bytes more per element
+    shape = Shape(layers=2, hidden=256, heads=4, vocab=1024, positions=128)
+    plat = P.Platform(name="t", device_mem_bytes_per_s=1e12, mem_efficiency=((0.0, 1.0),), flops_bf16=1e15)
+    kw = dict(seq=128, b=2, tp=1, sp=False, precision="bf16", opts=Options())
+    bf16 = layer_times(shape, plat, **kw)
+    fp32_stream = layer_times(shape, plat, autocast=True, **kw)
+    assert fp32_stream["fwd"] - bf16["fwd"] == pytest.approx(28 * 128 * 2 * 256 / 1e12, rel=1e-9)
+    # plan_cost turns it on for bf16 over fp32 parameters only, and a 16-bit-stream stack turns it off
+    plan = Plan(dp=1, micro_batch=2, precision="bf16")
+    on = plan_cost(shape, plan, plat, global_batch=2, seq=128).blocks_s["layer_fwd"]
+    off = plan_cost(shape, plan, plat, global_batch=2, seq=128,
+                    options=Options(autocast_residual_fp32=False)).blocks_s["layer_fwd"]
+    pure = plan_cost(shape, plan.with_(params_dtype="bf16"), plat, global_batch=2, seq=128).blocks_s["layer_fwd"]
+    assert on == pytest.approx(fp32_stream["fwd"]) and off == pytest.approx(bf16["fwd"]) == pure

@@ -105,6 +105,17 @@ class Options:
     code: the norm 36 (cast 2 + 4, ``pow`` 4 + 4, ``mean`` 4, scale 4 + 4, cast back 4 + 2, weight 2 + 2)
     instead of a fused norm's 2 + 2; rotary 20 (cast 2 + 4, complex multiply 4 + 4, cast back 4 + 2)
     instead of 2 + 2. The backward stays 2 x the forward (module docstring)."""
+    autocast_residual_fp32: bool = True
+    """Under autocast over fp32 parameters (scaletrain's runtime: precision bf16/fp16 with params_dtype
+    fp32) the embedding's output, and so the residual stream, is fp32. PyTorch's autocast op reference
+    (``torch.amp`` docs, "CUDA Ops that can autocast to float32": ``layer_norm``; to lower precision:
+    ``linear``, ``addmm``) then gives, per element of the stream: each LayerNorm reads and writes 4 bytes,
+    each matmul that reads a norm's output first casts it (read 4, write 2; autocast caches only the
+    weights' casts, so GPT-2's fused QKV and fc cast twice per layer, Llama's wq, wk, wv, w1, w3 five
+    times), and each residual add reads 4 + 2 and writes 4. Measured on one H200 (gpt2-medium, JSON
+    ``planner_gpu_h200_profile.json``: 15.4 ms of casts and copies per step). False: a 16-bit stream
+    (FSDP with ``param_dtype`` bf16 and no fp32 module parameters: torchtitan's FSDP2, Composer's FSDP
+    ``DEFAULT`` and ``PURE``)."""
 
 
 @dataclass
@@ -176,10 +187,11 @@ def _mm(plat: Platform, precision: str, m: float, n: float, k: float, batch: flo
 
 
 def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: bool, precision: str,
-                opts: Options) -> dict[str, float]:
+                opts: Options, autocast: bool = False) -> dict[str, float]:
     """Seconds of one layer on one TP rank for one micro-batch: ``fwd``, ``bwd``, ``attn_core`` (the
     part selective recompute repeats), ``tp_fwd`` / ``tp_bwd`` (the TP collectives of each pass) and
-    ``tp_stage`` (once per micro-batch and stage: embedding, loss, SP's replicated gradients)."""
+    ``tp_stage`` (once per micro-batch and stage: embedding, loss, SP's replicated gradients). ``autocast``:
+    a 16-bit precision over fp32 parameters with an fp32 residual stream (:attr:`Options.autocast_residual_fp32`)."""
     s, h, a, t, f = seq, shape.hidden, shape.heads, tp, shape.ffn_width
     e = 4 if precision == "fp32" else 2
     sbh = s * b * h
@@ -195,9 +207,12 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
     rep = t if sp else 1  # what TP replicates, SP splits
     drop = 1 if shape.dropout > 0 else 0
     # LayerNorm x2 (read + write), bias-GELU on f (read + write), bias-dropout-add x2 (2 reads, 1 write, mask)
-    norm = (NORM_FP32_BYTES if opts.fp32_norm_rotary else 2 * e) * sbh / rep
+    r = 4 if autocast else e  # bytes per element of the residual stream
+    norm = (NORM_FP32_BYTES if opts.fp32_norm_rotary else 2 * r) * sbh / rep
     elementwise = [norm, norm, 2 * s * b * f * e / t,
-                   (3 * e + drop) * sbh / rep, (3 * e + drop) * sbh / rep]
+                   (2 * r + e + drop) * sbh / rep, (2 * r + e + drop) * sbh / rep]
+    if autocast:  # each matmul reading a norm's fp32 output casts it to 16 bits first (read 4, write 2)
+        elementwise += [6 * sbh / rep] * sum(1 for *_, kind in shape.matmuls() if kind == "col")
     if shape.gated:  # SwiGLU: silu(w1 x) (read f, write f) then the product with w3 x (read 2f, write f)
         elementwise[2:3] = [2 * s * b * f * e / t, 3 * s * b * f * e / t]
     if shape.rotary:  # rotary on q and k: read and write each
@@ -246,7 +261,9 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     world = dp * tp * pp
     e = 4 if plan.precision == "fp32" else 2
     remat = remat_kind(plan)
-    lt = layer_times(shape, plat, seq=seq, b=b, tp=tp, sp=plan.sp, precision=plan.precision, opts=opts)
+    autocast = plan.precision != "fp32" and plan.params_dtype == "fp32" and opts.autocast_residual_fp32
+    lt = layer_times(shape, plat, seq=seq, b=b, tp=tp, sp=plan.sp, precision=plan.precision, opts=opts,
+                     autocast=autocast)
     L = shape.layers / pp
     selective = lt["attn_core"] if opts.selective == "attention" else lt["op_recompute"]
     recompute = lt["fwd"] + lt["tp_fwd"] if remat == "full" else (selective if remat == "selective" else 0.0)
