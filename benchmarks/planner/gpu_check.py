@@ -9,7 +9,8 @@ assumes and what its plans do:
 3. **plans**: for GPT-2 models at several micro-batches, remat choices and precisions, the plan
    ``scaletrain plan --platform P --nodes 1 --gpus-per-node 1 --fix ...`` prices and writes (``--out``)
    is run with ``scaletrain train --plan`` on the device; median step time (warm-up steps left out)
-   and ``torch.cuda.max_memory_allocated`` against the planner's ``step_time_s`` and ``peak_bytes``.
+   and ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``, the allocator's view) against the
+   planner's ``step_time_s`` and ``peak_bytes``.
 
 Everything is written to ``OUT/gpu_check.json`` (machine, versions, date). ``--quick`` shrinks every
 size so the script can be rehearsed on a CPU (numbers then mean nothing); ``--dry-run`` plans and prices
@@ -178,10 +179,13 @@ def run_plan(spec: tuple, platform: str, out: Path, steps: int, device: str, dry
     steps_rows = [x for x in rows if "step_time_s" in x]
     timed = [x["step_time_s"] for x in steps_rows if x["step"] > 3] or [x["step_time_s"] for x in steps_rows]
     peak = max((x.get("device_peak_bytes", 0) for x in steps_rows), default=0)
+    reserved = max((x.get("device_reserved_peak_bytes", 0) for x in steps_rows), default=0)  # the allocator's view
     step = statistics.median(timed)
     row.update(status="ok", step_time_s=step, step_time_min_s=min(timed), peak_bytes=peak,
                step_time_error=(row["predicted_step_time_s"] - step) / step,
                peak_error=(row["predicted_peak_bytes"] - peak) / peak if peak else None,
+               reserved_peak_bytes=reserved,
+               reserved_error=(row["predicted_peak_bytes"] - reserved) / reserved if reserved else None,
                estimate_peak_error=((row["estimate_peak_bytes"] - peak) / peak
                                     if peak and "estimate_peak_bytes" in row else None),
                losses=[x["loss"] for x in steps_rows])
