@@ -22,6 +22,12 @@ def test_ddp_without_overlap_exposes_the_whole_all_reduce():
     assert after.phases_s["dp_comm"] == pytest.approx(full, rel=1e-12)
     assert hidden.phases_s["dp_comm"] < full
     assert after.step_time_s - hidden.step_time_s == pytest.approx(full - hidden.phases_s["dp_comm"], rel=1e-9)
+    # by hand: 8 ranks in one node, NVLink 100 GB/s achieved, no latency: a ring all-reduce of the fp32
+    # gradients receives 2 * 7/8 * 4 bytes per parameter
+    node = P.Platform(name="t", intra_node_bytes_per_s=100e9, intra_node_efficiency=1.0, intra_node_latency_s=0.0,
+                      inter_node_bytes_per_s=25e9, devices_per_node=8, flops_bf16=1e15, device_mem_bytes_per_s=1e12)
+    c = plan_cost(shape, plan.with_(dp=8), node, global_batch=32, seq=1024, options=Options(dp_overlap=False))
+    assert c.phases_s["dp_comm"] == pytest.approx(2 * 7 / 8 * 4 * shape.params() / 100e9, rel=1e-12)
 
 
 def test_eager_fp32_norm_and_rotary_move_their_counted_bytes():
