@@ -18,16 +18,29 @@ def test_ddp_without_overlap_exposes_the_whole_all_reduce():
     plan = Plan(dp=16, micro_batch=4, precision="bf16", params_dtype="bf16")
     hidden = plan_cost(shape, plan, plat, global_batch=64, seq=1024)
     after = plan_cost(shape, plan, plat, global_batch=64, seq=1024, options=Options(dp_overlap=False))
-    full = _dp_time(plat, shape.params(), 0, 16, 1, 1, 4, blocks=6, bucket_bytes=plan.bucket_mb * 1e6)[0]
+    full = _dp_time(plat, shape.params(), 0, 16, 1, 1, 2, blocks=6, bucket_bytes=plan.bucket_mb * 1e6)[0]
     assert after.phases_s["dp_comm"] == pytest.approx(full, rel=1e-12)
     assert hidden.phases_s["dp_comm"] < full
     assert after.step_time_s - hidden.step_time_s == pytest.approx(full - hidden.phases_s["dp_comm"], rel=1e-9)
-    # by hand: 8 ranks in one node, NVLink 100 GB/s achieved, no latency: a ring all-reduce of the fp32
-    # gradients receives 2 * 7/8 * 4 bytes per parameter
+    # by hand: 8 ranks in one node, NVLink 100 GB/s achieved, no latency: a ring all-reduce of the gradients
+    # receives 2 * 7/8 of them, in the parameters' dtype (16-bit parameters: 2 bytes; fp32: 4)
     node = P.Platform(name="t", intra_node_bytes_per_s=100e9, intra_node_efficiency=1.0, intra_node_latency_s=0.0,
                       inter_node_bytes_per_s=25e9, devices_per_node=8, flops_bf16=1e15, device_mem_bytes_per_s=1e12)
-    c = plan_cost(shape, plan.with_(dp=8), node, global_batch=32, seq=1024, options=Options(dp_overlap=False))
-    assert c.phases_s["dp_comm"] == pytest.approx(2 * 7 / 8 * 4 * shape.params() / 100e9, rel=1e-12)
+    for params_dtype, nbytes in (("bf16", 2), ("fp32", 4)):
+        c = plan_cost(shape, plan.with_(dp=8, params_dtype=params_dtype), node, global_batch=32, seq=1024,
+                      options=Options(dp_overlap=False))
+        assert c.phases_s["dp_comm"] == pytest.approx(2 * 7 / 8 * nbytes * shape.params() / 100e9, rel=1e-12)
+
+
+def test_all_reduce_across_many_nodes_pays_the_tree_latency():
+    # NCCL's double binary tree: 2 * ceil(log2 nodes) latency steps per all-reduce across nodes instead of
+    # the ring's 2 (nodes - 1); 64 nodes of 8, one bucket, only latency priced (links made infinitely fast)
+    plat = P.Platform(name="t", intra_node_bytes_per_s=1e30, inter_node_bytes_per_s=1e30, intra_node_latency_s=0.0,
+                      inter_node_latency_s=1e-5, devices_per_node=8)
+    ring_or_tree = _dp_time(plat, 1e6, 0, 512, 1, 1, 4, bucket_bytes=1e9)[0]
+    assert ring_or_tree == pytest.approx(2 * 6 * 1e-5, rel=1e-6)  # tree: 12 steps, not the ring's 126
+    zero1 = _dp_time(plat, 1e6, 1, 512, 1, 1, 4, bucket_bytes=1e9)[0]  # reduce-scatter + all-gather: rings
+    assert zero1 == pytest.approx(2 * 63 * 1e-5, rel=1e-6)
 
 
 def test_eager_fp32_norm_and_rotary_move_their_counted_bytes():

@@ -301,11 +301,14 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     n_first = mem.rank_params(shape, tp=tp, pp=pp, first=True, last=pp == 1)
     n_last = mem.rank_params(shape, tp=tp, pp=pp, first=pp == 1, last=True)
     n_rank = max(n_first, n_last)
-    dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, e if plan.zero == 3 else 4,
+    # gradients travel in the parameters' dtype (DDP and ZeRO-1/2 reduce param.grad), ZeRO-3 in the compute one
+    grad_e = e if plan.zero == 3 else (4 if plan.params_dtype == "fp32" else 2)
+    dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, grad_e,
                                  blocks=int(L) + 2, bucket_bytes=plan.bucket_mb * 1e6)
     if pp == 1 and plan.zero != 1 and (opts.dp_overlap or plan.zero == 3):
         window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: 0.0}[plan.zero]
-        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4, bucket_bytes=plan.bucket_mb * 1e6)[0]
+        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / grad_e, 0, dp, tp, 1, grad_e,
+                               bucket_bytes=plan.bucket_mb * 1e6)[0]
         # an overlapped collective still slows the compute it hides behind: NCCL's kernels take SMs and
         # HBM bandwidth — Calculon's "processor_usage": 0.15 of the device while NVLink traffic runs, 0.02
         # while InfiniBand's does (calculon-ai/calculon systems/a100_80e.json)
@@ -364,7 +367,8 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     (ring convention over dp; ``elem`` bytes per value: fp32 gradients and parameters for DDP and
     ZeRO-1/2, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
     hierarchical rings — the group's k ranks inside a node over NVLink, then dp/k nodes over each rank's
-    own InfiniBand NIC (tp innermost, dp next) — plus α per ring step of every collective issued: DDP and
+    own InfiniBand NIC (tp innermost, dp next) — plus α per ring step of every collective issued (DDP's
+    all-reduces across nodes: the fewer of the ring's and NCCL's double binary tree's steps): DDP and
     ZeRO-1/2 one per ``bucket_bytes`` bucket (ZeRO-2's reduce-scatters per micro-batch), ZeRO-3 (FSDP2)
     two all-gathers and a reduce-scatter per block and micro-batch. Returns (seconds, of which NVLink)."""
     if dp <= 1:
@@ -380,7 +384,12 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     halves = {0: 2 * buckets, 1: 2 * buckets, 2: (m + 1) * buckets, 3: 3 * m * blocks}[zero]
     # ring bytes of the all-reduce-equivalent inside the node (k ranks) and across (dp/k), scaled to ZeRO's
     intra = collective_seconds(2 * (k - 1) / k * S * scale, halves * (k - 1), bi, plat.intra_node_latency_s)
-    inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, halves * (nodes - 1), bo,
+    steps = halves * (nodes - 1)
+    if zero == 0 and nodes > 2:  # NCCL picks the faster of a ring and a double binary tree for an all-reduce:
+        # the tree pays 2·⌈log2 nodes⌉ latency steps instead of the ring's 2(nodes − 1), at the same
+        # bandwidth (Jeaugey, "Massively Scale Your Deep Learning Training with NCCL 2.4", NVIDIA 2019)
+        steps = min(steps, buckets * 2 * math.ceil(math.log2(nodes)))
+    inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, steps, bo,
                                plat.inter_node_latency_s) if nodes > 1 else 0.0
     return intra + inter, intra
 
