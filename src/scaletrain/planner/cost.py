@@ -18,9 +18,12 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   layers, plus the embedding on the first and the logits + loss on the last) and one p2p send per
   chunk pass each way; bubble fraction (p − 1)/v / (m + (p − 1)/v) — GPipe has the same time.
 * **data parallelism**: bytes from ZeRO's cost face (:func:`~scaletrain.techniques.data_parallel.cost.
-  comm_bytes_per_step`, fp32 gradients: scaletrain keeps fp32 parameters under autocast), timed
-  hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across), α per ring step
-  of every bucket's or (ZeRO-3) every block's collective. Overlap, stated:
+  comm_bytes_per_step`, gradients in the parameters' dtype: fp32 under scaletrain's autocast over fp32
+  parameters), timed hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across),
+  α per ring step of every bucket's or (ZeRO-3) every block's collective (an all-reduce across nodes: the
+  fewer of the ring's and NCCL's double binary tree's steps). ``Options`` describe other stacks: DDP after
+  the flush (Megatron's local DDP), eager fp32 norms and rotary (torchtitan), a 16-bit residual stream
+  (FSDP with bf16 module parameters). Overlap, stated:
   without a pipeline DDP/ZeRO-2 overlap it with the backward of the last micro-batch (ZeRO-2: every
   micro-batch's backward), all but the last bucket; ZeRO-3 (FSDP) per gather unit (the root: embedding
   and head; each layer) and pass, one unit prefetched ahead on one stream, so a unit's gathers hide only
@@ -98,8 +101,9 @@ class Options:
     ``megatron/training.py`` ``train_step`` calls ``allreduce_gradients()`` after ``forward_backward_func``,
     under its ``backward-params-all-reduce`` timer)."""
     fp32_norm_rotary: bool = False
-    """Norms and rotary as Meta's Llama reference code runs them, which torchtitan keeps (``norm_type =
-    "rmsnorm"`` in its llama3 tomls; ``torchtitan/models/norms.py`` RMSNorm ``self._norm(x.float()).type_as(x)
+    """Norms and rotary as Meta's Llama reference code runs them, which torchtitan keeps (at 9dec370,
+    the commit of its Dec 2024 benchmark: ``norm_type = "rmsnorm"`` and ``compile = false`` in
+    ``train_configs/llama3_8b.toml``; ``torchtitan/models/norms.py`` RMSNorm ``self._norm(x.float()).type_as(x)
     * self.weight``; ``apply_rotary_emb``: ``view_as_complex(xq.float() ...)`` times ``freqs_cis``, then
     ``type_as``): unfused eager kernels in fp32. Bytes per element of each forward kernel, counted from that
     code: the norm 36 (cast 2 + 4, ``pow`` 4 + 4, ``mean`` 4, scale 4 + 4, cast back 4 + 2, weight 2 + 2)
