@@ -77,3 +77,9 @@ def test_autocast_over_fp32_parameters_prices_the_fp32_residual_stream():
                     options=Options(autocast_residual_fp32=False)).blocks_s["layer_fwd"]
     pure = plan_cost(shape, plan.with_(params_dtype="bf16"), plat, global_batch=2, seq=128).blocks_s["layer_fwd"]
     assert on == pytest.approx(fp32_stream["fwd"]) and off == pytest.approx(bf16["fwd"]) == pure
+
+
+def test_all_reduce_steps_by_hand():
+    from scaletrain.cost import all_reduce_steps
+
+    assert [all_reduce_steps(n) for n in (1, 2, 3, 4, 8, 64)] == [0, 2, 4, 4, 6, 12]  # ring up to 3, tree after

@@ -61,7 +61,8 @@ from scaletrain.plan import Plan
 from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
-from scaletrain.cost import collective_seconds, exposed_seconds, prefetch_windows, roofline_seconds
+from scaletrain.cost import (all_reduce_steps, collective_seconds, exposed_seconds, prefetch_windows,
+                             roofline_seconds)
 from scaletrain.techniques.data_parallel import cost as zero_cost
 from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
 from scaletrain.techniques.optim.registry import optimizer_step_bytes  # noqa: F401  (priced here, defined there)
@@ -388,11 +389,8 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     halves = {0: 2 * buckets, 1: 2 * buckets, 2: (m + 1) * buckets, 3: 3 * m * blocks}[zero]
     # ring bytes of the all-reduce-equivalent inside the node (k ranks) and across (dp/k), scaled to ZeRO's
     intra = collective_seconds(2 * (k - 1) / k * S * scale, halves * (k - 1), bi, plat.intra_node_latency_s)
-    steps = halves * (nodes - 1)
-    if zero == 0 and nodes > 2:  # NCCL picks the faster of a ring and a double binary tree for an all-reduce:
-        # the tree pays 2·⌈log2 nodes⌉ latency steps instead of the ring's 2(nodes − 1), at the same
-        # bandwidth (Jeaugey, "Massively Scale Your Deep Learning Training with NCCL 2.4", NVIDIA 2019)
-        steps = min(steps, buckets * 2 * math.ceil(math.log2(nodes)))
+    # DDP's all-reduces across nodes: ring or NCCL's tree, the fewer steps (all_reduce_steps); the rest: rings
+    steps = buckets * all_reduce_steps(nodes) if zero == 0 else halves * (nodes - 1)
     inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, steps, bo,
                                plat.inter_node_latency_s) if nodes > 1 else 0.0
     return intra + inter, intra
