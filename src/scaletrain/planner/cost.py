@@ -369,8 +369,8 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
 def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int, *,
              blocks: int = 1, bucket_bytes: float = 25e6) -> tuple[float, float]:
     """Seconds of one step's data-parallel collectives for ``n_params`` on this rank: ZeRO's bytes
-    (ring convention over dp; ``elem`` bytes per value: fp32 gradients and parameters for DDP and
-    ZeRO-1/2, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
+    (ring convention over dp; ``elem`` bytes per value: DDP's and ZeRO-1/2's gradients in the parameters'
+    dtype, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
     hierarchical rings — the group's k ranks inside a node over NVLink, then dp/k nodes over each rank's
     own InfiniBand NIC (tp innermost, dp next) — plus α per ring step of every collective issued (DDP's
     all-reduces across nodes: the fewer of the ring's and NCCL's double binary tree's steps): DDP and
