@@ -9,12 +9,15 @@ assumes and what its plans do:
 3. **plans**: for GPT-2 models at several micro-batches, remat choices and precisions, the plan
    ``scaletrain plan --platform P --nodes 1 --gpus-per-node 1 --fix ...`` prices and writes (``--out``)
    is run with ``scaletrain train --plan`` on the device; median step time (warm-up steps left out)
-   and ``torch.cuda.max_memory_allocated`` against the planner's ``step_time_s`` and ``peak_bytes``.
+   and ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``, the allocator's view) against the
+   planner's ``step_time_s`` and ``peak_bytes``.
 
 Everything is written to ``OUT/gpu_check.json`` (machine, versions, date). ``--quick`` shrinks every
-size so the script can be rehearsed on a CPU (numbers then mean nothing).
+size so the script can be rehearsed on a CPU (numbers then mean nothing); ``--dry-run`` plans and prices
+every plan of the real sizes in this process and runs nothing (seconds on a CPU: what a lent GPU will
+run, checked beforehand).
 
-    python benchmarks/planner/gpu_check.py --out DIR [--platform h200] [--quick]
+    python benchmarks/planner/gpu_check.py --out DIR [--platform h200] [--quick] [--dry-run]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -115,8 +119,22 @@ def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           env=env, timeout=timeout)
 
 
-def run_plan(spec: tuple, platform: str, out: Path, steps: int, device: str) -> dict:
-    """Plan one configuration on paper, then train it here; predicted next to measured."""
+def _cli_here(*args: str) -> subprocess.CompletedProcess:
+    """The CLI in this process (``--dry-run``: no interpreter start and torch import per plan)."""
+    import contextlib
+    import io
+
+    from scaletrain.cli import main as cli_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli_main(list(args))
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+
+def run_plan(spec: tuple, platform: str, out: Path, steps: int, device: str, dry_run: bool = False) -> dict:
+    """Plan one configuration on paper, then train it here; predicted next to measured. ``dry_run``: plan
+    and price only (the CPU rehearsal of what a lent GPU runs), nothing estimated or trained."""
     model, gb, seq, mb, remat, precision = spec
     overrides = LLAMA if model == "hf:llama" and seq > 256 else {}
     sets = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
@@ -124,16 +142,19 @@ def run_plan(spec: tuple, platform: str, out: Path, steps: int, device: str) -> 
     row: dict = {"name": name, "model": model, "global_batch": gb, "seq": seq, "micro_batch": mb,
                  "remat": remat, "precision": precision}
     plan_file = out / f"{name}.toml"
-    p = _cli("plan", "--model", model, *sets, "--platform", platform, "--nodes", "1", "--gpus-per-node", "1",
-             "--global-batch", str(gb), "--seq", str(seq), "--fix", "dp=1", "--fix", f"micro_batch={mb}",
-             "--fix", f"remat={remat}", "--fix", "zero=0", "--precision", precision, "--json", "--out",
-             str(plan_file), timeout=300)
+    plan_cli = _cli_here if dry_run else partial(_cli, timeout=300)
+    p = plan_cli("plan", "--model", model, *sets, "--platform", platform, "--nodes", "1", "--gpus-per-node", "1",
+                 "--global-batch", str(gb), "--seq", str(seq), "--fix", "dp=1", "--fix", f"micro_batch={mb}",
+                 "--fix", f"remat={remat}", "--fix", "zero=0", "--precision", precision, "--json", "--out",
+                 str(plan_file))
     if p.returncode != 0:
         return {**row, "status": "plan failed", "error": p.stderr.strip()[-800:]}
     best = json.loads(p.stdout)[0]
     row.update(predicted_step_time_s=best["step_time_s"], predicted_peak_bytes=best["peak_bytes"],
                predicted_peak_by_category=best["peak_bytes_by_category"], predicted_phases_s=best["phases_s"],
                fits=best["fits"], describe=best["describe"])
+    if dry_run:
+        return {**row, "status": "planned (dry run)"}
     # the second predictor: scaletrain estimate (fake tensors of the real model, the plan's remat)
     e = _cli("estimate", "--model", model, *sets, "--plan", str(plan_file), "--seq", str(seq), "--global-batch", str(gb),
              "--batch", str(mb), "--precision", precision, "--device", device, "--json", timeout=300)
@@ -158,10 +179,13 @@ def run_plan(spec: tuple, platform: str, out: Path, steps: int, device: str) -> 
     steps_rows = [x for x in rows if "step_time_s" in x]
     timed = [x["step_time_s"] for x in steps_rows if x["step"] > 3] or [x["step_time_s"] for x in steps_rows]
     peak = max((x.get("device_peak_bytes", 0) for x in steps_rows), default=0)
+    reserved = max((x.get("device_reserved_peak_bytes", 0) for x in steps_rows), default=0)  # the allocator's view
     step = statistics.median(timed)
     row.update(status="ok", step_time_s=step, step_time_min_s=min(timed), peak_bytes=peak,
                step_time_error=(row["predicted_step_time_s"] - step) / step,
                peak_error=(row["predicted_peak_bytes"] - peak) / peak if peak else None,
+               reserved_peak_bytes=reserved,
+               reserved_error=(row["predicted_peak_bytes"] - reserved) / reserved if reserved else None,
                estimate_peak_error=((row["estimate_peak_bytes"] - peak) / peak
                                     if peak and "estimate_peak_bytes" in row else None),
                losses=[x["loss"] for x in steps_rows])
@@ -174,6 +198,8 @@ def main() -> None:
     ap.add_argument("--platform", default="h200")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to rehearse on a CPU")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="plan and price every plan here (CPU is fine), run nothing: checks the script before a GPU")
     ap.add_argument("--plans", choices=("gpt2", "llama"), default="gpt2", help="which plans to run")
     ap.add_argument("--only", default="", help="comma-separated sections: matmul,bandwidth,plans")
     args = ap.parse_args()
@@ -181,6 +207,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plat = preset(args.platform)
     sections = set(args.only.split(",")) if args.only else {"matmul", "bandwidth", "plans"}
+    if args.dry_run:  # the measurements mean nothing off the device they describe
+        sections &= {"plans"}
     result: dict = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"python": pyplatform.python_version(), "torch": torch.__version__,
@@ -195,10 +223,13 @@ def main() -> None:
     if "plans" in sections:
         result["plans"] = []
         for spec in (QUICK_PLANS if args.quick else LLAMA_PLANS if args.plans == "llama" else PLANS):
-            row = run_plan(spec, args.platform, args.out, args.steps, device)
+            row = run_plan(spec, args.platform, args.out, args.steps, device, dry_run=args.dry_run)
             result["plans"].append(row)
             save()
-            if row["status"] == "ok":
+            if row["status"] == "planned (dry run)":
+                print(f"{row['name']}: predicted step {row['predicted_step_time_s'] * 1e3:.1f} ms, peak "
+                      f"{row['predicted_peak_bytes'] / 2**30:.2f} GiB, fits {row['fits']}", flush=True)
+            elif row["status"] == "ok":
                 print(f"{row['name']}: step {row['step_time_s'] * 1e3:.1f} ms measured vs "
                       f"{row['predicted_step_time_s'] * 1e3:.1f} predicted ({row['step_time_error']:+.1%}); peak "
                       f"{row['peak_bytes'] / 2**30:.2f} GiB vs {row['predicted_peak_bytes'] / 2**30:.2f} "

@@ -19,7 +19,8 @@ row (checked below; a mismatch stops the script). The benchmark sweep (``submit_
 
 The plan priced for each row, nothing fitted: dp = #GPUs, ZeRO-3, the published micro-batch, accumulation
 = global batch / (dp x micro-batch), full recomputation of every block when activation checkpointing is
-True, bf16 autocast over fp32 sharded parameters, AdamW, :class:`Options` defaults (flash attention). The
+True, bf16 over fp32 sharded parameters with a bf16 residual stream (``COMPOSER`` below), AdamW, flash
+attention. The
 presets are used as they are: ``h100``, ``a100-80g``, ``a100-40g`` (its 40 GiB and 1,555 GB/s; the A100
 tables' RoCE 1,600 Gbps per node = 25 GB/s per GPU is the A100 presets' inter-node figure already). The
 published tokens/s/GPU only enters the comparison.
@@ -27,9 +28,12 @@ published tokens/s/GPU only enters the comparison.
 Approximations (what the planner cannot express):
 
 * FSDP ``mixed_precision``: the H100 and A100 80GB 7B-30B rows ran Composer's DEFAULT, the rest PURE.
-  PURE gathers and reduces in bf16, as the planner prices ZeRO-3. Composer's DEFAULT has varied across
-  versions (param bf16 + reduce fp32 in recent ones, param fp32 + reduce bf16 in older ones); either way one
-  of the two collectives moves fp32, twice the bytes the planner prices. Recorded per row (``fsdp_mp``).
+  llm-foundry at 061f2c7 pins ``mosaicml>=0.16.3,<0.17``; Composer 0.16.3's ``get_mixed_precision``
+  (``composer/trainer/mosaic_fsdp_utils.py``) sets DEFAULT to ``param_dtype`` and ``buffer_dtype`` bf16 and
+  leaves ``reduce_dtype`` None, which FSDP reduces in ``param_dtype``: both collectives move bf16, as PURE
+  and as the planner prices ZeRO-3. (Later Composer versions reduce in fp32.) Recorded per row (``fsdp_mp``).
+  With bf16 module parameters the embedding's output and the residual stream are bf16 and autocast casts
+  nothing: ``Options(autocast_residual_fp32=False)``.
 * The Triton FlashAttention kernel is priced as the planner's "flash" attention (two batched matmuls on a
   roofline, no s^2 tensor kept); its own efficiency per shape is not known to the planner.
 * Low-precision LayerNorm (bf16 in and out) is what the planner's memory-bound LayerNorm already assumes.
@@ -141,6 +145,10 @@ TABLES = {
 }
 
 
+COMPOSER = Options(autocast_residual_fp32=False)
+"""How Composer 0.16 ran MPT under FSDP (module docstring): a bf16 residual stream; otherwise the defaults."""
+
+
 def shape_of(model: str, seq: int) -> Shape:
     """MPT as the benchmark ran it: GPT-2 structure (learned positions of ``seq`` rows, biases, tied head)."""
     layers, hidden, heads, _ = YAMLS[model]
@@ -160,7 +168,7 @@ def price_row(kind: str, plat: platforms.Platform, row: tuple) -> dict:
     shape = shape_of(model, seq)
     if shape.params() != n_params:
         raise SystemExit(f"{model} s={seq}: shape has {shape.params():,} parameters, the table {n_params:,}")
-    c = plan_cost(shape, published_plan(gpus, mb, ckpt), plat, global_batch=gb, seq=seq, options=Options())
+    c = plan_cost(shape, published_plan(gpus, mb, ckpt), plat, global_batch=gb, seq=seq, options=COMPOSER)
     pred_tps = c.tokens_per_s / gpus
     err = pred_tps / tps - 1
     return {
@@ -208,7 +216,7 @@ def main() -> int:
     write_result("planner_llm_foundry", "llm-foundry (MosaicML) MPT throughput tables, bf16, on paper", {
         "source": SOURCE, "shapes": {k: {"layers": v[0], "hidden": v[1], "heads": v[2], "vocab": VOCAB,
                                          "yaml": v[3]} for k, v in YAMLS.items()},
-        "tables": used, "options": Options().__dict__, "rows": rows, "summary": summary})
+        "tables": used, "options": COMPOSER.__dict__, "rows": rows, "summary": summary})
     return 0
 
 

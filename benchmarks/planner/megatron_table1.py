@@ -38,6 +38,16 @@ ROWS = [
 ]
 SEQ, VOCAB = 2048, 51200
 MEGATRON = Options(attention="materialized", p2p_scatter=True)
+# The run script's ``--DDP-impl`` per row (``examples/sc21/run_table_1.sh`` at de7dc40, Aug 2021): PyTorch's
+# DDP (gradient buckets overlapped with the backward) for 1.7B-18B, Megatron's ``local`` DDP for the rest.
+# ``local`` all-reduces after the whole forward-backward (``megatron/training.py`` ``train_step``:
+# ``allreduce_gradients()`` after ``forward_backward_func``), in one call per gradient dtype: its contiguous
+# buffer, or the flattened gradients (``megatron/model/distributed.py``). Gradients are fp16 either way
+# (``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``), as the planner prices 16-bit parameters.
+LOCAL_DDP = {39.1, 76.1, 145.6, 310.1, 529.6, 1008.0}
+MEGATRON_LOCAL_DDP = Options(attention="materialized", p2p_scatter=True, dp_overlap=False)
+ONE_BUCKET_MB = 1e7
+"""A bucket larger than any rank's gradients: local DDP's one all-reduce per step."""
 
 
 def shape_of(row: tuple) -> Shape:
@@ -50,7 +60,8 @@ def published_plan(row: tuple) -> Plan:
     dp = gpus // (t * p)
     return Plan(dp=dp, tp=t, pp=p, micro_batch=mb, microbatches=batch // (dp * mb) if p > 1 else 0,
                 schedule="interleaved" if v > 1 else "1f1b", virtual=v if v > 1 else 0,
-                remat=RematPlan(blocks="all"), precision="bf16", params_dtype="bf16")
+                remat=RematPlan(blocks="all"), precision="bf16", params_dtype="bf16",
+                bucket_mb=ONE_BUCKET_MB if row[0] in LOCAL_DDP else 25.0)
 
 
 def main() -> int:
@@ -59,7 +70,8 @@ def main() -> int:
     for row in ROWS:
         size, *_, gpus, batch, _, _, published = row
         shape = shape_of(row)
-        c = plan_cost(shape, published_plan(row), plat, global_batch=batch, seq=SEQ, options=MEGATRON)
+        c = plan_cost(shape, published_plan(row), plat, global_batch=batch, seq=SEQ,
+                      options=MEGATRON_LOCAL_DDP if size in LOCAL_DDP else MEGATRON)
         err = c.tflops_per_device / published - 1
         t0 = time.perf_counter()
         res = search(shape, plat, nodes=gpus // 8, gpus_per_node=8, global_batch=batch, seq=SEQ)
@@ -101,7 +113,9 @@ def main() -> int:
     print(f"planning GPT-3 175B on 1024 A100: {speed['seconds']:.1f} s, {speed['plans_priced']} plans priced")
     errs = [abs(r["error"]) for r in rows]
     write_result("planner_megatron_table1", "Megatron-LM SC21 Table 1, on paper", {
-        "platform": plat.to_dict(), "options": MEGATRON.__dict__, "rows": rows,
+        "platform": plat.to_dict(), "options": MEGATRON.__dict__,
+        "local_ddp_rows": {"rows_b": sorted(LOCAL_DDP), "options": MEGATRON_LOCAL_DDP.__dict__,
+                           "bucket_mb": ONE_BUCKET_MB}, "rows": rows,
         "summary": {"rows_within_15pct": sum(r["within_15pct"] for r in rows), "rows": len(rows),
                     "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs)},
         "planner_speed": speed})

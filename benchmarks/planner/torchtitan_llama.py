@@ -28,7 +28,7 @@ from scaletrain.planner import Options, Shape, plan_cost, search
 PUBLISHED_TPS_PER_GPU = 5762
 PUBLISHED_MEMORY_GIB = 82.4
 GPUS, LOCAL_BATCH, SEQ = 8, 2, 8192
-TORCHTITAN = Options(selective="op")
+TORCHTITAN = Options(selective="op", fp32_norm_rotary=True, autocast_residual_fp32=False)
 GB = 10**9
 
 

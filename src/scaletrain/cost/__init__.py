@@ -9,6 +9,7 @@ plan``, ``plan=auto`` and ``scaletrain estimate``. Memory-bound kernels are
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from scaletrain.errors import UserError
@@ -41,6 +42,16 @@ def collective_seconds(nbytes: float, steps: float, bytes_per_s: float, latency_
         raise UserError("the platform has no link bandwidth (intra_node_bytes_per_s / inter_node_bytes_per_s = 0); "
                         "a multi-process plan needs them: give a preset or a platform file with both")
     return nbytes / bytes_per_s + steps * latency_s
+
+
+def all_reduce_steps(ranks: int) -> int:
+    """Latency steps (each α) of one all-reduce over ``ranks`` (nodes, for the inter-node level): NCCL
+    runs the faster of a ring, 2(n − 1) steps, and a double binary tree, 2·⌈log2 n⌉ steps at the same
+    bandwidth (Jeaugey, "Massively Scale Your Deep Learning Training with NCCL 2.4", NVIDIA technical
+    blog, 2019), so the fewer. Reduce-scatters and all-gathers have no tree: n − 1 ring steps."""
+    if ranks <= 1:
+        return 0
+    return min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
 
 
 def exposed_seconds(comm_s: Sequence[float], window_s: Sequence[float], slowdown: float = 0.0) -> float:

@@ -18,9 +18,12 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   layers, plus the embedding on the first and the logits + loss on the last) and one p2p send per
   chunk pass each way; bubble fraction (p − 1)/v / (m + (p − 1)/v) — GPipe has the same time.
 * **data parallelism**: bytes from ZeRO's cost face (:func:`~scaletrain.techniques.data_parallel.cost.
-  comm_bytes_per_step`, fp32 gradients: scaletrain keeps fp32 parameters under autocast), timed
-  hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across), α per ring step
-  of every bucket's or (ZeRO-3) every block's collective. Overlap, stated:
+  comm_bytes_per_step`, gradients in the parameters' dtype: fp32 under scaletrain's autocast over fp32
+  parameters), timed hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across),
+  α per ring step of every bucket's or (ZeRO-3) every block's collective (an all-reduce across nodes: the
+  fewer of the ring's and NCCL's double binary tree's steps). ``Options`` describe other stacks: DDP after
+  the flush (Megatron's local DDP), eager fp32 norms and rotary (torchtitan), a 16-bit residual stream
+  (FSDP with bf16 module parameters). Overlap, stated:
   without a pipeline DDP/ZeRO-2 overlap it with the backward of the last micro-batch (ZeRO-2: every
   micro-batch's backward), all but the last bucket; ZeRO-3 (FSDP) per gather unit (the root: embedding
   and head; each layer) and pass, one unit prefetched ahead on one stream, so a unit's gathers hide only
@@ -58,7 +61,8 @@ from scaletrain.plan import Plan
 from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
-from scaletrain.cost import collective_seconds, exposed_seconds, prefetch_windows, roofline_seconds
+from scaletrain.cost import (all_reduce_steps, collective_seconds, exposed_seconds, prefetch_windows,
+                             roofline_seconds)
 from scaletrain.techniques.data_parallel import cost as zero_cost
 from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
 from scaletrain.techniques.optim.registry import optimizer_step_bytes  # noqa: F401  (priced here, defined there)
@@ -69,6 +73,12 @@ def optim_state_bytes(name: str, hidden: int) -> float:
     from scaletrain.techniques.optim.registry import state_bytes_per_param
 
     return float(state_bytes_per_param(name.lower(), (hidden, hidden)))
+
+
+NORM_FP32_BYTES = 36
+"""Bytes per element of an eager fp32 RMSNorm's forward kernels on a 16-bit input (:attr:`Options.fp32_norm_rotary`)."""
+ROTARY_FP32_BYTES = 20
+"""Bytes per element of eager fp32 complex rotary's forward kernels on 16-bit q or k (same)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,31 @@ class Options:
     """What selective recompute recomputes: attention (Megatron, Korthikanti et al. 2022: the attention
     core; nothing to redo under flash attention) or op (torchtitan's op-level policy: keep every other
     matmul's output and the attention output, recompute the rest of the layer in the backward)."""
+    dp_overlap: bool = True
+    """Whether DDP's gradient buckets overlap the backward. False: the whole all-reduce runs after the
+    forward-backward, exposed — Megatron-LM 2021's ``--DDP-impl local`` (NVIDIA/Megatron-LM
+    ``megatron/training.py`` ``train_step`` calls ``allreduce_gradients()`` after ``forward_backward_func``,
+    under its ``backward-params-all-reduce`` timer)."""
+    fp32_norm_rotary: bool = False
+    """Norms and rotary as Meta's Llama reference code runs them, which torchtitan keeps (at 9dec370,
+    the commit of its Dec 2024 benchmark: ``norm_type = "rmsnorm"`` and ``compile = false`` in
+    ``train_configs/llama3_8b.toml``; ``torchtitan/models/norms.py`` RMSNorm ``self._norm(x.float()).type_as(x)
+    * self.weight``; ``apply_rotary_emb``: ``view_as_complex(xq.float() ...)`` times ``freqs_cis``, then
+    ``type_as``): unfused eager kernels in fp32. Bytes per element of each forward kernel, counted from that
+    code: the norm 36 (cast 2 + 4, ``pow`` 4 + 4, ``mean`` 4, scale 4 + 4, cast back 4 + 2, weight 2 + 2)
+    instead of a fused norm's 2 + 2; rotary 20 (cast 2 + 4, complex multiply 4 + 4, cast back 4 + 2)
+    instead of 2 + 2. The backward stays 2 x the forward (module docstring)."""
+    autocast_residual_fp32: bool = True
+    """Under autocast over fp32 parameters (scaletrain's runtime: precision bf16/fp16 with params_dtype
+    fp32) the embedding's output, and so the residual stream, is fp32. PyTorch's autocast op reference
+    (``torch.amp`` docs, "CUDA Ops that can autocast to float32": ``layer_norm``; to lower precision:
+    ``linear``, ``addmm``) then gives, per element of the stream: each LayerNorm reads and writes 4 bytes,
+    each matmul that reads a norm's output first casts it (read 4, write 2; autocast caches only the
+    weights' casts, so GPT-2's fused QKV and fc cast twice per layer, Llama's wq, wk, wv, w1, w3 five
+    times), and each residual add reads 4 + 2 and writes 4. Measured on one H200 (gpt2-medium, JSON
+    ``planner_gpu_h200_profile.json``: 15.4 ms of casts and copies per step). False: a 16-bit stream
+    (FSDP with ``param_dtype`` bf16 and no fp32 module parameters: torchtitan's FSDP2, Composer's FSDP
+    ``DEFAULT`` and ``PURE``)."""
 
 
 @dataclass
@@ -157,10 +192,11 @@ def _mm(plat: Platform, precision: str, m: float, n: float, k: float, batch: flo
 
 
 def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: bool, precision: str,
-                opts: Options) -> dict[str, float]:
+                opts: Options, autocast: bool = False) -> dict[str, float]:
     """Seconds of one layer on one TP rank for one micro-batch: ``fwd``, ``bwd``, ``attn_core`` (the
     part selective recompute repeats), ``tp_fwd`` / ``tp_bwd`` (the TP collectives of each pass) and
-    ``tp_stage`` (once per micro-batch and stage: embedding, loss, SP's replicated gradients)."""
+    ``tp_stage`` (once per micro-batch and stage: embedding, loss, SP's replicated gradients). ``autocast``:
+    a 16-bit precision over fp32 parameters with an fp32 residual stream (:attr:`Options.autocast_residual_fp32`)."""
     s, h, a, t, f = seq, shape.hidden, shape.heads, tp, shape.ffn_width
     e = 4 if precision == "fp32" else 2
     sbh = s * b * h
@@ -176,12 +212,16 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
     rep = t if sp else 1  # what TP replicates, SP splits
     drop = 1 if shape.dropout > 0 else 0
     # LayerNorm x2 (read + write), bias-GELU on f (read + write), bias-dropout-add x2 (2 reads, 1 write, mask)
-    elementwise = [2 * sbh * e / rep, 2 * sbh * e / rep, 2 * s * b * f * e / t,
-                   (3 * e + drop) * sbh / rep, (3 * e + drop) * sbh / rep]
+    r = 4 if autocast else e  # bytes per element of the residual stream
+    norm = (NORM_FP32_BYTES if opts.fp32_norm_rotary else 2 * r) * sbh / rep
+    elementwise = [norm, norm, 2 * s * b * f * e / t,
+                   (2 * r + e + drop) * sbh / rep, (2 * r + e + drop) * sbh / rep]
+    if autocast:  # each matmul reading a norm's fp32 output casts it to 16 bits first (read 4, write 2)
+        elementwise += [6 * sbh / rep] * sum(1 for *_, kind in shape.matmuls() if kind == "col")
     if shape.gated:  # SwiGLU: silu(w1 x) (read f, write f) then the product with w3 x (read 2f, write f)
         elementwise[2:3] = [2 * s * b * f * e / t, 3 * s * b * f * e / t]
     if shape.rotary:  # rotary on q and k: read and write each
-        elementwise.append(2 * s * b * (h + shape.kv_width) * e / t)
+        elementwise.append((ROTARY_FP32_BYTES if opts.fp32_norm_rotary else 2 * e) * s * b * (h + shape.kv_width) / t)
     ew = sum(plat.memory_bound_seconds(x) for x in elementwise)
     if opts.attention == "materialized":
         n2 = b * a * s * s / t
@@ -226,7 +266,9 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     world = dp * tp * pp
     e = 4 if plan.precision == "fp32" else 2
     remat = remat_kind(plan)
-    lt = layer_times(shape, plat, seq=seq, b=b, tp=tp, sp=plan.sp, precision=plan.precision, opts=opts)
+    autocast = plan.precision != "fp32" and plan.params_dtype == "fp32" and opts.autocast_residual_fp32
+    lt = layer_times(shape, plat, seq=seq, b=b, tp=tp, sp=plan.sp, precision=plan.precision, opts=opts,
+                     autocast=autocast)
     L = shape.layers / pp
     selective = lt["attn_core"] if opts.selective == "attention" else lt["op_recompute"]
     recompute = lt["fwd"] + lt["tp_fwd"] if remat == "full" else (selective if remat == "selective" else 0.0)
@@ -264,11 +306,14 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     n_first = mem.rank_params(shape, tp=tp, pp=pp, first=True, last=pp == 1)
     n_last = mem.rank_params(shape, tp=tp, pp=pp, first=pp == 1, last=True)
     n_rank = max(n_first, n_last)
-    dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, e if plan.zero == 3 else 4,
+    # gradients travel in the parameters' dtype (DDP and ZeRO-1/2 reduce param.grad), ZeRO-3 in the compute one
+    grad_e = e if plan.zero == 3 else (4 if plan.params_dtype == "fp32" else 2)
+    dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, grad_e,
                                  blocks=int(L) + 2, bucket_bytes=plan.bucket_mb * 1e6)
-    if pp == 1 and plan.zero != 1:
+    if pp == 1 and plan.zero != 1 and (opts.dp_overlap or plan.zero == 3):
         window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: 0.0}[plan.zero]
-        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4, bucket_bytes=plan.bucket_mb * 1e6)[0]
+        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / grad_e, 0, dp, tp, 1, grad_e,
+                               bucket_bytes=plan.bucket_mb * 1e6)[0]
         # an overlapped collective still slows the compute it hides behind: NCCL's kernels take SMs and
         # HBM bandwidth — Calculon's "processor_usage": 0.15 of the device while NVLink traffic runs, 0.02
         # while InfiniBand's does (calculon-ai/calculon systems/a100_80e.json)
@@ -324,10 +369,11 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
 def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int, *,
              blocks: int = 1, bucket_bytes: float = 25e6) -> tuple[float, float]:
     """Seconds of one step's data-parallel collectives for ``n_params`` on this rank: ZeRO's bytes
-    (ring convention over dp; ``elem`` bytes per value: fp32 gradients and parameters for DDP and
-    ZeRO-1/2, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
+    (ring convention over dp; ``elem`` bytes per value: DDP's and ZeRO-1/2's gradients in the parameters'
+    dtype, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
     hierarchical rings — the group's k ranks inside a node over NVLink, then dp/k nodes over each rank's
-    own InfiniBand NIC (tp innermost, dp next) — plus α per ring step of every collective issued: DDP and
+    own InfiniBand NIC (tp innermost, dp next) — plus α per ring step of every collective issued (DDP's
+    all-reduces across nodes: the fewer of the ring's and NCCL's double binary tree's steps): DDP and
     ZeRO-1/2 one per ``bucket_bytes`` bucket (ZeRO-2's reduce-scatters per micro-batch), ZeRO-3 (FSDP2)
     two all-gathers and a reduce-scatter per block and micro-batch. Returns (seconds, of which NVLink)."""
     if dp <= 1:
@@ -343,7 +389,9 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     halves = {0: 2 * buckets, 1: 2 * buckets, 2: (m + 1) * buckets, 3: 3 * m * blocks}[zero]
     # ring bytes of the all-reduce-equivalent inside the node (k ranks) and across (dp/k), scaled to ZeRO's
     intra = collective_seconds(2 * (k - 1) / k * S * scale, halves * (k - 1), bi, plat.intra_node_latency_s)
-    inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, halves * (nodes - 1), bo,
+    # DDP's all-reduces across nodes: ring or NCCL's tree, the fewer steps (all_reduce_steps); the rest: rings
+    steps = buckets * all_reduce_steps(nodes) if zero == 0 else halves * (nodes - 1)
+    inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, steps, bo,
                                plat.inter_node_latency_s) if nodes > 1 else 0.0
     return intra + inter, intra
 

@@ -520,6 +520,7 @@ class Trainer:
                            "rss_peak_bytes": _rss_peak_bytes()}
                     if self.device.type == "cuda":
                         row["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+                        row["device_reserved_peak_bytes"] = torch.cuda.max_memory_reserved(self.device)
                     if self.scaler.is_enabled():
                         row["loss_scale"] = float(self.scaler.get_scale())
                     row.update(self.parallel.metrics())
