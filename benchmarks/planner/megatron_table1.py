@@ -37,7 +37,7 @@ ROWS = [
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163),
 ]
 SEQ, VOCAB = 2048, 51200
-MEGATRON = Options(attention="materialized", p2p_scatter=True)
+MEGATRON = Options(attention="materialized", p2p_scatter=True, stage_split="uniform")
 
 
 def shape_of(row: tuple) -> Shape:

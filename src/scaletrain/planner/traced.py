@@ -168,7 +168,12 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
         raise UserError(f"--fix offload={fx['offload']}: the traced planner does not search offloading yet; "
                         f"searched: dp, tp, pp, ep, zero, remat, sp, schedule, virtual, micro_batch")
     if fx.get("cp", 1) != 1:
-        raise UserError(f"--fix cp={fx['cp']}: the planner does not search context parallelism yet")
+        raise UserError(f"--fix cp={fx['cp']}: the traced planner does not search context parallelism yet (decoder "
+                        f"shapes priced on paper do: gpt2-*, hf:llama, hf:mistral)")
+    if fx.get("hsdp", 0) or fx.get("pp_split", "profile") != "profile":
+        key = "hsdp" if fx.get("hsdp", 0) else "pp_split"
+        raise UserError(f"--fix {key}={fx[key]}: the traced planner searches ZeRO over all dp ranks and the "
+                        f"runtime's profile split only (decoder shapes priced on paper search {key})")
     if "attention" in fx:
         raise UserError(f"--fix attention={fx['attention']}: a traced model is priced with the attention kernels it "
                         f"runs; attention= applies to decoder shapes priced on paper")
