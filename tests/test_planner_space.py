@@ -20,7 +20,9 @@ A100 = platform.get("a100-80g")
 
 
 def _llama8b() -> Shape:
-    return Shape.of("llama3.1-8b")
+    """Llama 3.1 8B as Shape.of("llama3.1-8b") reads it, built directly (no transformers import)."""
+    return Shape(layers=32, hidden=4096, heads=32, vocab=128256, positions=131072, ffn=14336, kv_heads=8,
+                 gated=True, rmsnorm=True, bias=False, rotary=True, tied=False)
 
 
 def test_cp_is_searched_and_chosen_for_long_sequences():
@@ -113,7 +115,7 @@ def test_every_rejected_region_names_its_rule_and_no_fit_names_nearest_misses():
                A100, nodes=1, gpus_per_node=8, global_batch=64, seq=2048, fixed={"offload": "none"})
     assert not r.ranked
     for x in r.rejected:
-        assert x["reason"] and x["kind"] in ("memory", "batch", "divisibility", "compat", "priced")
+        assert x["reason"] and x["kind"] in ("memory", "batch", "divisibility", "compat", "priced", "runtime")
         if x["kind"] == "compat":
             assert x["reason"].startswith("compat rule ")
     overs = [x["over"] for x in r.rejected if x["kind"] == "memory"]
@@ -123,3 +125,24 @@ def test_every_rejected_region_names_its_rule_and_no_fit_names_nearest_misses():
     with pytest.raises(UserError, match=r"no plan fits: .*nearest misses: .*out of memory by"):
         scaletrain.plan("gpt2-xl", devices=8, global_batch=64, seq=2048, fix={"offload": "none"},
                         overrides=dict(n_layer=96, n_embd=12288, n_head=96, vocab_size=51200, n_positions=2048))
+
+
+def test_pipeline_remat_is_the_runtimes_solver_under_a_budget_from_the_stages_slack():
+    from scaletrain.planner import stage_remat
+
+    # the budget is set by the rank whose slack per in-flight micro-batch is least (rank 0 of 1F1B here)
+    ranks = [{"rank": 0, "live": 4, "activations": 40.0, "total": 60.0},
+             {"rank": 3, "live": 1, "activations": 10.0, "total": 30.0}]
+    assert stage_remat.fit_budget(ranks, cap=100.0, full=2.0) == pytest.approx((100 - 20 - 2) / 4 + 2)
+    assert stage_remat.kept_layers(6, 6 * 10 + 10, 10, 1) == 6 and stage_remat.kept_layers(6, 0, 10, 1) == 0
+    # nothing fits without recompute: the search writes memory.remat.method=optimal with the budget, and each
+    # stage recomputes what its own layers need (the 4-layer last stage less than the 6-layer ones)
+    shape = Shape.of("gpt2-xl", n_layer=70)
+    r = search(shape, A100, nodes=1, gpus_per_node=12, global_batch=192, seq=2048,
+               fixed=parse_fixed(["pp=12", "tp=1", "zero=0", "schedule=1f1b", "micro_batch=16"]))
+    c = r.ranked[0]
+    assert c.plan.remat.method == "optimal" and int(c.plan.remat.budget) > 0
+    assert c.plan.to_config_dict()["memory"]["remat"]["budget"] == c.plan.remat.budget
+    again = [n - k for n, k in zip(c.stage_layers, c.stage_kept)]
+    assert len(set(again)) > 1 and min(again) >= 0 and c.phases_s["recompute"] > 0
+    assert any(x["kind"] == "runtime" and "memory.remat.blocks" in x["reason"] for x in r.rejected)

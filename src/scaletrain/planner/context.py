@@ -44,7 +44,8 @@ def ring_layer_times(lt: dict[str, float], shape: Shape, plat: Platform, *, seq:
     # the backward's C − 1 hops carry K, V, dK, dV; one more brings dK, dV home (2 fp32 blocks)
     home = 2 * b * (seq // cp) * one.n_embd * 4
     bwd_hop = collective_seconds((ring["backward"] - home) / hops, 1, bw, alpha)
-    out["cp_fwd"] = exposed_seconds([fwd_hop] * hops, [block] * hops)
-    out["cp_bwd"] = exposed_seconds([bwd_hop] * hops + [collective_seconds(home, 1, bw, alpha)],
-                                    [2 * block] * hops + [0.0])
+    # C − 1 identical hops, each behind its block: one hop's exposure C − 1 times (the same sum, O(1))
+    out["cp_fwd"] = hops * exposed_seconds([fwd_hop], [block])
+    out["cp_bwd"] = hops * exposed_seconds([bwd_hop], [2 * block]) + exposed_seconds(
+        [collective_seconds(home, 1, bw, alpha)], [0.0])
     return out

@@ -16,7 +16,14 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   wire bytes / achieved bandwidth + (t − 1)α per ring step; not overlapped (as Megatron).
 * **pipeline**: step = (m + (p − 1)/v)·T_mb, T_mb the slowest rank's time for one micro-batch (its
   layers, plus the embedding on the first and the logits + loss on the last) and one p2p send per
-  chunk pass each way; bubble fraction (p − 1)/v / (m + (p − 1)/v) — GPipe has the same time.
+  chunk pass each way; bubble fraction (p − 1)/v / (m + (p − 1)/v) — GPipe has the same time. Each
+  rank's layers are the runtime partitioner's split (:mod:`.stages`: uneven when pp does not divide l,
+  the embedding and the head as units); recompute inside stages is the runtime's solver under one
+  budget (:mod:`.stage_remat`: each stage keeps what its layers fit, the rest run forward again).
+* **context parallelism** (cp ranks, pp = 1): every per-rank cost at s/cp tokens, the attention core
+  over all s keys, ring attention's K/V hops hidden behind it (:mod:`.context`); ZeRO over dp × cp.
+* **HSDP** (``plan.hsdp`` = G): model states sharded over G ranks, ZeRO's collectives within them and
+  the cost face's all-reduce of the shards across the dp/G groups (:func:`_dp_time`).
 * **data parallelism**: bytes from ZeRO's cost face (:func:`~scaletrain.techniques.data_parallel.cost.
   comm_bytes_per_step`, fp32 gradients: scaletrain keeps fp32 parameters under autocast), timed
   hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across), α per ring step
@@ -60,6 +67,7 @@ from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
 from scaletrain.cost import collective_seconds, exposed_seconds, prefetch_windows, roofline_seconds
 from scaletrain.planner.context import ring_layer_times
+from scaletrain.planner import stage_remat
 from scaletrain.planner.stages import split as stage_split, uniform as uniform_split
 from scaletrain.techniques.data_parallel import cost as zero_cost
 from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
@@ -122,6 +130,11 @@ class PlanCost:
     last the head."""
     slowest_rank: int = 0
     """The pipeline rank whose micro-batch sets the pace (every slot of the schedule is priced at its time)."""
+    rank_peaks: list[dict[str, float]] = field(default_factory=list)
+    """Each priced rank's ``rank``, ``live`` micro-batches, ``activations`` and ``total`` bytes (the heaviest is
+    ``peak_bytes``): what a pipeline's remat budget is fitted to (:mod:`.stage_remat`)."""
+    stage_kept: tuple[int, ...] = ()
+    """Pipeline remat by a solver under a budget: layers per rank that keep their activations."""
     host_bytes: float = 0.0
     """Host memory the plan needs on one node (offloaded optimizer: masters, gradients, states of every
     rank there); fits only if it is within the platform's host memory too."""
@@ -136,7 +149,8 @@ class PlanCost:
 def plan_summary(plan: Plan) -> dict[str, Any]:
     """The plan fields ``scaletrain plan --json`` shows (the issue's schema) plus the rest that matter."""
     full = plan.remat.blocks == "all" or plan.offload.recompute == "all"  # offload's own recompute key
-    remat = "full" if full else ("selective" if plan.remat.selective != "none" else "none")
+    remat = "full" if full else ("selective" if plan.remat.selective != "none" else
+                                 plan.remat.method)  # a solver's name (pipelines: planner/stage_remat.py) or none
     return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "zero": plan.zero,
             "micro_batch": plan.micro_batch, "schedule": plan.schedule if plan.pp > 1 else "none",
             "virtual": max(plan.virtual, 1), "microbatches": plan.microbatches, "sp": plan.sp, "remat": remat,
@@ -260,7 +274,11 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     split = (stage_split(shape.layers, pp, v, embed_layers=embed / (lt["fwd"] + lt["bwd"]),
                          head_layers=head / (lt["fwd"] + lt["bwd"]), balance=plan.balance)
              if opts.stage_split == "runtime" else uniform_split(shape.layers, pp))
-    rank_mb = [n * layer + (embed if k == 0 else 0.0) + (head if k == pp - 1 else 0.0)
+    # pipeline remat by a solver under one budget (planner/stage_remat.py): each stage keeps what fits
+    kept, rc = _stage_kept(shape, plan, split.layers, seq=seq, elem=e, flash=opts.attention == "flash"), [0.0] * pp
+    if kept is not None:
+        rc = [(n - r) * (lt["fwd"] + lt["tp_fwd"] + lt["cp_fwd"]) for n, r in zip(split.layers, kept)]
+    rank_mb = [n * layer + (embed if k == 0 else 0.0) + (head if k == pp - 1 else 0.0) + rc[k]
                for k, n in enumerate(split.layers)]
     slow = max(range(pp), key=lambda k: rank_mb[k])
     t_mb, L = rank_mb[slow], split.layers[slow]
@@ -318,14 +336,17 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     tokens = global_batch * full_seq
     hw_flops = shape.flops_per_iteration(global_batch, full_seq, recompute=remat == "full")
     model_flops = shape.flops_per_iteration(global_batch, full_seq, recompute=False)
+    if kept is not None:  # the share of the layers the stages run forward again
+        again = shape.flops_per_iteration(global_batch, full_seq, recompute=True) - model_flops
+        hw_flops = model_flops + again * (shape.layers - sum(kept)) / shape.layers
     # phases add up to the step: the m micro-batch slots of the slowest rank split by kind, then the rest
-    slots_compute = m * (t_mb - L * (recompute + tp_layer + cp_layer))
-    phases = {"compute": slots_compute, "recompute": m * L * recompute,
+    slots_compute = m * (t_mb - L * (recompute + tp_layer + cp_layer) - rc[slow])
+    phases = {"compute": slots_compute, "recompute": m * (L * recompute + rc[slow]),
               "tp_comm": m * L * tp_layer, "cp_comm": m * L * cp_layer,
               "pipeline_bubble": (pp - 1) / v * per_mb if pp > 1 else 0.0,
               "p2p": m * 2 * v * p2p_msg, "dp_comm": dp_exposed, "optimizer": optimizer, "offload": host["s"]}
-    peak, which = _peak(shape, plan, plat, seq=seq, m=m, v=v, e=e, remat=remat, k=k, opts=opts, offloaded=offloaded,
-                        layers=split.layers)
+    peak, which, ranks = _peak(shape, plan, plat, seq=seq, m=m, v=v, e=e, remat=remat, k=k, opts=opts,
+                               offloaded=offloaded, layers=split.layers, kept=kept)
     host_bytes = host["host_bytes"] * min(world, plat.devices_per_node)  # the ranks of one node share its host
     return PlanCost(plan=plan, step_time_s=step, tokens_per_s=tokens / step,
                     tflops_per_device=hw_flops / step / world / 1e12,
@@ -336,6 +357,7 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
                     bubble_fraction=bubble,
                     exposed_comm_s=phases["tp_comm"] + phases["cp_comm"] + phases["p2p"] + dp_exposed,
                     phases_s=phases, heaviest_rank=which, stage_layers=split.layers, slowest_rank=slow,
+                    rank_peaks=ranks, stage_kept=kept or (),
                     blocks_s={"layer_fwd": lt["fwd"], "layer_bwd": lt["bwd"], "layer_recompute": recompute,
                               "layer_tp_comm": tp_layer, "layer_cp_comm": cp_layer,
                               "layer_weight_traffic": weight_traffic,
@@ -414,14 +436,30 @@ def offload_time(shape: Shape, plan: Plan, plat: Platform, *, n_rank: float, opt
             "update_s": oc.update_time_s, "h2d_s": oc.h2d_bytes_per_step / plat.h2d_bytes_per_s}
 
 
+def _stage_kept(shape: Shape, plan: Plan, layers: tuple[int, ...], *, seq: int, elem: int,
+                flash: bool) -> tuple[int, ...] | None:
+    """Layers per rank that keep their activations under the plan's pipeline remat budget (None without one):
+    the budget back in this TP rank's bytes, then :func:`.stage_remat.kept_layers` per stage."""
+    budget = stage_remat.budget_of(plan)
+    if budget is None:
+        return None
+    full, inp, whole = (mem.layer_activation_bytes(shape, seq, plan.micro_batch, tp=t, sp=sp, remat=r, elem=elem,
+                                                   flash=flash)
+                        for t, sp, r in ((plan.tp, plan.sp, "none"), (plan.tp, plan.sp, "full"), (1, False, "none")))
+    return tuple(stage_remat.kept_layers(n, budget * full / whole, full, inp) for n in layers)
+
+
 def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int, e: int, remat: str, k: float,
-          opts: Options, offloaded: bool = False, layers: tuple[int, ...] = ()) -> tuple[dict[str, float], str]:
-    """The heaviest pipeline rank's bytes by category and which it is: the first, the last, and under an
-    uneven split (``layers`` per rank) the earliest rank of each other layer count (most in flight)."""
+          opts: Options, offloaded: bool = False, layers: tuple[int, ...] = (), kept: tuple[int, ...] | None = None
+          ) -> tuple[dict[str, float], str, list[dict[str, float]]]:
+    """The heaviest pipeline rank's bytes by category, which it is, and every priced rank's totals: the first,
+    the last, and under an uneven split (``layers`` per rank) the earliest rank of each other layer count
+    (most in flight). ``kept``: layers per rank keeping their activations under a pipeline remat budget."""
     tp, pp, dp, b = plan.tp, plan.pp, max(plan.dp, 1), plan.micro_batch
     flash = opts.attention == "flash"
     storage = "fp32" if plan.params_dtype == "fp32" else "mixed"
     best: tuple[dict[str, float], str] | None = None
+    every: list[dict[str, float]] = []
     layers = layers or (shape.layers // pp,) * pp
     ranks = [0] + sorted({layers.index(n) for n in set(layers)} - {0, pp - 1}) + ([pp - 1] if pp > 1 else [])
     for r in ranks:
@@ -436,6 +474,12 @@ def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int,
         L = layers[r]
         act = live * L * mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat=remat, elem=e,
                                                     flash=flash, selective=opts.selective)
+        again = 0.0  # one checkpointed layer's activations rematerialised during its backward
+        if kept is not None:
+            full, inp = (mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat=x, elem=e, flash=flash)
+                         for x in ("none", "full"))
+            act = live * (kept[r] * full + (L - kept[r]) * inp)
+            again = full if kept[r] < L else 0.0
         casts = 0.0
         if plan.precision != "fp32" and plan.params_dtype == "fp32" and plan.zero != 3:  # autocast's, per forward
             casts = 2 * n * (1 if remat == "full" else live)
@@ -447,12 +491,14 @@ def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int,
         if remat == "full" or (remat == "selective" and opts.selective == "op"):  # one layer rematerialised
             transient += mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat="none", elem=e,
                                                    flash=flash)
+        transient += again
         if last:  # logits (16-bit), their fp32 copy and its gradient
             transient = max(transient, seq * b * shape.vocab / tp * (e + 8) + (transient if plan.zero == 3 else 0))
         d = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "weight_casts": casts,
              "activations": act, "transient": transient}
         d["total"] = sum(d.values())
+        every.append({"rank": r, "live": live, "activations": act, "remat_transient": again, "total": d["total"]})
         if best is None or d["total"] > best[0]["total"]:
             best = (d, which)
     assert best is not None
-    return best
+    return best[0], best[1], every

@@ -36,9 +36,10 @@ from typing import Any
 from scaletrain.errors import UserError
 from scaletrain.plan import OffloadPlan, Plan, RematPlan
 from scaletrain.planner import memory as mem
+from scaletrain.planner import stage_remat
 from scaletrain.planner.cost import Options, PlanCost, optim_state_bytes, plan_cost, remat_kind
 from scaletrain.planner.shape import Shape
-from scaletrain.planner.stages import BALANCES
+from scaletrain.planner.stages import BALANCES, PIPELINE_REMAT
 from scaletrain.platform import Platform
 from scaletrain.techniques import compat
 from scaletrain.techniques.data_parallel import cost as zero_cost
@@ -247,6 +248,19 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                 continue
             _scan_region(tp, cp, pp, dp, hsdp, where, zs, offload)
 
+    def layer_bytes(b: int, tp: int, sp: bool, remat: str) -> float:
+        return mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=sp, remat=remat, elem=2 if precision != "fp32"
+                                          else 4, flash=opts.attention == "flash")
+
+    def price(plan: Plan, key: tuple) -> PlanCost:
+        c = plan_cost(shape, plan, plat, global_batch=global_batch, seq=seq, options=opts)
+        count[0] += 1
+        if c.fits:
+            ranked.append(c)
+        elif key not in oom or c.peak_bytes["total"] < oom[key].peak_bytes["total"]:
+            oom[key] = c
+        return c
+
     def _scan_region(tp: int, cp: int, pp: int, dp: int, hsdp: int, region: str, zeros: list[int],
                      offload: str) -> None:
         per_rank = global_batch // dp
@@ -269,6 +283,9 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                             continue
                         if offload != "none" and remat == "selective":
                             continue  # the offload runtime recomputes whole blocks only (compat offload-remat)
+                        if pp > 1 and remat != "none":
+                            reject(f"{region} remat={remat}", "runtime", PIPELINE_REMAT, key=f"{region} pp-remat")
+                            continue
                         for sp in ((False, True) if tp > 1 and cp == 1 else (False,)):
                             if "sp" in fx and sp != fx["sp"]:
                                 continue
@@ -281,14 +298,17 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                                         params_dtype=params_dtype, optimizer=optimizer)
                             if not rule(plan, f"{region} {sched} v={v} b={b}", m, where=region):
                                 continue
-                            c = plan_cost(shape, plan, plat, global_batch=global_batch, seq=seq, options=opts)
-                            count[0] += 1
-                            if c.fits:
-                                ranked.append(c)
-                            else:
-                                key = (tp, cp, pp, dp, hsdp, offload)
-                                if key not in oom or c.peak_bytes["total"] < oom[key].peak_bytes["total"]:
-                                    oom[key] = c
+                            c = price(plan, (tp, cp, pp, dp, hsdp, offload))
+                            if not c.fits and pp > 1 and remat == "none" and offload == "none" and "remat" not in fx:
+                                # the runtime's pipeline remat: a solver per stage under the budget the
+                                # stages' slack leaves (planner/stage_remat.py); only where nothing fits without
+                                budget = stage_remat.fit_budget(c.rank_peaks, plat.device_memory_bytes
+                                                                - opts.reserve_bytes, layer_bytes(b, tp, sp, "none"))
+                                solved = stage_remat.with_budget(plan, budget, layer_bytes(b, 1, False, "none")
+                                                                 / layer_bytes(b, tp, sp, "none"))
+                                if rule(solved, f"{region} {sched} v={v} b={b} remat={stage_remat.METHOD}", m,
+                                        where=region):
+                                    price(solved, (tp, cp, pp, dp, hsdp, offload))
 
     notes: list[str] = []
     scan(fx.get("offload", "none"))
@@ -298,7 +318,7 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
         scan("optimizer")
     _offload_regions(reject, world, compat, facts_base)
     # by predicted time; equal times (to a microsecond) go to the simpler plan, then the lighter one
-    ranked.sort(key=lambda c: (round(c.step_time_s, 6), c.plan.zero, REMATS.index(_remat_name(c.plan)),
+    ranked.sort(key=lambda c: (round(c.step_time_s, 6), c.plan.zero, _remat_rank(c.plan),
                                c.plan.sp, c.plan.cp, c.plan.hsdp, c.peak_bytes["total"]))
     for (tp, cp, pp, dp, hsdp, offload), c in sorted(oom.items()):
         if not any(r.plan.tp == tp and r.plan.pp == pp and r.plan.cp == cp for r in ranked):
@@ -335,8 +355,10 @@ def _offload(kind: str, remat: str) -> OffloadPlan:
     return OffloadPlan(optimizer="host", recompute="all" if remat == "full" else "none")
 
 
-def _remat_name(plan: Plan) -> str:
-    return remat_kind(plan)
+def _remat_rank(plan: Plan) -> int:
+    """Less recompute first: none, selective, full, then a pipeline's solver schedule."""
+    name = remat_kind(plan)
+    return REMATS.index(name) if name in REMATS else len(REMATS)
 
 
 def _merge(rejected: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -350,7 +372,7 @@ def _merge(rejected: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             out[key] = {**r, "count": 1}
     # memory first, nearest miss first (bytes over the device): what "no plan fits" names
-    order = {"memory": 0, "batch": 1, "divisibility": 2, "compat": 3}
+    order = {"memory": 0, "batch": 1, "divisibility": 2, "compat": 3, "runtime": 4}
     return sorted(out.values(), key=lambda r: (order.get(r["kind"], 4), r.get("over", 0.0)))
 
 

@@ -25,6 +25,12 @@ from scaletrain.techniques.pipeline.partition import _minmax, equal_bounds
 
 BALANCES = ("profile", "equal")
 
+PIPELINE_REMAT = ("the pipeline runtime rematerialises inside its stages only by a solver's schedule "
+                  "(memory.remat.method with memory.remat.budget, per stage and micro-batch); memory.remat.blocks "
+                  "and memory.remat.selective are not applied there (techniques/pipeline/strategy.py passes the "
+                  "method alone), so a pipeline with full or selective recompute would run without it")
+"""Why the planners do not offer full or selective recompute with pp > 1 (a rejected region, kind runtime)."""
+
 
 @dataclass(frozen=True)
 class Split:

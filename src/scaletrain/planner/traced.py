@@ -30,6 +30,7 @@ from torch import nn
 from scaletrain.errors import UserError
 from scaletrain.plan import Plan, RematPlan
 from scaletrain.planner.cost import Options, PlanCost, remat_kind
+from scaletrain.planner.stages import PIPELINE_REMAT
 from scaletrain.platform import Platform
 from scaletrain.techniques import compat
 
@@ -214,6 +215,9 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                         # does not fit (or when pinned)
                         for remat in REMATS:
                             if fx.get("remat", remat) != remat or (remat == "selective" and not attention):
+                                continue
+                            if pp > 1 and remat != "none":
+                                reject(f"{region} remat={remat}", "runtime", PIPELINE_REMAT, key=f"{region} pp-remat")
                                 continue
                             plan = Plan(dp=dp, tp=tp, pp=pp, ep=ep, sp=sp, zero=zero, micro_batch=b,
                                         microbatches=m if pp > 1 else 0, schedule=sched if pp > 1 else "1f1b",
