@@ -146,3 +146,17 @@ def test_pipeline_remat_is_the_runtimes_solver_under_a_budget_from_the_stages_sl
     again = [n - k for n, k in zip(c.stage_layers, c.stage_kept)]
     assert len(set(again)) > 1 and min(again) >= 0 and c.phases_s["recompute"] > 0
     assert any(x["kind"] == "runtime" and "memory.remat.blocks" in x["reason"] for x in r.rejected)
+
+
+def test_timeline_rows_add_up_for_cp_and_pipeline_remat_plans():
+    from scaletrain.planner.timeline import step_timeline
+
+    shape = Shape.of("gpt2-xl", n_layer=70)
+    solved = search(shape, A100, nodes=1, gpus_per_node=12, global_batch=192, seq=2048,
+                    fixed=parse_fixed(["pp=12", "tp=1", "zero=0", "schedule=1f1b", "micro_batch=16"])).ranked[0]
+    ring = plan_cost(_llama8b(), Plan(dp=4, cp=16, zero=3, micro_batch=1, precision="bf16"), H100,
+                     global_batch=4, seq=65536)
+    for c, s, gb, seq, plat in ((solved, shape, 192, 2048, A100), (ring, _llama8b(), 4, 65536, H100)):
+        tl = step_timeline(c, s, plat, global_batch=gb, seq=seq)
+        for r in range(tl.n_ranks):
+            assert max(e.end_s for e in tl.segments if e.rank == r) == pytest.approx(c.step_time_s, rel=1e-9)

@@ -122,7 +122,8 @@ class PlanCost:
     phases_s: dict[str, float] = field(default_factory=dict)
     """compute, recompute, tp_comm, pipeline_bubble, p2p, dp_comm (exposed), optimizer."""
     blocks_s: dict[str, float] = field(default_factory=dict)
-    """One micro-batch on one rank, per block and pass: layer_fwd, layer_bwd, layer_recompute,
+    """One micro-batch on one rank, per block and pass: layer_fwd, layer_bwd, layer_recompute, layer_cp_comm,
+    stage_recompute (the slowest rank's layers run again under a pipeline remat budget, all of them),
     layer_tp_comm, layer_weight_traffic (each per layer), embedding, head (logits + loss, fwd + bwd)."""
     heaviest_rank: str = "first"
     stage_layers: tuple[int, ...] = ()
@@ -359,7 +360,7 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
                     phases_s=phases, heaviest_rank=which, stage_layers=split.layers, slowest_rank=slow,
                     rank_peaks=ranks, stage_kept=kept or (),
                     blocks_s={"layer_fwd": lt["fwd"], "layer_bwd": lt["bwd"], "layer_recompute": recompute,
-                              "layer_tp_comm": tp_layer, "layer_cp_comm": cp_layer,
+                              "stage_recompute": rc[slow], "layer_tp_comm": tp_layer, "layer_cp_comm": cp_layer,
                               "layer_weight_traffic": weight_traffic,
                               "embedding": embed, "head": head},
                     notes=(["offload keys other than optimizer=host (with recompute none or all, DPU) are not priced"]

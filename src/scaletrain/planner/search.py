@@ -20,6 +20,12 @@ Plans that fit are ranked by predicted step time. ``fixed`` pins any dimension (
 ``cp=16``, ``hsdp=8``, ``pp_split=equal``, ``offload=optimizer``). The compatibility table is asked once
 per distinct verdict (memoised on what its rules read), the stage split once per region.
 
+**Remat in pipelines** is what the pipeline runtime runs: a solver's schedule per stage under one budget
+(``memory.remat.method=optimal``, ``memory.remat.budget``), fitted to the stages' memory slack and priced
+per stage (:mod:`.stage_remat`) where nothing fits without recompute; full and selective recompute with
+pp > 1 are a rejected region of kind ``runtime`` (the pipeline runtime does not apply those keys).
+Activation and weight offload are named regions too (compat offload-world / offload-pp beyond one device).
+
 **Offload** (ZeRO-Offload: the optimizer on the host) trades step time for device memory, so it is
 searched only when no plan fits without it (a second pass, said in ``notes``) or when pinned. Its plans
 keep the offload runtime's own keys: full recompute is ``memory.offload.recompute=all``; selective

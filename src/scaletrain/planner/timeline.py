@@ -104,7 +104,7 @@ def step_timeline(c: PlanCost, shape: Shape, plat: Platform, *, global_batch: in
     # one chunk pass (1/v of the rank's layers) as its parts, in the order they run
     fwd = [("F", (L * blocks["layer_fwd"] + extra / 3) / v), ("TP", L * tp_f / v), ("CP", L * cp_f / v),
            ("P2P", p2p)]
-    bwd = [("RC", L * blocks["layer_recompute"] / v),
+    bwd = [("RC", (L * blocks["layer_recompute"] + blocks.get("stage_recompute", 0.0)) / v),
            ("B", (L * (blocks["layer_bwd"] + blocks["layer_weight_traffic"]) + 2 * extra / 3) / v),
            ("TP", L * (blocks["layer_tp_comm"] - tp_f) / v),
            ("CP", L * (blocks.get("layer_cp_comm", 0.0) - cp_f) / v), ("P2P", p2p)]
