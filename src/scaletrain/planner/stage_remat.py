@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 from scaletrain.plan import Plan, RematPlan
+from scaletrain.techniques.remat.schedule import parse_bytes
 
 METHOD = "optimal"
 """The solver the planner writes for pipelines (homogeneous chains: what the kept-layers rule bounds)."""
@@ -32,8 +33,6 @@ def budget_of(plan: Plan) -> float | None:
     """The plan's per-stage budget in its own (unsharded-model) bytes, or None without pipeline remat."""
     if plan.pp <= 1 or plan.remat.method != METHOD or not plan.remat.budget:
         return None
-    from scaletrain.techniques.remat.schedule import parse_bytes
-
     return float(parse_bytes(plan.remat.budget) or 0)
 
 
