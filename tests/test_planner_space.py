@@ -133,11 +133,15 @@ def test_pipeline_remat_is_the_runtimes_solver_under_a_budget_from_the_stages_sl
     # the budget is set by the rank whose slack per in-flight micro-batch is least (rank 0 of 1F1B here)
     ranks = [{"rank": 0, "live": 4, "activations": 40.0, "total": 60.0},
              {"rank": 3, "live": 1, "activations": 10.0, "total": 30.0}]
-    assert stage_remat.fit_budget(ranks, cap=100.0, full=2.0) == pytest.approx((100 - 20 - 2) / 4 + 2)
+    assert stage_remat.fit_budget(ranks, cap=100.0, full=2.0, inp=1.0) == pytest.approx((100 - 20 - 2) / 4 + 2)
+    # ... but never below what the runtime's solver can reach on the largest stage (all checkpointed + logits)
+    floor = [{**ranks[1], "layers": 30, "graph_extra": 5.0}]
+    assert stage_remat.fit_budget(floor, cap=40.0, full=2.0, inp=1.0) == pytest.approx(30 + 2 + 5)
     assert stage_remat.kept_layers(6, 6 * 10 + 10, 10, 1) == 6 and stage_remat.kept_layers(6, 0, 10, 1) == 0
     # nothing fits without recompute: the search writes memory.remat.method=optimal with the budget, and each
-    # stage recomputes what its own layers need (the 4-layer last stage less than the 6-layer ones)
-    shape = Shape.of("gpt2-xl", n_layer=70)
+    # stage recomputes what its own layers and its slack need (a small vocabulary: the last stage's logits,
+    # which its solver's budget must hold too, do not set the one budget)
+    shape = Shape.of("gpt2-xl", n_layer=70, vocab_size=8192)
     r = search(shape, A100, nodes=1, gpus_per_node=12, global_batch=192, seq=2048,
                fixed=parse_fixed(["pp=12", "tp=1", "zero=0", "schedule=1f1b", "micro_batch=16"]))
     c = r.ranked[0]
@@ -151,7 +155,7 @@ def test_pipeline_remat_is_the_runtimes_solver_under_a_budget_from_the_stages_sl
 def test_timeline_rows_add_up_for_cp_and_pipeline_remat_plans():
     from scaletrain.planner.timeline import step_timeline
 
-    shape = Shape.of("gpt2-xl", n_layer=70)
+    shape = Shape.of("gpt2-xl", n_layer=70, vocab_size=8192)
     solved = search(shape, A100, nodes=1, gpus_per_node=12, global_batch=192, seq=2048,
                     fixed=parse_fixed(["pp=12", "tp=1", "zero=0", "schedule=1f1b", "micro_batch=16"])).ranked[0]
     ring = plan_cost(_llama8b(), Plan(dp=4, cp=16, zero=3, micro_batch=1, precision="bf16"), H100,

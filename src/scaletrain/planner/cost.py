@@ -447,7 +447,10 @@ def _stage_kept(shape: Shape, plan: Plan, layers: tuple[int, ...], *, seq: int, 
     full, inp, whole = (mem.layer_activation_bytes(shape, seq, plan.micro_batch, tp=t, sp=sp, remat=r, elem=elem,
                                                    flash=flash)
                         for t, sp, r in ((plan.tp, plan.sp, "none"), (plan.tp, plan.sp, "full"), (1, False, "none")))
-    return tuple(stage_remat.kept_layers(n, budget * full / whole, full, inp) for n in layers)
+    # the last stage's budget also holds its logits (the solver's graph ends with the head and the loss)
+    logits = mem.logits_bytes(shape, seq, plan.micro_batch, tp=plan.tp, elem=elem)
+    return tuple(stage_remat.kept_layers(n, budget * full / whole - (logits if k == len(layers) - 1 else 0.0),
+                                         full, inp) for k, n in enumerate(layers))
 
 
 def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int, e: int, remat: str, k: float,
@@ -494,11 +497,13 @@ def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int,
                                                    flash=flash)
         transient += again
         if last:  # logits (16-bit), their fp32 copy and its gradient
-            transient = max(transient, seq * b * shape.vocab / tp * (e + 8) + (transient if plan.zero == 3 else 0))
+            transient = max(transient, mem.logits_bytes(shape, seq, b, tp=tp, elem=e)
+                            + (transient if plan.zero == 3 else 0))
         d = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "weight_casts": casts,
              "activations": act, "transient": transient}
         d["total"] = sum(d.values())
-        every.append({"rank": r, "live": live, "activations": act, "remat_transient": again, "total": d["total"]})
+        every.append({"rank": r, "live": live, "activations": act, "remat_transient": again, "total": d["total"],
+                      "layers": L, "graph_extra": mem.logits_bytes(shape, seq, b, tp=tp, elem=e) if last else 0.0})
         if best is None or d["total"] > best[0]["total"]:
             best = (d, which)
     assert best is not None

@@ -101,3 +101,9 @@ def rank_params(shape: Shape, *, tp: int, pp: int, first: bool, last: bool, laye
     if last:
         n += shape.norm_params + (shape.vocab * h / tp if not (first and shape.tied) else 0)
     return n
+
+
+def logits_bytes(shape: Shape, seq: int, micro_batch: int, *, tp: int = 1, elem: int = 2) -> float:
+    """Bytes of the last stage's logits of one micro-batch on one TP rank: the 16-bit (``elem``) logits,
+    their fp32 copy and its gradient (V/t columns, vocabulary-parallel)."""
+    return seq * micro_batch * shape.vocab / tp * (elem + 8)

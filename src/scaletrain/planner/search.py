@@ -309,7 +309,8 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                                 # the runtime's pipeline remat: a solver per stage under the budget the
                                 # stages' slack leaves (planner/stage_remat.py); only where nothing fits without
                                 budget = stage_remat.fit_budget(c.rank_peaks, plat.device_memory_bytes
-                                                                - opts.reserve_bytes, layer_bytes(b, tp, sp, "none"))
+                                                                - opts.reserve_bytes, layer_bytes(b, tp, sp, "none"),
+                                                                layer_bytes(b, tp, sp, "full"))
                                 solved = stage_remat.with_budget(plan, budget, layer_bytes(b, 1, False, "none")
                                                                  / layer_bytes(b, tp, sp, "none"))
                                 if rule(solved, f"{region} {sched} v={v} b={b} remat={stage_remat.METHOD}", m,
