@@ -45,7 +45,9 @@ def test_pins_and_refusals():
     cfg = load_config(None, ["plan=auto", "parallel.tp=2", "train.micro_batch=2", "memory.remat.blocks=all"])
     assert auto.check(cfg) == {"tp": 2, "micro_batch": 2, "remat": "full"}
     assert auto.check(load_config(None, ["plan=auto", "train.precision=bf16", "optim.name=sgd"])) == {}
-    for bad in ("memory.offload.params=host", "parallel.cp=2", "parallel.compression=powersgd",
+    assert auto.check(load_config(None, ["plan=auto", "parallel.cp=2", "parallel.balance=equal"])) == {
+        "cp": 2, "pp_split": "equal"}
+    for bad in ("memory.offload.params=host", "parallel.compression=powersgd",
                 "memory.remat.method=optimal", "parallel.microbatches=4"):
         with pytest.raises(ConfigError, match="plan=auto does not plan"):
             auto.check(load_config(None, ["plan=auto", bad]))

@@ -37,7 +37,7 @@ ROWS = [
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163),
 ]
 SEQ, VOCAB = 2048, 51200
-MEGATRON = Options(attention="materialized", p2p_scatter=True)
+MEGATRON = Options(attention="materialized", p2p_scatter=True, stage_split="uniform")
 # The run script's ``--DDP-impl`` per row (``examples/sc21/run_table_1.sh`` at de7dc40, Aug 2021): PyTorch's
 # DDP (gradient buckets overlapped with the backward) for 1.7B-18B, Megatron's ``local`` DDP for the rest.
 # ``local`` all-reduces after the whole forward-backward (``megatron/training.py`` ``train_step``:
@@ -45,7 +45,8 @@ MEGATRON = Options(attention="materialized", p2p_scatter=True)
 # buffer, or the flattened gradients (``megatron/model/distributed.py``). Gradients are fp16 either way
 # (``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``), as the planner prices 16-bit parameters.
 LOCAL_DDP = {39.1, 76.1, 145.6, 310.1, 529.6, 1008.0}
-MEGATRON_LOCAL_DDP = Options(attention="materialized", p2p_scatter=True, dp_overlap=False)
+MEGATRON_LOCAL_DDP = Options(attention="materialized", p2p_scatter=True, dp_overlap=False,
+                             stage_split="uniform")
 ONE_BUCKET_MB = 1e7
 """A bucket larger than any rank's gradients: local DDP's one all-reduce per step."""
 

@@ -118,7 +118,7 @@ KEYS: tuple[Key, ...] = (
         "1 = + optimizer states sharded, 2 = + gradients sharded (reduce-scatter), 3 = + parameters sharded (FSDP2, "
         "gathered per block with prefetch)", "stage", min=0, max=3, planner="searched"),
     Key("hsdp", _P + "hsdp", 0, "hybrid sharding for zero>=1: shard within groups of this many ranks, replicate "
-        "across groups; 0 = shard over all dp ranks", "ranks", min=0),
+        "across groups; 0 = shard over all dp ranks", "ranks", min=0, planner="searched"),
     Key("compression", _P + "compression", "none", "gradient compression for zero=0: powersgd (low rank), topk "
         "(sparsification), onebit (scaled sign); all with error feedback",
         choices=("none", "powersgd", "topk", "onebit")),
@@ -139,7 +139,7 @@ KEYS: tuple[Key, ...] = (
     Key("sp", _P + "sequence_parallel", False, "Megatron sequence parallelism inside the tensor-parallel group "
         "(tp > 1)", planner="searched"),
     Key("cp", _P + "cp", 1, "context-parallel ranks: ring attention over sequence chunks", "ranks", min=1,
-        planner="pinned"),
+        planner="searched"),
     Key("ep", _P + "ep", 1, "expert-parallel ranks for mixture-of-experts layers (divides dp)", "ranks", min=1,
         planner="searched"),
     Key("pp", _P + "pp", 1, "pipeline-parallel stages (ranks); world = dp x pp x tp x cp", "ranks", min=1,

@@ -48,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=positive_int(), required=True, help="sequences per optimizer step")
     p.add_argument("--seq", type=count(), default=0, help="tokens per sequence (default: the model's n_positions)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
-                   help="pin a dimension: dp, tp, pp, ep, zero, micro_batch, schedule, virtual, remat, sp, "
-                        "params_dtype, attention, offload (none|optimizer) (repeatable)")
+                   help="pin a dimension: dp, tp, pp, cp, ep, zero, hsdp, micro_batch, schedule, virtual, remat, sp, "
+                        "params_dtype, attention, pp_split (profile|equal: parallel.balance), offload "
+                        "(none|optimizer) (repeatable)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute precision")
     p.add_argument("--optimizer", default="adamw", help="optimizer (default adamw)")
     p.add_argument("--tokens", metavar="N", help="the training run: tokens in total, e.g. 300e9")
@@ -257,6 +258,9 @@ def _print(args, shape, seq, plats, nodes, workload, res, top) -> None:
         print(f"   peak {_gib(pk['total'])} of {c.device_bytes / 2**30:.0f} GiB ({c.heaviest_rank}"
               f"{' stage' if c.heaviest_rank in ('first', 'last') else ''}): "
               + ", ".join(f"{k} {_gib(v)}" for k, v in pk.items() if k != "total" and v))
+        if len(set(c.stage_layers)) > 1:
+            print(f"   layers per pipeline rank: {'+'.join(map(str, c.stage_layers))} (the runtime's split, "
+                  f"parallel.balance={p.balance})")
         if r.steps:
             print(f"   run: {bud.fmt_duration(r.train_time_s)} on {r.where}, "
                   + (f"{bud.fmt_usd(r.train_cost)} at {bud.fmt_usd(r.platform.price_per_device_hour)} per device-hour"

@@ -48,7 +48,12 @@ def rank(model: Any, overrides: dict[str, Any], platforms: list, nodes: list[int
         name = model if isinstance(model, str) else type(model).__name__
         where = f"{'/'.join(map(str, nodes))} x {gpus_per_node} {'/'.join(p.name for p in platforms)}"
         what = "no plan fits" if all(not r.ranked for _, _, r in res.searches) else "no plan meets the constraints"
-        why = "; ".join(f"{r['region']}: {r['reason']}" for r in res.rejected[:3])
+        # the nearest misses (memory, least over first), then the rules that removed the rest of the space
+        near = [r for r in res.rejected if r["kind"] == "memory"][:3]
+        rules = [r for r in res.rejected if r["kind"] not in ("memory", "priced")][:2]
+        why = "; ".join(([f"nearest misses: {near[0]['region']}: {near[0]['reason']}"] if near else [])
+                        + [f"{r['region']}: {r['reason']}" for r in near[1:]]
+                        + [f"ruled out {r['region']}: {r['reason']}" for r in rules])
         raise UserError(f"{what}: {name} on {where} with global batch {global_batch}: "
                         + (why or "no candidate plan in the searched space (check --fix)"))
     return shape, seq, res
@@ -67,7 +72,8 @@ def entry(r, best=None, objective: str = "time") -> dict:
          "tflops_per_device": c.tflops_per_device, "mfu": c.mfu, "peak_bytes": c.peak_bytes["total"],
          "peak_bytes_by_category": c.peak_bytes, "device_bytes": c.device_bytes, "heaviest_rank": c.heaviest_rank,
          "bubble_fraction": c.bubble_fraction, "exposed_comm_s": c.exposed_comm_s, "phases_s": c.phases_s,
-         "blocks_s": c.blocks_s, "platform": r.platform.name, "nodes": r.nodes, "devices": r.devices,
+         "blocks_s": c.blocks_s, "stage_layers": list(c.stage_layers), "platform": r.platform.name,
+         "nodes": r.nodes, "devices": r.devices,
          "price_per_device_hour": r.platform.price_per_device_hour or None, "train_steps": r.steps or None,
          "train_time_s": r.train_time_s, "train_cost": r.train_cost}
     if best is not None and best is not r:

@@ -7,7 +7,8 @@ What happens, in order (every rank calls :func:`choose` at the same point of the
    sequence_parallel/schedule/virtual``, ``train.micro_batch`` and ``memory.remat.blocks=all`` /
    ``memory.remat.selective=attention`` set to another value are *pinned* (as ``scaletrain plan --fix``).
    ``train.precision`` and ``optim.name`` are the user's (they change the mathematics) and are kept.
-   Any other plan key (offload, cp, ep, hsdp, compression, remat solvers, params_dtype,
+   ``parallel.cp`` / ``parallel.hsdp`` pin the same way (``parallel.balance`` is kept and priced as the
+   runtime splits). Any other plan key (offload, compression, remat solvers, params_dtype,
    ``parallel.microbatches``) is not planned: one line, exit 2 (:func:`check`).
 2. **This machine** (:func:`scaletrain.planner.local.measure`): every rank measures matmul, copy and
    all-reduce rates at once, so the figures are what one of N processes sharing the cores gets.
@@ -55,6 +56,8 @@ def check(cfg: Any) -> dict[str, Any]:
     does not plan. Pure: no measurement, no process group."""
     flat, default = Plan.from_config(cfg).to_flat(), Plan().to_flat()
     fixed: dict[str, Any] = {}
+    if flat["balance"] != default["balance"]:  # kept as given, and priced as the runtime will split
+        fixed["pp_split"] = flat["balance"]
     for name, value in flat.items():
         if value == default[name] or name in KEPT:
             continue

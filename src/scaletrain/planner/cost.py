@@ -16,7 +16,14 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   wire bytes / achieved bandwidth + (t − 1)α per ring step; not overlapped (as Megatron).
 * **pipeline**: step = (m + (p − 1)/v)·T_mb, T_mb the slowest rank's time for one micro-batch (its
   layers, plus the embedding on the first and the logits + loss on the last) and one p2p send per
-  chunk pass each way; bubble fraction (p − 1)/v / (m + (p − 1)/v) — GPipe has the same time.
+  chunk pass each way; bubble fraction (p − 1)/v / (m + (p − 1)/v) — GPipe has the same time. Each
+  rank's layers are the runtime partitioner's split (:mod:`.stages`: uneven when pp does not divide l,
+  the embedding and the head as units); recompute inside stages is the runtime's solver under one
+  budget (:mod:`.stage_remat`: each stage keeps what its layers fit, the rest run forward again).
+* **context parallelism** (cp ranks, pp = 1): every per-rank cost at s/cp tokens, the attention core
+  over all s keys, ring attention's K/V hops hidden behind it (:mod:`.context`); ZeRO over dp × cp.
+* **HSDP** (``plan.hsdp`` = G): model states sharded over G ranks, ZeRO's collectives within them and
+  the cost face's all-reduce of the shards across the dp/G groups (:func:`_dp_time`).
 * **data parallelism**: bytes from ZeRO's cost face (:func:`~scaletrain.techniques.data_parallel.cost.
   comm_bytes_per_step`, gradients in the parameters' dtype: fp32 under scaletrain's autocast over fp32
   parameters), timed hierarchically (NVLink inside a node for the group's ranks there, InfiniBand across),
@@ -63,6 +70,9 @@ from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
 from scaletrain.cost import (all_reduce_steps, collective_seconds, exposed_seconds, prefetch_windows,
                              roofline_seconds)
+from scaletrain.planner.context import ring_layer_times
+from scaletrain.planner import stage_remat
+from scaletrain.planner.stages import split as stage_split, uniform as uniform_split
 from scaletrain.techniques.data_parallel import cost as zero_cost
 from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
 from scaletrain.techniques.optim.registry import optimizer_step_bytes  # noqa: F401  (priced here, defined there)
@@ -92,6 +102,10 @@ class Options:
     """Megatron's scatter/gather (SC21 §4.1): each TP rank sends 1/t of a stage boundary."""
     reserve_bytes: float = 2 * GiB
     """Per device, never planned: CUDA context (~0.5 GiB), NCCL buffers, allocator fragmentation."""
+    stage_split: str = "runtime"
+    """How layers are split over pipeline ranks: runtime (scaletrain's partitioner over the embedding, the
+    l layers and the head as units, ``parallel.balance``: :mod:`.stages`) or uniform (l/pp layers per rank,
+    the embedding and the head beside them: Megatron-LM's split, for pricing its published runs)."""
     selective: str = "attention"
     """What selective recompute recomputes: attention (Megatron, Korthikanti et al. 2022: the attention
     core; nothing to redo under flash attention) or op (torchtitan's op-level policy: keep every other
@@ -143,9 +157,20 @@ class PlanCost:
     phases_s: dict[str, float] = field(default_factory=dict)
     """compute, recompute, tp_comm, pipeline_bubble, p2p, dp_comm (exposed), optimizer."""
     blocks_s: dict[str, float] = field(default_factory=dict)
-    """One micro-batch on one rank, per block and pass: layer_fwd, layer_bwd, layer_recompute,
+    """One micro-batch on one rank, per block and pass: layer_fwd, layer_bwd, layer_recompute, layer_cp_comm,
+    stage_recompute (the slowest rank's layers run again under a pipeline remat budget, all of them),
     layer_tp_comm, layer_weight_traffic (each per layer), embedding, head (logits + loss, fwd + bwd)."""
     heaviest_rank: str = "first"
+    stage_layers: tuple[int, ...] = ()
+    """Layers on each pipeline rank (the runtime's split, :mod:`.stages`); rank 0 has the embedding, the
+    last the head."""
+    slowest_rank: int = 0
+    """The pipeline rank whose micro-batch sets the pace (every slot of the schedule is priced at its time)."""
+    rank_peaks: list[dict[str, float]] = field(default_factory=list)
+    """Each priced rank's ``rank``, ``live`` micro-batches, ``activations`` and ``total`` bytes (the heaviest is
+    ``peak_bytes``): what a pipeline's remat budget is fitted to (:mod:`.stage_remat`)."""
+    stage_kept: tuple[int, ...] = ()
+    """Pipeline remat by a solver under a budget: layers per rank that keep their activations."""
     host_bytes: float = 0.0
     """Host memory the plan needs on one node (offloaded optimizer: masters, gradients, states of every
     rank there); fits only if it is within the platform's host memory too."""
@@ -160,7 +185,8 @@ class PlanCost:
 def plan_summary(plan: Plan) -> dict[str, Any]:
     """The plan fields ``scaletrain plan --json`` shows (the issue's schema) plus the rest that matter."""
     full = plan.remat.blocks == "all" or plan.offload.recompute == "all"  # offload's own recompute key
-    remat = "full" if full else ("selective" if plan.remat.selective != "none" else "none")
+    remat = "full" if full else ("selective" if plan.remat.selective != "none" else
+                                 plan.remat.method)  # a solver's name (pipelines: planner/stage_remat.py) or none
     return {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep, "zero": plan.zero,
             "micro_batch": plan.micro_batch, "schedule": plan.schedule if plan.pp > 1 else "none",
             "virtual": max(plan.virtual, 1), "microbatches": plan.microbatches, "sp": plan.sp, "remat": remat,
@@ -261,19 +287,21 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     sequences of ``seq`` tokens per step (module docstring). Divisibility is the caller's (search)."""
     opts = options or Options()
     dp, tp, pp, v = max(plan.dp, 1), plan.tp, plan.pp, max(plan.virtual, 1) if plan.schedule == "interleaved" else 1
-    b = plan.micro_batch
+    b, cp = plan.micro_batch, max(plan.cp, 1)
     m = global_batch // (dp * b)
-    world = dp * tp * pp
+    world = dp * tp * pp * cp
     e = 4 if plan.precision == "fp32" else 2
     remat = remat_kind(plan)
     autocast = plan.precision != "fp32" and plan.params_dtype == "fp32" and opts.autocast_residual_fp32
-    lt = layer_times(shape, plat, seq=seq, b=b, tp=tp, sp=plan.sp, precision=plan.precision, opts=opts,
-                     autocast=autocast)
-    L = shape.layers / pp
+    full_seq, seq = seq, seq // cp  # a CP rank's tokens (ring attention: planner/context.py)
+    lt = ring_layer_times(layer_times(shape, plat, seq=seq, b=b, tp=tp, sp=plan.sp, precision=plan.precision,
+                                      opts=opts, autocast=autocast),
+                          shape, plat, seq=full_seq, b=b, tp=tp, cp=cp, elem=e)
     selective = lt["attn_core"] if opts.selective == "attention" else lt["op_recompute"]
-    recompute = lt["fwd"] + lt["tp_fwd"] if remat == "full" else (selective if remat == "selective" else 0.0)
-    tp_layer = lt["tp_fwd"] + lt["tp_bwd"]
-    layer = lt["fwd"] + lt["bwd"] + recompute + tp_layer
+    recompute = (lt["fwd"] + lt["tp_fwd"] + lt["cp_fwd"] if remat == "full"
+                 else (selective if remat == "selective" else 0.0))
+    tp_layer, cp_layer = lt["tp_fwd"] + lt["tp_bwd"], lt["cp_fwd"] + lt["cp_bwd"]
+    layer = lt["fwd"] + lt["bwd"] + recompute + tp_layer + cp_layer
     # per micro-batch and parameter, memory-bound: the 16-bit weight gradient written, read back and
     # accumulated into the fp32 gradient (2 + 2 + 4 + 4 bytes), and with fp32 parameters under autocast
     # the 16-bit copy of each weight made by every forward (read 4, write 2; recomputed forwards too)
@@ -285,11 +313,18 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     sbV = seq * b * shape.vocab / tp
     head = 3 * _mm(plat, plan.precision, seq * b, shape.vocab / tp, shape.hidden) + 2 * plat.memory_bound_seconds(sbV * (e + 8))
     embed = 3 * plat.memory_bound_seconds(seq * b * shape.hidden * e * 2) + lt["tp_stage"]
-    first_mb, last_mb = L * layer + embed, L * layer + head
-    if pp == 1:
-        t_mb = L * layer + embed + head
-    else:
-        t_mb = max(first_mb, last_mb)
+    # each rank's layers by the runtime's split (parallel.balance; uneven when pp does not divide l)
+    split = (stage_split(shape.layers, pp, v, embed_layers=embed / (lt["fwd"] + lt["bwd"]),
+                         head_layers=head / (lt["fwd"] + lt["bwd"]), balance=plan.balance)
+             if opts.stage_split == "runtime" else uniform_split(shape.layers, pp))
+    # pipeline remat by a solver under one budget (planner/stage_remat.py): each stage keeps what fits
+    kept, rc = _stage_kept(shape, plan, split.layers, seq=seq, elem=e, flash=opts.attention == "flash"), [0.0] * pp
+    if kept is not None:
+        rc = [(n - r) * (lt["fwd"] + lt["tp_fwd"] + lt["cp_fwd"]) for n, r in zip(split.layers, kept)]
+    rank_mb = [n * layer + (embed if k == 0 else 0.0) + (head if k == pp - 1 else 0.0) + rc[k]
+               for k, n in enumerate(split.layers)]
+    slow = max(range(pp), key=lambda k: rank_mb[k])
+    t_mb, L = rank_mb[slow], split.layers[slow]
     # p2p: one send per chunk pass each way, blocking (Megatron), across nodes once a stage fills one
     p2p_msg = 0.0
     if pp > 1:
@@ -303,16 +338,17 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     pipeline = slots * per_mb
     bubble = ((pp - 1) / v) / slots if pp > 1 else 0.0
     # data parallelism (ZeRO's bytes, timed hierarchically) and its overlap
-    n_first = mem.rank_params(shape, tp=tp, pp=pp, first=True, last=pp == 1)
-    n_last = mem.rank_params(shape, tp=tp, pp=pp, first=pp == 1, last=True)
-    n_rank = max(n_first, n_last)
+    n_rank = max(mem.rank_params(shape, tp=tp, pp=pp, first=f, last=la, layers=n)
+                 for f, la, n in {(k == 0, k == pp - 1, n) for k, n in enumerate(split.layers)})
     # gradients travel in the parameters' dtype (DDP and ZeRO-1/2 reduce param.grad), ZeRO-3 in the compute one
     grad_e = e if plan.zero == 3 else (4 if plan.params_dtype == "fp32" else 2)
-    dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, grad_e,
-                                 blocks=int(L) + 2, bucket_bytes=plan.bucket_mb * 1e6)
+    # CP ranks share the parameters: ZeRO's group is dp x cp (the runtime's dense mesh, cp inside dp, tp
+    # innermost); HSDP shards within plan.hsdp of its ranks
+    dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp * cp, tp, m, grad_e,
+                                 blocks=int(L) + 2, bucket_bytes=plan.bucket_mb * 1e6, hsdp=plan.hsdp)
     if pp == 1 and plan.zero != 1 and (opts.dp_overlap or plan.zero == 3):
         window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: 0.0}[plan.zero]
-        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / grad_e, 0, dp, tp, 1, grad_e,
+        last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / grad_e, 0, dp * cp, tp, 1, grad_e,
                                bucket_bytes=plan.bucket_mb * 1e6)[0]
         # an overlapped collective still slows the compute it hides behind: NCCL's kernels take SMs and
         # HBM bandwidth — Calculon's "processor_usage": 0.15 of the device while NVLink traffic runs, 0.02
@@ -321,7 +357,8 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
         slowdown = 0.15 * share + 0.02 * (1 - share)
         if plan.zero == 3:  # per gather unit and pass: FSDP prefetches one unit ahead (prefetch_windows)
             root = n_rank - L * shape.layer_params() / tp
-            one = [_dp_time(plat, n, 3, dp, tp, 1, e, blocks=1)[0] / 3 for n in (root, shape.layer_params() / tp)]
+            one = [_dp_time(plat, n, 3, dp * cp, tp, 1, e, blocks=1, hsdp=plan.hsdp)[0] / 3
+                   for n in (root, shape.layer_params() / tp)]
             fwd = lt["fwd"] + lt["tp_fwd"]
             units = [one[0]] + [one[1]] * int(L)
             # without TP/EP the runtime keeps the root and the last layer gathered into the backward
@@ -334,22 +371,27 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     else:
         dp_exposed = dp_time
     k = optim_state_bytes(plan.optimizer, shape.hidden)
-    opt_params = n_rank / (dp if plan.zero >= 1 else 1)
+    opt_params = n_rank / ((plan.hsdp or dp) * cp if plan.zero >= 1 else 1)
     offloaded = offload_kind(plan) == "optimizer"
     # the update's bytes per (sharded) parameter (optimizer_step_bytes) — on the device unless offloaded
     optimizer = 0.0 if offloaded else plat.memory_bound_seconds(opt_params * optimizer_step_bytes(plan.optimizer, k))
     host = offload_time(shape, plan, plat, n_rank=n_rank, opt_params=opt_params, m=m, tp=tp,
                         backward_s=L * lt["bwd"], compute_s=pipeline) if offloaded else {"s": 0.0, "host_bytes": 0.0}
     step = pipeline + dp_exposed + optimizer + host["s"]
-    tokens = global_batch * seq
-    hw_flops = shape.flops_per_iteration(global_batch, seq, recompute=remat == "full")
-    model_flops = shape.flops_per_iteration(global_batch, seq, recompute=False)
+    tokens = global_batch * full_seq
+    hw_flops = shape.flops_per_iteration(global_batch, full_seq, recompute=remat == "full")
+    model_flops = shape.flops_per_iteration(global_batch, full_seq, recompute=False)
+    if kept is not None:  # the share of the layers the stages run forward again
+        again = shape.flops_per_iteration(global_batch, full_seq, recompute=True) - model_flops
+        hw_flops = model_flops + again * (shape.layers - sum(kept)) / shape.layers
     # phases add up to the step: the m micro-batch slots of the slowest rank split by kind, then the rest
-    slots_compute = m * (t_mb - L * (recompute + tp_layer))
-    phases = {"compute": slots_compute, "recompute": m * L * recompute,
-              "tp_comm": m * L * tp_layer, "pipeline_bubble": (pp - 1) / v * per_mb if pp > 1 else 0.0,
+    slots_compute = m * (t_mb - L * (recompute + tp_layer + cp_layer) - rc[slow])
+    phases = {"compute": slots_compute, "recompute": m * (L * recompute + rc[slow]),
+              "tp_comm": m * L * tp_layer, "cp_comm": m * L * cp_layer,
+              "pipeline_bubble": (pp - 1) / v * per_mb if pp > 1 else 0.0,
               "p2p": m * 2 * v * p2p_msg, "dp_comm": dp_exposed, "optimizer": optimizer, "offload": host["s"]}
-    peak, which = _peak(shape, plan, plat, seq=seq, m=m, v=v, e=e, remat=remat, k=k, opts=opts, offloaded=offloaded)
+    peak, which, ranks = _peak(shape, plan, plat, seq=seq, m=m, v=v, e=e, remat=remat, k=k, opts=opts,
+                               offloaded=offloaded, layers=split.layers, kept=kept)
     host_bytes = host["host_bytes"] * min(world, plat.devices_per_node)  # the ranks of one node share its host
     return PlanCost(plan=plan, step_time_s=step, tokens_per_s=tokens / step,
                     tflops_per_device=hw_flops / step / world / 1e12,
@@ -357,17 +399,22 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
                     peak_bytes=peak, device_bytes=float(plat.device_memory_bytes),
                     fits=peak["total"] + opts.reserve_bytes <= plat.device_memory_bytes
                     and host_bytes <= plat.host_memory_bytes, host_bytes=host_bytes,
-                    bubble_fraction=bubble, exposed_comm_s=phases["tp_comm"] + phases["p2p"] + dp_exposed,
-                    phases_s=phases, heaviest_rank=which,
+                    bubble_fraction=bubble,
+                    exposed_comm_s=phases["tp_comm"] + phases["cp_comm"] + phases["p2p"] + dp_exposed,
+                    phases_s=phases, heaviest_rank=which, stage_layers=split.layers, slowest_rank=slow,
+                    rank_peaks=ranks, stage_kept=kept or (),
                     blocks_s={"layer_fwd": lt["fwd"], "layer_bwd": lt["bwd"], "layer_recompute": recompute,
-                              "layer_tp_comm": tp_layer, "layer_weight_traffic": weight_traffic,
+                              "stage_recompute": rc[slow], "layer_tp_comm": tp_layer, "layer_cp_comm": cp_layer,
+                              "layer_weight_traffic": weight_traffic,
                               "embedding": embed, "head": head},
-                    notes=["offload keys other than optimizer=host (with recompute none or all, DPU) are not priced"]
-                    if offload_kind(plan) == "other" else [])
+                    notes=(["offload keys other than optimizer=host (with recompute none or all, DPU) are not priced"]
+                           if offload_kind(plan) == "other" else [])
+                    + ([f"uneven stage split {split.describe()} layers (the runtime's partitioner)"]
+                       if not split.even else []))
 
 
 def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: int, elem: int, *,
-             blocks: int = 1, bucket_bytes: float = 25e6) -> tuple[float, float]:
+             blocks: int = 1, bucket_bytes: float = 25e6, hsdp: int = 0) -> tuple[float, float]:
     """Seconds of one step's data-parallel collectives for ``n_params`` on this rank: ZeRO's bytes
     (ring convention over dp; ``elem`` bytes per value: DDP's and ZeRO-1/2's gradients in the parameters'
     dtype, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
@@ -375,9 +422,20 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     own InfiniBand NIC (tp innermost, dp next) — plus α per ring step of every collective issued (DDP's
     all-reduces across nodes: the fewer of the ring's and NCCL's double binary tree's steps): DDP and
     ZeRO-1/2 one per ``bucket_bytes`` bucket (ZeRO-2's reduce-scatters per micro-batch), ZeRO-3 (FSDP2)
-    two all-gathers and a reduce-scatter per block and micro-batch. Returns (seconds, of which NVLink)."""
+    two all-gathers and a reduce-scatter per block and micro-batch. ``hsdp`` G: ZeRO within groups of G
+    consecutive dp ranks, then the cost face's all-reduces of the G-th shards across the dp/G groups
+    (ranks tp·G apart). Returns (seconds, of which NVLink)."""
     if dp <= 1:
         return 0.0, 0.0
+    if 0 < hsdp < dp:
+        shard, shard_intra = _dp_time(plat, n_params, zero, hsdp, tp, m, elem, blocks=blocks,
+                                      bucket_bytes=bucket_bytes)
+        rep = (zero_cost.comm_bytes_per_step(n_params, zero, dp, grad_bytes=elem, param_bytes=elem, accum=m,
+                                             hsdp=hsdp)
+               - zero_cost.comm_bytes_per_step(n_params, zero, hsdp, grad_bytes=elem, param_bytes=elem, accum=m))
+        one = _dp_time(plat, n_params / hsdp, 0, dp // hsdp, tp * hsdp, 1, elem, bucket_bytes=bucket_bytes)
+        times = rep / zero_cost.comm_bytes_per_step(n_params / hsdp, 0, dp // hsdp, grad_bytes=elem)
+        return shard + times * one[0], shard_intra + times * one[1]
     received = zero_cost.comm_bytes_per_step(n_params, zero, dp, grad_bytes=elem, param_bytes=elem, accum=m)
     S = float(elem) * n_params
     k = max(1, min(dp, plat.devices_per_node // min(tp, plat.devices_per_node)))
@@ -426,23 +484,53 @@ def offload_time(shape: Shape, plan: Plan, plat: Platform, *, n_rank: float, opt
             "update_s": oc.update_time_s, "h2d_s": oc.h2d_bytes_per_step / plat.h2d_bytes_per_s}
 
 
+def _stage_kept(shape: Shape, plan: Plan, layers: tuple[int, ...], *, seq: int, elem: int,
+                flash: bool) -> tuple[int, ...] | None:
+    """Layers per rank that keep their activations under the plan's pipeline remat budget (None without one):
+    the budget back in this TP rank's bytes, then :func:`.stage_remat.kept_layers` per stage."""
+    budget = stage_remat.budget_of(plan)
+    if budget is None:
+        return None
+    full, inp, whole = (mem.layer_activation_bytes(shape, seq, plan.micro_batch, tp=t, sp=sp, remat=r, elem=elem,
+                                                   flash=flash)
+                        for t, sp, r in ((plan.tp, plan.sp, "none"), (plan.tp, plan.sp, "full"), (1, False, "none")))
+    # the last stage's budget also holds its logits (the solver's graph ends with the head and the loss)
+    logits = mem.logits_bytes(shape, seq, plan.micro_batch, tp=plan.tp, elem=elem)
+    return tuple(stage_remat.kept_layers(n, budget * full / whole - (logits if k == len(layers) - 1 else 0.0),
+                                         full, inp) for k, n in enumerate(layers))
+
+
 def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int, e: int, remat: str, k: float,
-          opts: Options, offloaded: bool = False) -> tuple[dict[str, float], str]:
-    """The heaviest pipeline rank's bytes by category (first or last stage) and which it is."""
+          opts: Options, offloaded: bool = False, layers: tuple[int, ...] = (), kept: tuple[int, ...] | None = None
+          ) -> tuple[dict[str, float], str, list[dict[str, float]]]:
+    """The heaviest pipeline rank's bytes by category, which it is, and every priced rank's totals: the first,
+    the last, and under an uneven split (``layers`` per rank) the earliest rank of each other layer count
+    (most in flight). ``kept``: layers per rank keeping their activations under a pipeline remat budget."""
     tp, pp, dp, b = plan.tp, plan.pp, max(plan.dp, 1), plan.micro_batch
     flash = opts.attention == "flash"
     storage = "fp32" if plan.params_dtype == "fp32" else "mixed"
     best: tuple[dict[str, float], str] | None = None
-    for which, first, last in (("first", True, pp == 1), ("last", pp == 1, True)):
-        n = mem.rank_params(shape, tp=tp, pp=pp, first=first, last=last)
-        ms = zero_cost.model_state_bytes(n, plan.zero, dp, precision=storage, optim_state_bytes=k)
+    every: list[dict[str, float]] = []
+    layers = layers or (shape.layers // pp,) * pp
+    ranks = [0] + sorted({layers.index(n) for n in set(layers)} - {0, pp - 1}) + ([pp - 1] if pp > 1 else [])
+    for r in ranks:
+        which, first, last = ("first" if r == 0 else "last" if r == pp - 1 else f"stage {r}"), r == 0, r == pp - 1
+        n = mem.rank_params(shape, tp=tp, pp=pp, first=first, last=last, layers=layers[r])
+        ms = zero_cost.model_state_bytes(n, plan.zero, (plan.hsdp or dp) * max(plan.cp, 1), precision=storage,
+                                         optim_state_bytes=k)
         if offloaded:  # ZeRO-Offload: parameters stay; gradients leave block by block; no states here
             block_grads = max(shape.layer_params() / tp, shape.vocab * shape.hidden / tp if first else 0)
             ms = ModelStateBytes(ms.params, ms.params / n * block_grads, 0.0)
-        live = mem.inflight(plan.schedule, pp, m, v, last=last and not first)
-        L = shape.layers / pp
+        live = mem.inflight(plan.schedule, pp, m, v, rank=r)
+        L = layers[r]
         act = live * L * mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat=remat, elem=e,
                                                     flash=flash, selective=opts.selective)
+        again = 0.0  # one checkpointed layer's activations rematerialised during its backward
+        if kept is not None:
+            full, inp = (mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat=x, elem=e, flash=flash)
+                         for x in ("none", "full"))
+            act = live * (kept[r] * full + (L - kept[r]) * inp)
+            again = full if kept[r] < L else 0.0
         casts = 0.0
         if plan.precision != "fp32" and plan.params_dtype == "fp32" and plan.zero != 3:  # autocast's, per forward
             casts = 2 * n * (1 if remat == "full" else live)
@@ -454,14 +542,16 @@ def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int,
         if remat == "full" or (remat == "selective" and opts.selective == "op"):  # one layer rematerialised
             transient += mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=plan.sp, remat="none", elem=e,
                                                    flash=flash)
+        transient += again
         if last:  # logits (16-bit), their fp32 copy and its gradient
-            transient = max(transient, seq * b * shape.vocab / tp * (e + 8) + (transient if plan.zero == 3 else 0))
+            transient = max(transient, mem.logits_bytes(shape, seq, b, tp=tp, elem=e)
+                            + (transient if plan.zero == 3 else 0))
         d = {"params": ms.params, "grads": ms.grads, "optimizer": ms.optimizer, "weight_casts": casts,
              "activations": act, "transient": transient}
         d["total"] = sum(d.values())
+        every.append({"rank": r, "live": live, "activations": act, "remat_transient": again, "total": d["total"],
+                      "layers": L, "graph_extra": mem.logits_bytes(shape, seq, b, tp=tp, elem=e) if last else 0.0})
         if best is None or d["total"] > best[0]["total"]:
             best = (d, which)
-        if pp == 1:
-            break
     assert best is not None
-    return best
+    return best[0], best[1], every

@@ -71,28 +71,39 @@ def op_saved_width(shape: Shape) -> int:
     return sum(o for i, (_, o, _, _) in enumerate(shape.matmuls()) if i % 2 == 0)
 
 
-def inflight(schedule: str, pp: int, microbatches: int, virtual: int = 1, last: bool = False) -> float:
-    """Micro-batches' worth of a pipeline rank's activations alive at its peak (module docstring)."""
+def inflight(schedule: str, pp: int, microbatches: int, virtual: int = 1, last: bool = False,
+             rank: int | None = None) -> float:
+    """Micro-batches' worth of a pipeline rank's activations alive at its peak (module docstring);
+    ``rank`` k (default: 0, or pp − 1 when ``last``): 1F1B holds min(p − k, m), interleaved
+    2(p − 1 − k) + (v − 1)p + 1 chunks (the warm-up of rank k)."""
     m, p, v = microbatches, pp, max(virtual, 1)
     if p <= 1:
         return 1.0
+    k = rank if rank is not None else (p - 1 if last else 0)
     if schedule == "gpipe":
         return float(m)
     if schedule == "interleaved" and v > 1:
-        chunks = (v - 1) * p + 1 if last else 2 * (p - 1) + (v - 1) * p + 1
+        chunks = 2 * (p - 1 - k) + (v - 1) * p + 1
         return min(chunks, m * v) / v
-    return 1.0 if last else float(min(p, m))
+    return float(min(p - k, m))
 
 
-def rank_params(shape: Shape, *, tp: int, pp: int, first: bool, last: bool) -> float:
+def rank_params(shape: Shape, *, tp: int, pp: int, first: bool, last: bool, layers: float | None = None) -> float:
     """Parameter elements one rank holds: its l/pp layers split over tp (Megatron's split: the
     replicated biases and norms are few), the vocabulary-parallel embedding (V/t rows) and learned
     positions on the first stage, the final norm and the head on the last (the tied head's copy of the
-    embedding when the last stage is not the first; an untied head always)."""
+    embedding when the last stage is not the first; an untied head always). ``layers``: the rank's
+    layer count under an uneven split (:mod:`.stages`; default l/pp)."""
     h = shape.hidden
-    n = shape.layers / pp * shape.layer_params() / tp
+    n = (shape.layers / pp if layers is None else layers) * shape.layer_params() / tp
     if first:
         n += shape.vocab * h / tp + shape.position_rows * h
     if last:
         n += shape.norm_params + (shape.vocab * h / tp if not (first and shape.tied) else 0)
     return n
+
+
+def logits_bytes(shape: Shape, seq: int, micro_batch: int, *, tp: int = 1, elem: int = 2) -> float:
+    """Bytes of the last stage's logits of one micro-batch on one TP rank: the 16-bit (``elem``) logits,
+    their fp32 copy and its gradient (V/t columns, vocabulary-parallel)."""
+    return seq * micro_batch * shape.vocab / tp * (elem + 8)

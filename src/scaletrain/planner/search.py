@@ -1,11 +1,15 @@
-"""The pruned search over plans: every dp × tp × pp × schedule × virtual stages × micro-batch × ZeRO ×
-remat (none / selective / full) × sequence parallelism the runtime can run, priced by :mod:`.cost`.
+"""The pruned search over plans: every dp × tp (+SP) × cp × pp (uneven, cost-balanced splits) × schedule ×
+virtual stages × micro-batch × ZeRO 0–3 × HSDP × remat (none / selective / full) the runtime can run,
+priced by :mod:`.cost`.
 
-Pruning, cheapest first, each rejected region kept with its reason:
+Pruning, cheapest first, each rejected region kept with its reason (compat rules by name):
 
 1. **divisibility** — tp divides the GPUs of a node (TP stays on NVLink) and the heads and vocabulary
-   (the compatibility table's rule), pp divides the layers, dp·tp·pp = world, dp divides the global
-   batch and dp·b divides it too (micro-batch b: every divisor, no fixed cap);
+   (the compatibility table's rule), dp·tp·cp·pp = world, pp ≤ l + 2 blocks (any pp: the runtime's
+   partitioner splits the embedding, the l layers and the head unevenly, :mod:`.stages`), cp by the
+   table's cp-seq / cp-dropout / pp-cp rules, HSDP's group G a divisor of dp (plain data parallelism
+   only: compat hsdp-mp), pp × ZeRO-3 without TP (compat pp-zero3-tp), dp divides the global batch
+   and dp·b divides it too (micro-batch b: every divisor, no fixed cap);
 2. **memory lower bound** — a (tp, pp) pair whose model states alone, sharded as far as any ZeRO
    stage the runtime allows there, exceed the device is dropped before any time is priced;
 3. **the compatibility table** (:mod:`scaletrain.techniques.compat`) — what the runtime refuses;
@@ -13,7 +17,14 @@ Pruning, cheapest first, each rejected region kept with its reason:
 
 Plans that fit are ranked by predicted step time. ``fixed`` pins any dimension (``tp=8``, ``zero=1``,
 ``remat=full``, ``schedule=interleaved``, ``virtual=2``, ``micro_batch=4``, ``sp=true``, ``dp``, ``pp``,
-``offload=optimizer``).
+``cp=16``, ``hsdp=8``, ``pp_split=equal``, ``offload=optimizer``). The compatibility table is asked once
+per distinct verdict (memoised on what its rules read), the stage split once per region.
+
+**Remat in pipelines** is what the pipeline runtime runs: a solver's schedule per stage under one budget
+(``memory.remat.method=optimal``, ``memory.remat.budget``), fitted to the stages' memory slack and priced
+per stage (:mod:`.stage_remat`) where nothing fits without recompute; full and selective recompute with
+pp > 1 are a rejected region of kind ``runtime`` (the pipeline runtime does not apply those keys).
+Activation and weight offload are named regions too (compat offload-world / offload-pp beyond one device).
 
 **Offload** (ZeRO-Offload: the optimizer on the host) trades step time for device memory, so it is
 searched only when no plan fits without it (a second pass, said in ``notes``) or when pinned. Its plans
@@ -32,15 +43,19 @@ from scaletrain import schema
 from scaletrain.errors import UserError
 from scaletrain.plan import OffloadPlan, Plan, RematPlan
 from scaletrain.planner import memory as mem
+from scaletrain.planner import stage_remat
 from scaletrain.planner.cost import Options, PlanCost, optim_state_bytes, plan_cost, remat_kind
 from scaletrain.planner.shape import Shape
+from scaletrain.planner.stages import BALANCES, PIPELINE_REMAT
 from scaletrain.platform import Platform
 from scaletrain.techniques import compat
 from scaletrain.techniques.data_parallel import cost as zero_cost
 
-FIX_KEYS = {**{k: schema.BY_FIELD[k].type for k in schema.pinnable()}, "remat": str, "offload": str, "attention": str}
+FIX_KEYS = {**{k: schema.BY_FIELD[k].type for k in schema.pinnable()}, "remat": str, "offload": str, "attention": str,
+            "pp_split": str}
 """What ``--fix KEY=VALUE`` may pin, and the type of its value: the plan keys the schema marks searched or
-pinned, and the planner's own words (remat kind, offload, attention pricing)."""
+pinned, and the planner's own words (remat kind, offload, attention pricing, ``pp_split``: the plan's
+``parallel.balance``, profile or equal; ``hsdp``: ``parallel.hsdp``, 0 for none)."""
 REMATS = tuple(schema.REMAT_KINDS)
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 TRACED_SCHEDULES = ("zb1p", "chimera")
@@ -83,11 +98,11 @@ def parse_fixed(items: list[str]) -> dict[str, Any]:
                 out[k] = int(v)
             except ValueError:
                 raise UserError(f"--fix {k}={v}: expected an integer") from None
-            if out[k] < (0 if k == "zero" else 1):
-                raise UserError(f"--fix {k}={v}: must be >= {0 if k == 'zero' else 1}")
+            if out[k] < (0 if k in ("zero", "hsdp") else 1):
+                raise UserError(f"--fix {k}={v}: must be >= {0 if k in ('zero', 'hsdp') else 1}")
         else:
             allowed = {"remat": REMATS, "schedule": SCHEDULES + TRACED_SCHEDULES, "offload": OFFLOADS,
-                       "attention": ("flash", "materialized")}.get(k) or schema.BY_FIELD[k].choices
+                       "attention": ("flash", "materialized"), "pp_split": BALANCES}.get(k) or schema.BY_FIELD[k].choices
             if v not in allowed:
                 raise UserError(f"--fix {k}={v}: allowed: {', '.join(allowed)}")
             out[k] = v
@@ -102,13 +117,14 @@ def _remat(kind: str) -> RematPlan:
     return RematPlan.of_kind(kind)
 
 
-def _states_lower_bound(shape: Shape, tp: int, pp: int, dp: int, zero_max: int, k: float, storage: str,
+def _states_lower_bound(shape: Shape, tp: int, pp: int, shard: int, zero_max: int, k: float, storage: str,
                         offload: str = "none") -> float:
-    """Bytes of model states on the heaviest stage, sharded as far as ZeRO ``zero_max`` goes (with the
-    optimizer on the host: the parameters alone)."""
+    """Bytes of model states on the lightest-possible heaviest stage (l/pp layers, the embedding or the
+    head beside them), sharded over ``shard`` ranks as far as ZeRO ``zero_max`` goes (with the optimizer
+    on the host: the parameters alone). Uneven splits only add layers to some rank, so this bounds them."""
     n = max(mem.rank_params(shape, tp=tp, pp=pp, first=True, last=pp == 1),
             mem.rank_params(shape, tp=tp, pp=pp, first=pp == 1, last=True))
-    ms = zero_cost.model_state_bytes(n, zero_max, dp, precision=storage, optim_state_bytes=k)
+    ms = zero_cost.model_state_bytes(n, zero_max, shard, precision=storage, optim_state_bytes=k)
     return ms.params if offload != "none" else ms.total
 
 
@@ -121,9 +137,6 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     price a system that keeps 16-bit parameters with fp32 masters, as DeepSpeed does)."""
     t0 = time.perf_counter()
     fx = dict(fixed or {})
-    if fx.get("cp", 1) != 1:
-        raise UserError(f"--fix cp={fx['cp']}: the planner does not search context parallelism yet (run it with "
-                        f"parallel.cp={fx['cp']} and plan=manual; `scaletrain estimate` prices it)")
     if fx.get("schedule") in TRACED_SCHEDULES:
         raise UserError(f"--fix schedule={fx['schedule']}: the analytic planner prices {', '.join(SCHEDULES)} only; "
                         f"`scaletrain estimate --plan` prices {fx['schedule']} for a decoder by its trace")
@@ -135,6 +148,7 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     params_dtype = fx.pop("params_dtype", params_dtype)
     if "attention" in fx:
         opts = dataclasses.replace(opts, attention=fx.pop("attention"))
+    balance = fx.pop("pp_split", "profile")
     world = nodes * gpus_per_node
     plat = plat.with_(devices_per_node=gpus_per_node)
     k = optim_state_bytes(optimizer, shape.hidden)
@@ -144,9 +158,31 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     count = [0]
     facts_base = dict(world=world, device=device, gpt2=True, n_head=shape.heads, vocab_size=shape.vocab,
                       n_blocks=shape.layers + 2, seq_len=seq, dropout=shape.dropout)
+    verdicts: dict[tuple, list] = {}
 
-    def reject(region: str, kind: str, reason: str, key: str = "") -> None:
-        rejected.append({"region": region, "kind": kind, "reason": reason, "key": key or reason})
+    def reject(region: str, kind: str, reason: str, key: str = "", over: float = 0.0) -> None:
+        rejected.append({"region": region, "kind": kind, "reason": reason, "key": key or reason, "over": over})
+
+    def refused(plan: Plan, m: int) -> list:
+        """The compatibility table's verdict, memoised on all it reads of a searched plan (its degrees,
+        schedule, remat and offload; the micro-batch count only as m mod pp for interleaved and m mod 2
+        for Chimera: pp-interleaved, pp-chimera)."""
+        key = (plan.dp, plan.tp, plan.pp, plan.cp, plan.sp, plan.zero, plan.hsdp, plan.schedule, plan.virtual,
+               plan.remat, plan.offload, m % plan.pp if plan.schedule == "interleaved" else 0,
+               m % 2 if plan.schedule == "chimera" else 0)
+        if key not in verdicts:
+            verdicts[key] = compat.violations(plan, compat.Facts(microbatches=m, **facts_base))
+        return verdicts[key]
+
+    def rule(plan: Plan, region: str, m: int = 1, where: str = "") -> bool:
+        """Name the first compat rule ``plan`` breaks as a rejected region (one entry per rule and mesh
+        region ``where``, with a count); True when it runs."""
+        bad = refused(plan, m)
+        if bad:
+            facts = compat.Facts(microbatches=m, **facts_base)
+            reject(region, "compat", f"compat rule {bad[0].name}: {bad[0].message(plan, facts)}",
+                   key=f"{where or region} {bad[0].name}")
+        return not bad
 
     def scan(offload: str) -> None:
         storage = "fp32" if params_dtype == "fp32" else "mixed"
@@ -157,42 +193,81 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                 reject(f"tp={tp}", "divisibility", f"tp must divide n_head={shape.heads}, the key/value heads "
                        f"({shape.kv_heads or shape.heads}) and vocab_size={shape.vocab}")
                 continue
-            for pp in _divisors(world // tp):
-                if ("pp" in fx and pp != fx["pp"]) or not shape.layers % pp:
+            for cp in _divisors(world // tp):
+                if fx.get("cp", cp) != cp:
                     continue
-                reject(f"tp={tp} pp={pp}", "divisibility", f"pp={pp} does not divide the {shape.layers} layers: the "
-                       f"analytic planner gives every stage l/pp layers (uneven splits are not searched yet)")
-            for pp in _divisors(shape.layers):
-                if "pp" in fx and pp != fx["pp"]:
-                    continue
-                region = f"tp={tp} pp={pp}"
-                if world % (tp * pp):
-                    if pp <= world:
-                        reject(region, "divisibility", f"tp x pp = {tp * pp} does not divide the {world} devices")
-                    continue
-                dp = world // (tp * pp)
-                if "dp" in fx and dp != fx["dp"]:
-                    continue
-                region += f" dp={dp}" + (" offload" if offload != "none" else "")
-                if global_batch % dp:
-                    reject(region, "batch", f"dp={dp} does not divide the global batch {global_batch}")
-                    continue
-                zeros = [z for z in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if fx.get("zero", z) == z]
-                if not zeros:
-                    reject(region, "compat", f"zero={fx['zero']} is not searched with pipelines (zero=2: compat "
-                           f"rule pp-zero2; zero=3 runs, but the planner does not search it yet)")
-                    continue
-                floor = _states_lower_bound(shape, tp, pp, dp, max(zeros), k, storage, offload) + opts.reserve_bytes
-                if floor > plat.device_memory_bytes:
-                    reject(region, "memory", f"out of memory by at least {(floor - plat.device_memory_bytes) / 2**30:.1f}"
-                           f" GiB: model states alone with ZeRO-{max(zeros)}"
-                           + (" and the optimizer on the host" if offload != "none" else "")
-                           + f" are {floor / 2**30:.1f} GiB (reserve included) on "
-                           f"{plat.device_memory_bytes / 2**30:.0f} GiB")
-                    continue
-                _scan_region(tp, pp, dp, region, zeros, offload)
+                if cp > 1 and not rule(Plan(tp=tp, cp=cp), f"tp={tp} cp={cp}"):
+                    continue  # seq % 2cp, dropout: whole cp value refused
+                for pp in _divisors(world // (tp * cp)):
+                    if "pp" in fx and pp != fx["pp"]:
+                        continue
+                    region = f"tp={tp} cp={cp} pp={pp}" if cp > 1 else f"tp={tp} pp={pp}"
+                    if pp > shape.layers + 2:
+                        reject(region, "compat", f"compat rule pp-blocks: pp={pp} stages for {shape.layers + 2} "
+                               f"blocks (the layers, the embedding and the head)", key="pp-blocks")
+                        continue
+                    if opts.stage_split == "uniform" and shape.layers % pp:
+                        reject(region, "divisibility", f"pp={pp} does not divide the {shape.layers} layers (a "
+                               f"uniform split was asked for: Options.stage_split)", key="uniform")
+                        continue
+                    if pp > 1 and cp > 1:
+                        rule(Plan(tp=tp, cp=cp, pp=pp), f"tp={tp} cp>1 pp>1")
+                        continue
+                    dp = world // (tp * cp * pp)
+                    if "dp" in fx and dp != fx["dp"]:
+                        continue
+                    region += f" dp={dp}" + (" offload" if offload != "none" else "")
+                    if global_batch % dp:
+                        reject(region, "batch", f"dp={dp} does not divide the global batch {global_batch}")
+                        continue
+                    _scan_mesh(tp, cp, pp, dp, region, offload, storage)
 
-    def _scan_region(tp: int, pp: int, dp: int, region: str, zeros: list[int], offload: str) -> None:
+    def _scan_mesh(tp: int, cp: int, pp: int, dp: int, region: str, offload: str, storage: str) -> None:
+        zeros = [z for z in ((0, 1, 3) if pp > 1 else (0, 1, 2, 3)) if fx.get("zero", z) == z]
+        if pp > 1 and 2 == fx.get("zero"):
+            rule(Plan(tp=tp, pp=pp, zero=2), region)
+        if pp > 1 and 3 in zeros and not rule(Plan(tp=tp, pp=pp, zero=3), f"{region} zero=3"):
+            zeros.remove(3)  # pp x ZeRO-3 runs with tp=1 only (compat pp-zero3-tp)
+        # HSDP: ZeRO within groups of G of the dp ranks, replicated across them (plain data parallelism only)
+        groups = [0] + [g for g in _divisors(dp) if 1 < g < dp]
+        if "hsdp" in fx:
+            groups = [fx["hsdp"]] if fx["hsdp"] in groups else []
+            if not groups:
+                reject(region, "divisibility", f"hsdp={fx['hsdp']} must be a divisor of dp={dp} below it (0: none)")
+        if len(groups) > 1 and not rule(Plan(tp=tp, cp=cp, pp=pp, zero=1, hsdp=groups[1]), f"{region} hsdp"):
+            groups = [0]
+        for hsdp in groups:
+            zs = [z for z in zeros if z >= 1] if hsdp else zeros
+            if not zs:
+                continue
+            where = region + (f" hsdp={hsdp}" if hsdp else "")
+            floor = (_states_lower_bound(shape, tp, pp, (hsdp or dp) * cp, max(zs), k, storage, offload)
+                     + opts.reserve_bytes)
+            if floor > plat.device_memory_bytes:
+                over = floor - plat.device_memory_bytes
+                reject(where, "memory", f"out of memory by at least {over / 2**30:.1f}"
+                       f" GiB: model states alone with ZeRO-{max(zs)}"
+                       + (" and the optimizer on the host" if offload != "none" else "")
+                       + f" are {floor / 2**30:.1f} GiB (reserve included) on "
+                       f"{plat.device_memory_bytes / 2**30:.0f} GiB", over=over)
+                continue
+            _scan_region(tp, cp, pp, dp, hsdp, where, zs, offload)
+
+    def layer_bytes(b: int, tp: int, sp: bool, remat: str) -> float:
+        return mem.layer_activation_bytes(shape, seq, b, tp=tp, sp=sp, remat=remat, elem=2 if precision != "fp32"
+                                          else 4, flash=opts.attention == "flash")
+
+    def price(plan: Plan, key: tuple) -> PlanCost:
+        c = plan_cost(shape, plan, plat, global_batch=global_batch, seq=seq, options=opts)
+        count[0] += 1
+        if c.fits:
+            ranked.append(c)
+        elif key not in oom or c.peak_bytes["total"] < oom[key].peak_bytes["total"]:
+            oom[key] = c
+        return c
+
+    def _scan_region(tp: int, cp: int, pp: int, dp: int, hsdp: int, region: str, zeros: list[int],
+                     offload: str) -> None:
         per_rank = global_batch // dp
         for b in _divisors(per_rank):
             if "micro_batch" in fx and b != fx["micro_batch"]:
@@ -201,7 +276,7 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
             scheds: list[tuple[str, int]] = [("1f1b", 1)]
             if pp > 1:
                 scheds.append(("gpipe", 1))
-                scheds += [("interleaved", v) for v in _divisors(shape.layers // pp) if v > 1 and v <= 8]
+                scheds += [("interleaved", v) for v in range(2, 9) if (shape.layers + 2) >= pp * v]
             for sched, v in scheds:
                 if "schedule" in fx and (pp == 1 or sched != fx["schedule"]):
                     continue  # a pinned schedule asks for a pipeline
@@ -213,29 +288,33 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                             continue
                         if offload != "none" and remat == "selective":
                             continue  # the offload runtime recomputes whole blocks only (compat offload-remat)
-                        for sp in ((False, True) if tp > 1 else (False,)):
+                        if pp > 1 and remat != "none":
+                            reject(f"{region} remat={remat}", "runtime", PIPELINE_REMAT, key=f"{region} pp-remat")
+                            continue
+                        for sp in ((False, True) if tp > 1 and cp == 1 else (False,)):
                             if "sp" in fx and sp != fx["sp"]:
                                 continue
-                            plan = Plan(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=b,
+                            plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, sp=sp, zero=zero, hsdp=hsdp, micro_batch=b,
                                         microbatches=m if pp > 1 else 0,
                                         schedule=sched if pp > 1 else "1f1b", virtual=v if v > 1 else 0,
+                                        balance=balance,
                                         remat=_remat(remat) if offload == "none" else RematPlan(),
                                         offload=_offload(offload, remat), precision=precision,
                                         params_dtype=params_dtype, optimizer=optimizer)
-                            facts = compat.Facts(microbatches=m, **facts_base)
-                            bad = compat.violations(plan, facts)
-                            if bad:
-                                reject(f"{region} {sched} v={v} b={b}", "compat", bad[0].message(plan, facts),
-                                       key=f"{region} {bad[0].name}")
+                            if not rule(plan, f"{region} {sched} v={v} b={b}", m, where=region):
                                 continue
-                            c = plan_cost(shape, plan, plat, global_batch=global_batch, seq=seq, options=opts)
-                            count[0] += 1
-                            if c.fits:
-                                ranked.append(c)
-                            else:
-                                key = (tp, pp, dp, offload)
-                                if key not in oom or c.peak_bytes["total"] < oom[key].peak_bytes["total"]:
-                                    oom[key] = c
+                            c = price(plan, (tp, cp, pp, dp, hsdp, offload))
+                            if not c.fits and pp > 1 and remat == "none" and offload == "none" and "remat" not in fx:
+                                # the runtime's pipeline remat: a solver per stage under the budget the
+                                # stages' slack leaves (planner/stage_remat.py); only where nothing fits without
+                                budget = stage_remat.fit_budget(c.rank_peaks, plat.device_memory_bytes
+                                                                - opts.reserve_bytes, layer_bytes(b, tp, sp, "none"),
+                                                                layer_bytes(b, tp, sp, "full"))
+                                solved = stage_remat.with_budget(plan, budget, layer_bytes(b, 1, False, "none")
+                                                                 / layer_bytes(b, tp, sp, "none"))
+                                if rule(solved, f"{region} {sched} v={v} b={b} remat={stage_remat.METHOD}", m,
+                                        where=region):
+                                    price(solved, (tp, cp, pp, dp, hsdp, offload))
 
     notes: list[str] = []
     scan(fx.get("offload", "none"))
@@ -243,18 +322,35 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
         notes.append("no plan fits with the optimizer on the device: searched again with it on the host "
                      "(ZeRO-Offload; --fix offload=none forbids it)")
         scan("optimizer")
+    _offload_regions(reject, world, compat, facts_base)
     # by predicted time; equal times (to a microsecond) go to the simpler plan, then the lighter one
-    ranked.sort(key=lambda c: (round(c.step_time_s, 6), c.plan.zero, REMATS.index(_remat_name(c.plan)),
-                               c.plan.sp, c.peak_bytes["total"]))
-    for (tp, pp, dp, offload), c in sorted(oom.items()):
-        if not any(r.plan.tp == tp and r.plan.pp == pp for r in ranked):
+    ranked.sort(key=lambda c: (round(c.step_time_s, 6), c.plan.zero, _remat_rank(c.plan),
+                               c.plan.sp, c.plan.cp, c.plan.hsdp, c.peak_bytes["total"]))
+    for (tp, cp, pp, dp, hsdp, offload), c in sorted(oom.items()):
+        if not any(r.plan.tp == tp and r.plan.pp == pp and r.plan.cp == cp for r in ranked):
             over = c.peak_bytes["total"] + opts.reserve_bytes - c.device_bytes
             where = (f"{over / 2**30:.1f} GiB" if over > 0 else
                      f"{(c.host_bytes - plat.host_memory_bytes) / 2**30:.1f} GiB of host memory")
-            reject(f"tp={tp} pp={pp} dp={dp}" + (" offload" if offload != "none" else ""), "memory",
-                   f"every plan is out of memory; the smallest by {where} ({c.plan.describe()})")
+            reject(f"tp={tp}" + (f" cp={cp}" if cp > 1 else "") + f" pp={pp} dp={dp}"
+                   + (f" hsdp={hsdp}" if hsdp else "") + (" offload" if offload != "none" else ""), "memory",
+                   f"every plan is out of memory; the smallest by {where} ({c.plan.describe()})",
+                   over=max(over, 0.0))
     return SearchResult(ranked=ranked, out_of_memory=list(oom.values()), rejected=_merge(rejected),
                         evaluated=count[0], seconds=time.perf_counter() - t0, world=world, notes=notes)
+
+
+def _offload_regions(reject: Any, world: int, compat: Any, facts_base: dict[str, Any]) -> None:
+    """Activation and weight offload: the regions the runtime refuses at this size, each naming its compat
+    rule; where it runs (one device) they are not priced on paper, said so (``scaletrain estimate`` prices them)."""
+    for what, off in (("activations", OffloadPlan(activations="all")), ("weights", OffloadPlan(params="host"))):
+        plan = Plan(dp=world, offload=off)
+        bad = compat.violations(plan, compat.Facts(microbatches=1, **facts_base))
+        if bad:
+            facts = compat.Facts(microbatches=1, **facts_base)
+            reject(f"offload {what}", "compat", f"compat rule {bad[0].name}: {bad[0].message(plan, facts)}")
+        else:
+            reject(f"offload {what}", "priced", f"offload of {what} is not priced on paper (the analytic planner "
+                   f"prices the optimizer's, ZeRO-Offload); `scaletrain estimate` prices it")
 
 
 def _offload(kind: str, remat: str) -> OffloadPlan:
@@ -265,8 +361,10 @@ def _offload(kind: str, remat: str) -> OffloadPlan:
     return OffloadPlan(optimizer="host", recompute="all" if remat == "full" else "none")
 
 
-def _remat_name(plan: Plan) -> str:
-    return remat_kind(plan)
+def _remat_rank(plan: Plan) -> int:
+    """Less recompute first: none, selective, full, then a pipeline's solver schedule."""
+    name = remat_kind(plan)
+    return REMATS.index(name) if name in REMATS else len(REMATS)
 
 
 def _merge(rejected: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -279,8 +377,9 @@ def _merge(rejected: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out[key]["count"] += 1
         else:
             out[key] = {**r, "count": 1}
-    order = {"memory": 0, "batch": 1, "divisibility": 2, "compat": 3}
-    return sorted(out.values(), key=lambda r: order.get(r["kind"], 4))
+    # memory first, nearest miss first (bytes over the device): what "no plan fits" names
+    order = {"memory": 0, "batch": 1, "divisibility": 2, "compat": 3, "runtime": 4}
+    return sorted(out.values(), key=lambda r: (order.get(r["kind"], 4), r.get("over", 0.0)))
 
 
 def why_lost(best: PlanCost, other: PlanCost) -> str:

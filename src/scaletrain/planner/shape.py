@@ -12,6 +12,7 @@ named published shape (:data:`NAMED`). None builds a module, so any size is free
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,7 @@ class Shape:
                    tied=bool(a["tie_word_embeddings"]))
 
     # ---------------------------------------------------------------- parameters
+    @functools.lru_cache(maxsize=None)  # noqa: B019  (frozen, hashable, few shapes: the search calls it per plan)
     def matmuls(self) -> list[tuple[str, int, int, str]]:
         """The layer's weight matmuls in forward order: (name, out width, in width, how TP splits it —
         ``col``umn: the output over t ranks, ``row``: the input). GPT-2 fuses Q, K and V in one matmul
@@ -158,6 +160,7 @@ class Shape:
                     ("w1", f, h, "col"), ("w3", f, h, "col"), ("w2", h, f, "row")]
         return [("qkv", h + 2 * kv, h, "col"), ("proj", h, h, "row"), ("fc", f, h, "col"), ("fc2", h, f, "row")]
 
+    @functools.lru_cache(maxsize=None)  # noqa: B019
     def layer_params(self) -> int:
         """One block: its matmul weights (GPT-2: 4h^2 + 2hf; Llama: 2h^2 + 2h·kv + 3hf), their biases
         (GPT-2: 3h + h + f + h) and two norms (4h LayerNorm, 2h RMSNorm). GPT-2 with f = 4h: 12h^2 + 13h."""

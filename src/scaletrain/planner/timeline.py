@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from scaletrain.planner.context import ring_layer_times
 from scaletrain.planner.cost import Options, PlanCost, layer_times
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import Platform
@@ -42,6 +43,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "RC": ("recompute", "#C44E52", "recompute"),
     "B": ("compute", "", "backward"),
     "TP": ("tp_comm", "#DA8BC3", "TP comm"),
+    "CP": ("cp_comm", "#937860", "CP ring (exposed)"),
     "P2P": ("p2p", "#8C8C8C", "p2p send"),
     "BUBBLE": ("pipeline_bubble", "#CCB974", "pipeline bubble"),
     "DP": ("dp_comm", "#64B5CD", "DP comm (exposed)"),
@@ -86,18 +88,26 @@ def step_timeline(c: PlanCost, shape: Shape, plat: Platform, *, global_batch: in
     pp = plan.pp
     v = max(plan.virtual, 1) if pp > 1 and plan.schedule == "interleaved" else 1
     m = global_batch // (max(plan.dp, 1) * plan.micro_batch)
-    L = shape.layers / pp
-    extra = blocks["embedding"] + blocks["head"] if pp == 1 else max(blocks["embedding"], blocks["head"])
-    lt = layer_times(shape, plat, seq=seq, b=plan.micro_batch, tp=plan.tp, sp=plan.sp, precision=plan.precision,
-                     opts=options or Options())
+    # every slot is priced at the slowest rank's micro-batch: its layers, and the embedding / head it holds
+    slow = c.slowest_rank
+    L = c.stage_layers[slow] if c.stage_layers else shape.layers / pp
+    extra = (blocks["embedding"] if slow == 0 else 0.0) + (blocks["head"] if slow == pp - 1 else 0.0)
+    cp = max(plan.cp, 1)
+    lt = ring_layer_times(layer_times(shape, plat, seq=seq // cp, b=plan.micro_batch, tp=plan.tp, sp=plan.sp,
+                                      precision=plan.precision, opts=options or Options()),
+                          shape, plat, seq=seq, b=plan.micro_batch, tp=plan.tp, cp=cp,
+                          elem=4 if plan.precision == "fp32" else 2)
+    cp_f = lt["cp_fwd"]
     tp_sum = lt["tp_fwd"] + lt["tp_bwd"]
     tp_f = blocks["layer_tp_comm"] * (lt["tp_fwd"] / tp_sum if tp_sum else 0.5)
     p2p = phases["p2p"] / (2 * v * m) if m else 0.0
     # one chunk pass (1/v of the rank's layers) as its parts, in the order they run
-    fwd = [("F", (L * blocks["layer_fwd"] + extra / 3) / v), ("TP", L * tp_f / v), ("P2P", p2p)]
-    bwd = [("RC", L * blocks["layer_recompute"] / v),
+    fwd = [("F", (L * blocks["layer_fwd"] + extra / 3) / v), ("TP", L * tp_f / v), ("CP", L * cp_f / v),
+           ("P2P", p2p)]
+    bwd = [("RC", (L * blocks["layer_recompute"] + blocks.get("stage_recompute", 0.0)) / v),
            ("B", (L * (blocks["layer_bwd"] + blocks["layer_weight_traffic"]) + 2 * extra / 3) / v),
-           ("TP", L * (blocks["layer_tp_comm"] - tp_f) / v), ("P2P", p2p)]
+           ("TP", L * (blocks["layer_tp_comm"] - tp_f) / v),
+           ("CP", L * (blocks.get("layer_cp_comm", 0.0) - cp_f) / v), ("P2P", p2p)]
     sched = schedules.build(plan.schedule if pp > 1 else "1f1b", pp, m, v)
     S = sched.n_stages
     sim = simulate(sched, StageCosts(fwd_s=[sum(d for _, d in fwd)] * S, bwd_s=[sum(d for _, d in bwd)] * S))

@@ -31,6 +31,7 @@ from scaletrain.errors import UserError
 from scaletrain.plan import Plan, RematPlan
 from scaletrain.schema import REMAT_KINDS
 from scaletrain.planner.cost import Options, PlanCost, remat_kind
+from scaletrain.planner.stages import PIPELINE_REMAT
 from scaletrain.platform import Platform
 from scaletrain.techniques import compat
 
@@ -169,7 +170,12 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
         raise UserError(f"--fix offload={fx['offload']}: the traced planner does not search offloading yet; "
                         f"searched: dp, tp, pp, ep, zero, remat, sp, schedule, virtual, micro_batch")
     if fx.get("cp", 1) != 1:
-        raise UserError(f"--fix cp={fx['cp']}: the planner does not search context parallelism yet")
+        raise UserError(f"--fix cp={fx['cp']}: the traced planner does not search context parallelism yet (decoder "
+                        f"shapes priced on paper do: gpt2-*, hf:llama, hf:mistral)")
+    if fx.get("hsdp", 0) or fx.get("pp_split", "profile") != "profile":
+        key = "hsdp" if fx.get("hsdp", 0) else "pp_split"
+        raise UserError(f"--fix {key}={fx[key]}: the traced planner searches ZeRO over all dp ranks and the "
+                        f"runtime's profile split only (decoder shapes priced on paper search {key})")
     if "attention" in fx:
         raise UserError(f"--fix attention={fx['attention']}: a traced model is priced with the attention kernels it "
                         f"runs; attention= applies to decoder shapes priced on paper")
@@ -210,6 +216,9 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                         # does not fit (or when pinned)
                         for remat in REMATS:
                             if fx.get("remat", remat) != remat or (remat == "selective" and not attention):
+                                continue
+                            if pp > 1 and remat != "none":
+                                reject(f"{region} remat={remat}", "runtime", PIPELINE_REMAT, key=f"{region} pp-remat")
                                 continue
                             plan = Plan(dp=dp, tp=tp, pp=pp, ep=ep, sp=sp, zero=zero, micro_batch=b,
                                         microbatches=m if pp > 1 else 0, schedule=sched if pp > 1 else "1f1b",

@@ -154,14 +154,22 @@ def _minmax(model: _Model, cost, limit: float) -> tuple[float, list[int]] | None
     best = [[INF] * (n + 1) for _ in range(S + 1)]
     arg = [[-1] * (n + 1) for _ in range(S + 1)]
     best[0][0] = 0.0
+    lim = limit * (1 + 1e-12)  # slack: float rounding
+    bounded = lim != INF  # no limit: no memory to evaluate (the planner's many calls: planner/stages.py)
+    memory = model.memory
     for k in range(S):
+        prev, cur, where = best[k], best[k + 1], arg[k + 1]
         for j in range(k + 1, n - (S - k - 1) + 1):  # leave a block for each later stage
+            bj, aj = cur[j], where[j]
             for i in range(k, j):
-                if best[k][i] == INF or model.memory(i, j, k) > limit * (1 + 1e-12):  # slack: float rounding
+                p = prev[i]
+                if p == INF or (bounded and memory(i, j, k) > lim):
                     continue
-                val = max(best[k][i], cost(i, j, k))
-                if val < best[k + 1][j]:
-                    best[k + 1][j], arg[k + 1][j] = val, i
+                c = cost(i, j, k)
+                val = p if p >= c else c
+                if val < bj:
+                    bj, aj = val, i
+            cur[j], where[j] = bj, aj
     if best[S][n] == INF:
         return None
     bounds = [n]
