@@ -292,6 +292,12 @@ RULES: list[Rule] = [
          "its schedule drops tensors op by op and runs outside DDP/FSDP/DTensor wrappers",
          "memory.remat.method=optimal, revolve or periodic (nested checkpoints compose with everything)",
          "op-by-op schedule"),
+    Rule("remat-pp-kind", lambda p, f: p.pp > 1 and (p.remat.blocks != "none" or p.remat.selective != "none"),
+         lambda p, f: f"memory.remat.blocks={p.remat.blocks} / memory.remat.selective={p.remat.selective} "
+                      f"with parallel.pp={p.pp}",
+         "each pipeline stage rematerializes by its own solver schedule (one per stage, under the per-stage "
+         "memory.remat.budget); an explicit block list or selective recompute would be silently dropped",
+         "memory.remat.method=optimal, revolve or periodic with memory.remat.budget", "stages solve their own"),
     Rule("remat-mix", lambda p, f: p.remat.method != "none" and p.remat.blocks != "none",
          lambda p, f: f"memory.remat.method={p.remat.method} with memory.remat.blocks={p.remat.blocks}",
          "a solver's schedule and an explicit block list would both decide what is kept", "one of them",
