@@ -95,12 +95,13 @@ class Platform:
     132 (the same GH100 die and SM count as H100 SXM5); V100: 80 (Volta whitepaper). 0 = not priced (CPUs,
     the logical device pool: ``calibrate`` on a CPU and :mod:`scaletrain.planner.local` leave it 0)."""
     matmul_tile_m: int = 256
+    """Rows of the output tile one thread block of a large cuBLAS GEMM computes, elements (with
+    :attr:`matmul_tile_n`; source and use there)."""
     matmul_tile_n: int = 128
-    """Output tile of one thread block of a large 16-bit cuBLAS GEMM, rows × columns of the output, elements
-    (``matmul_tile_m`` × ``matmul_tile_n``; either orientation is priced, cuBLAS has both): 256×128 is the
-    largest and most efficient tile NVIDIA's "Matrix Multiplication Background User's Guide" (Deep Learning
-    Performance docs, "Dimension Quantization Effects") names for A100, with which it shows tile and wave
-    quantization. Used only where :attr:`sm_count` > 0."""
+    """Columns of that output tile, elements (``matmul_tile_m`` × ``matmul_tile_n``; either orientation is
+    priced, cuBLAS has both): 256×128 is the largest and most efficient tile NVIDIA's "Matrix Multiplication
+    Background User's Guide" (Deep Learning Performance docs, "Dimension Quantization Effects") names for
+    A100, with which it shows tile and wave quantization. Used only where :attr:`sm_count` > 0."""
     mem_efficiency: tuple = ((100.0, 0.9), (10.0, 0.75), (1.0, 0.6), (0.0, 0.3))
     """Achieved fraction of ``device_mem_bytes_per_s`` for a memory-bound kernel moving at least that
     many MB (same source, "mem1" ``MB_efficiency``)."""
