@@ -4,7 +4,8 @@ On a lent H100/H200 (or any CUDA device) this script measures what the planner's
 assumes and what its plans do:
 
 1. **matmul**: achieved TFLOP/s of the matmul shapes a GPT layer runs (and squares), bf16 and fp32,
-   next to the preset's roofline (peak x ``Platform.matmul_fraction``; Calculon's table);
+   next to the preset's roofline (peak x ``Platform.matmul_fraction``, Calculon's table, x the shape's
+   ``Platform.wave_fraction``);
 2. **memory bandwidth**: a large device-to-device copy vs ``device_mem_bytes_per_s x mem_fraction``;
 3. **plans**: for GPT-2 models at several micro-batches, remat choices and precisions, the plan
    ``scaletrain plan --platform P --nodes 1 --gpus-per-node 1 --fix ...`` prices and writes (``--out``)
@@ -94,9 +95,11 @@ def matmuls(plat, device: str, quick: bool) -> list[dict]:
             b = torch.randn(k, n, device=device, dtype=dtype)
             sec = _time(lambda: a @ b, 5 if quick else 20)
             flops = 2.0 * m * n * k
-            pred = flops / (plat.flops(precision) * plat.matmul_fraction(flops))
+            # the preset's table times the shape's tile and wave quantization (Platform.wave_fraction)
+            pred = flops / (plat.flops(precision) * plat.matmul_fraction(flops) * plat.wave_fraction(m, n))
             rows.append({"precision": precision, "m": m, "n": n, "k": k, "measured_tflops": flops / sec / 1e12,
                          "predicted_tflops": flops / pred / 1e12, "preset_fraction": plat.matmul_fraction(flops),
+                         "wave_fraction": plat.wave_fraction(m, n),
                          "measured_fraction": flops / sec / plat.flops(precision)})
             del a, b
     return rows

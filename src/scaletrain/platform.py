@@ -78,7 +78,9 @@ class Platform:
     (calculon-ai/calculon ``systems/a100_80g.json``, "matrix" ``gflops_efficiency``: 0.95, 0.9, 0.6,
     0.1) scaled so that its top row is the *measured* best A100 SXM bf16 matmul, 267.9 of 312 TFLOP/s
     = 0.86 (Bekman, ml-engineering "Maximum Achievable Matmul FLOPS"); Calculon's 0.95 is not reached.
-    H100 / H200 presets scale it to 792.1 / 989 = 0.80 the same way."""
+    H100 / H200 presets scale it to 792.1 / 989 = 0.80 the same way. Per useful output tile: where
+    :attr:`sm_count` is set the roofline multiplies it by :meth:`wave_fraction` of the matmul's shape, so
+    a preset's top row is the MAMF over the wave fraction of the shape it was measured on."""
     unaligned_matmul_fraction: float = 0.0
     """Achieved fraction of ``flops_bf16`` for a 16-bit matmul with a dimension that is not a multiple of
     8 (a GPT-2 head over its 50,257-word vocabulary): cuBLAS runs it on alignment-1 kernels without the
@@ -86,6 +88,20 @@ class Platform:
     H100/H200: 0.115, measured on one H200 (``benchmarks/results/planner_gpu_h200_profile.json``: the
     gpt2-medium head's three GEMMs, 5.06 TFLOP per step, took 44.2 ms on ``cutlass_75_*_align1``
     kernels, while the aligned GEMMs of the same step ran above 0.8)."""
+    sm_count: int = 0
+    """Streaming multiprocessors of one GPU, a count: a GEMM runs its output tiles one per SM in waves,
+    so a last partial wave idles SMs (:func:`wave_fraction`). A100 SXM: 108 (NVIDIA A100 Tensor Core GPU
+    Architecture whitepaper); H100 SXM5: 132 (NVIDIA H100 Tensor Core GPU Architecture whitepaper); H200:
+    132 (the same GH100 die and SM count as H100 SXM5); V100: 80 (Volta whitepaper). 0 = not priced (CPUs,
+    the logical device pool: ``calibrate`` on a CPU and :mod:`scaletrain.planner.local` leave it 0)."""
+    matmul_tile_m: int = 256
+    """Rows of the output tile one thread block of a large cuBLAS GEMM computes, elements (with
+    :attr:`matmul_tile_n`; source and use there)."""
+    matmul_tile_n: int = 128
+    """Columns of that output tile, elements (``matmul_tile_m`` × ``matmul_tile_n``; either orientation is
+    priced, cuBLAS has both): 256×128 is the largest and most efficient tile NVIDIA's "Matrix Multiplication
+    Background User's Guide" (Deep Learning Performance docs, "Dimension Quantization Effects") names for
+    A100, with which it shows tile and wave quantization. Used only where :attr:`sm_count` > 0."""
     mem_efficiency: tuple = ((100.0, 0.9), (10.0, 0.75), (1.0, 0.6), (0.0, 0.3))
     """Achieved fraction of ``device_mem_bytes_per_s`` for a memory-bound kernel moving at least that
     many MB (same source, "mem1" ``MB_efficiency``)."""
@@ -123,6 +139,12 @@ class Platform:
     def matmul_fraction(self, flops: float) -> float:
         """Achieved fraction of peak for one matmul of ``flops`` FLOPs (:attr:`matmul_efficiency`)."""
         return _lookup(self.matmul_efficiency, flops / 1e9)
+
+    def wave_fraction(self, m: float, n: float, batch: float = 1.0) -> float:
+        """Useful fraction of the SMs' tile slots for a GEMM with an ``m`` × ``n`` output (``batch`` of them
+        in one batched launch): :func:`wave_fraction` with this GPU's SMs and tile; 1.0 where
+        :attr:`sm_count` is 0 (not priced)."""
+        return wave_fraction(m, n, batch, self.sm_count, self.matmul_tile_m, self.matmul_tile_n)
 
     def mem_fraction(self, nbytes: float) -> float:
         """Achieved fraction of HBM bandwidth for a kernel moving ``nbytes`` (:attr:`mem_efficiency`)."""
@@ -172,7 +194,8 @@ class Platform:
 FRACTIONS = ("unaligned_matmul_fraction", "intra_node_efficiency", "inter_node_efficiency")
 """Fields that are a fraction of a peak, in [0, 1]."""
 MAY_BE_ZERO = ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_overhead_s", "price_per_device_hour",
-               "intra_node_latency_s", "inter_node_latency_s", "unaligned_matmul_fraction", "compile_factor")
+               "intra_node_latency_s", "inter_node_latency_s", "unaligned_matmul_fraction", "compile_factor",
+               "sm_count")
 """Numeric fields where 0 is meaningful (no such link, not modelled, unknown price); the others divide."""
 
 
@@ -203,6 +226,30 @@ def _check_field(name: str, value: object, default: object) -> None:
             raise UserError(f"{where} must be a non-empty list of [size >= 0, fraction in (0, 1]] pairs")
     elif name == "meta" and not isinstance(value, dict):
         raise UserError(f"{where} must be an object (got {value!r})")
+
+
+def wave_fraction(m: float, n: float, batch: float, sm_count: int, tile_m: int, tile_n: int) -> float:
+    """Tile and wave quantization of a GEMM (NVIDIA, "Matrix Multiplication Background User's Guide",
+    "Dimension Quantization Effects"): its ``m`` × ``n`` output (``batch`` of them) is cut into
+    ⌈m/tm⌉·⌈n/tn⌉·batch tiles, one thread block each, run ``sm_count`` at a time, so it takes
+    W = ⌈tiles / sm_count⌉ waves of full-tile time and does useful work on m·n·batch of the
+    W·sm_count·tm·tn output elements those waves could compute. The better of the two orientations
+    (tm × tn, tn × tm) is taken, as cuBLAS's heuristic picks among both; a side longer than the output's
+    dimension is cut to that dimension rounded up to 64, the narrowest tile side in the guide's list
+    (256×64, 64×256, ..., 64×64), as cuBLAS runs a narrow tile rather than pad half of a wide one (an
+    attention AV with head dimension 64 is not priced at half). Returns that fraction, in (0, 1]; 1.0 when
+    ``sm_count`` is 0 (not priced). E.g. 110 tiles on 108 SMs: 2 waves, 110/216 ≈ 0.51. Not modelled:
+    split-K / stream-K kernels, which cuBLAS may use to fill the SMs when the tiles are few, and a narrow
+    tile's lower efficiency per tile."""
+    if sm_count <= 0 or m <= 0 or n <= 0 or batch <= 0:
+        return 1.0
+    best = 0.0
+    for tm, tn in ((tile_m, tile_n), (tile_n, tile_m)):
+        tm, tn = min(tm, 64 * math.ceil(m / 64)), min(tn, 64 * math.ceil(n / 64))
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * math.ceil(batch)
+        waves = math.ceil(tiles / sm_count)
+        best = max(best, m * n * batch / (waves * sm_count * tm * tn))
+    return best
 
 
 def _lookup(table: tuple, size: float) -> float:
@@ -236,6 +283,7 @@ PRESETS: dict[str, Platform] = {
         intra_node_bytes_per_s=450 * GB,     # NVLink 4: 900 GB/s total = 450 per direction
         inter_node_bytes_per_s=50 * GB,      # DGX H100: 8x ConnectX-7 400 Gb/s, one per GPU
         devices_per_node=8,
+        sm_count=132,                        # H100 whitepaper: 132 SMs on H100 SXM5
         source="NVIDIA H100 Tensor Core GPU data sheet (SXM5); DGX H100 data sheet; host/disk/CPU rates assumed",
     ),
     "a100": Platform(
@@ -255,6 +303,7 @@ PRESETS: dict[str, Platform] = {
         intra_node_bytes_per_s=300 * GB,     # NVLink 3: 600 GB/s total = 300 per direction
         inter_node_bytes_per_s=25 * GB,      # DGX A100: 8x ConnectX-6 200 Gb/s HDR, one per GPU
         devices_per_node=8,
+        sm_count=108,                        # A100 whitepaper: 108 SMs
         source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB); DGX A100 data sheet; host/disk/CPU rates assumed",
     ),
     "v100": Platform(
@@ -274,6 +323,7 @@ PRESETS: dict[str, Platform] = {
         intra_node_bytes_per_s=150 * GB,     # NVLink 2: 300 GB/s total = 150 per direction
         inter_node_bytes_per_s=6.25 * GB,    # DGX-2: 8x 100 Gb/s EDR for 16 GPUs
         devices_per_node=16,
+        sm_count=80,                         # Volta whitepaper: 80 SMs on Tesla V100
         source="NVIDIA Tesla V100 data sheet (SXM2 32GB); DGX-2 data sheet; host/disk/CPU rates assumed",
     ),
 }
@@ -287,9 +337,14 @@ PRESETS["a100-40g"] = PRESETS["a100"].with_(
     device_mem_bytes_per_s=1.555e12,         # data sheet: 1,555 GB/s (40GB SXM)
     source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 40GB); DGX A100 320GB data sheet; host/disk/CPU "
            "rates assumed")
-# H100 SXM's best measured bf16 matmul: 792.1 of 989 TFLOP/s = 0.80 (ml-engineering MAMF table)
-PRESETS["h100"] = PRESETS["h100"].with_(matmul_efficiency=((128.0, 0.80), (16.0, 0.76), (1.0, 0.51), (0.0, 0.08)),
-                                        unaligned_matmul_fraction=0.115)  # same SMs as the H200 it was measured on
+# H100 SXM's best measured bf16 matmul: 792.1 of 989 TFLOP/s = 0.80 (ml-engineering MAMF table), on its best
+# shape 6144x17920x2816, whose 3,360 tiles of 256x128 run in 26 waves of 132 SMs (3,360 / 3,432 = 0.979 useful):
+# the table is per useful tile, so divided by that (A100's best shape, 6912x16384x2048, is 32 full waves of 108)
+_H100_BEST_WAVES = wave_fraction(6144, 17920, 1, 132, 256, 128)
+PRESETS["h100"] = PRESETS["h100"].with_(
+    matmul_efficiency=tuple((g, f / _H100_BEST_WAVES) for g, f in ((128.0, 0.80), (16.0, 0.76), (1.0, 0.51),
+                                                                    (0.0, 0.08))),
+    unaligned_matmul_fraction=0.115)  # same SMs as the H200 it was measured on
 PRESETS["h200"] = PRESETS["h100"].with_(
     name="h200",
     device_memory_bytes=140 * GiB,           # data sheet: 141 GB HBM3e; nvidia-smi reports ~140 GiB usable
@@ -451,7 +506,7 @@ def calibrate(disk_dir: str | None = None, quick: bool = False) -> Platform:
             flops_fp32=measure_matmul_flops(4096, torch.float32, "cuda"),
             flops_bf16=measure_matmul_flops(4096, torch.bfloat16, "cuda"),
             device_mem_bytes_per_s=memcpy, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
-            copy_overlaps_compute=True, source=f"calibrate() {stamp}", **common)
+            copy_overlaps_compute=True, sm_count=int(props.multi_processor_count), source=f"calibrate() {stamp}", **common)
     flops = measure_matmul_flops(256 if quick else 512)
     return Platform(
         name="local-cpu", device_type="cpu", device_memory_bytes=host_mem, flops_fp32=flops,

@@ -16,16 +16,20 @@ from scaletrain.errors import UserError
 
 
 def roofline_seconds(plat: Any, flops: float, nbytes: float, *, precision: str = "fp32",
-                     unaligned: bool = False) -> float:
+                     unaligned: bool = False, output: tuple[float, float, float] | None = None) -> float:
     """Seconds of one kernel doing ``flops`` FLOPs and moving ``nbytes``: the larger of its FLOPs at
     the platform's peak for ``precision`` times the achieved fraction for a kernel of that size
     (Calculon-style, :meth:`Platform.matmul_fraction`) plus the per-kernel overhead, and its bytes at
     HBM speed (:meth:`Platform.memory_bound_seconds`). ``unaligned``: a 16-bit matmul with a dimension
     not a multiple of 8 runs alignment-1 kernels, capped at ``Platform.unaligned_matmul_fraction``.
-    A kernel without FLOPs is memory-bound only."""
+    ``output``: a matmul's output shape (m, n, batch): the fraction is then also scaled by its tile and
+    wave quantization on the platform's SMs (:meth:`Platform.wave_fraction`; 1 where ``sm_count`` is 0 or
+    no shape is given). A kernel without FLOPs is memory-bound only."""
     if flops <= 0:
         return plat.memory_bound_seconds(nbytes)
     fraction = plat.matmul_fraction(flops)
+    if output is not None:
+        fraction *= plat.wave_fraction(*output)
     if unaligned and precision != "fp32" and plat.unaligned_matmul_fraction:
         fraction = min(fraction, plat.unaligned_matmul_fraction)
     compute = flops / (plat.flops(precision) * fraction) + plat.kernel_overhead_s

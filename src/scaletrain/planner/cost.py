@@ -4,7 +4,8 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"):
 
 * **compute** per layer and micro-batch on one rank: each matmul's FLOPs / (peak × the platform's
-  achieved fraction for a matmul of that size, Calculon-style) + each memory-bound kernel's bytes /
+  achieved fraction for a matmul of that size, Calculon-style, × its output's tile and wave quantization
+  on the GPU's SMs, :func:`scaletrain.platform.wave_fraction`) + each memory-bound kernel's bytes /
   (HBM bandwidth × fraction for its size) — LayerNorms, bias-GELU, bias-dropout-add and, when the
   attention is materialised (Megatron 2021), softmax and attention dropout over b·a·s²/t elements.
   Backward = 2 × forward. Recompute: full = +1 forward (its TP all-reduces included); selective = the
@@ -211,10 +212,10 @@ def offload_kind(plan: Plan) -> str:
 
 def _mm(plat: Platform, precision: str, m: float, n: float, k: float, batch: float = 1.0) -> float:
     """Seconds of a (batched) [m, k] x [k, n] matmul on the one roofline (:func:`scaletrain.cost.roofline_seconds`):
-    2mnk FLOPs, both operands read and the output written."""
+    2mnk FLOPs, both operands read and the output written; its m × n output (× batch) tiled on the SMs."""
     e = 4 if precision == "fp32" else 2
     return roofline_seconds(plat, 2 * m * n * k * batch, e * (m * k + k * n + m * n) * batch, precision=precision,
-                            unaligned=any(float(d) % 8 for d in (m, n, k)))
+                            unaligned=any(float(d) % 8 for d in (m, n, k)), output=(m, n, batch))
 
 
 def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: bool, precision: str,
