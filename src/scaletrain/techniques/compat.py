@@ -373,6 +373,19 @@ RULES: list[Rule] = [
     Rule("sweep-chain", lambda p, f: f.sweep and not f.chain, "a sweep of a model without a Chain of blocks",
          "shards are runs of Chain blocks", "a model scaletrain can cut into blocks (see scaletrain.chain)",
          "needs a Chain"),
+    # ---------------------------------------------------------------- zero-order training (no backward)
+    Rule("zero-order", lambda p, f: _zero_order(p) and (
+        f.world > 1 or p.pp > 1 or _mp(p) or p.zero or p.remat.active or p.offload.active or p.activation_compression
+        or p.precision == "fp16" or p.params_dtype != "fp32" or f.sweep or f.moe),
+         lambda p, f: f"optim.name={p.optimizer} with world={f.world}, pp={p.pp}, tp={p.tp}, zero={p.zero}, "
+                      f"precision={p.precision}, params_dtype={p.params_dtype}"
+                      + (", remat" if p.remat.active else "") + (", offload" if p.offload.active else "")
+                      + (", 8-bit activations" if p.activation_compression else "") + (", MoE" if f.moe else ""),
+         "a zero-order step runs two forwards and no backward: remat, activation offload/compression and the fp16 "
+         "loss scaler act on a backward that never runs; pipelines, TP/ZeRO shards and DDP would need the seed "
+         "shared and the two losses all-reduced (MeZO's data parallelism), which is not implemented; a MoE's "
+         "load-balancing loss needs gradients", "optim.name=zo-sgd with one process, fp32 or bf16, no memory.* "
+         "techniques", "one process, forwards only"),
     # ---------------------------------------------------------------- precision
     Rule("params-dtype", lambda p, f: p.params_dtype != "fp32" and (
         p.pp > 1 or _mp(p) or _offload(p) or (f.world > 1 and p.zero not in (1, 2))),
@@ -381,6 +394,12 @@ RULES: list[Rule] = [
          "16-bit parameter storage with fp32 masters runs with one process or ZeRO-1/2",
          "train.params_dtype=fp32 with train.precision=bf16 there", "1 process or zero 1/2"),
 ]
+
+
+def _zero_order(p: Plan) -> bool:
+    from scaletrain.techniques.optim.zero_order import is_zero_order
+
+    return is_zero_order(p.optimizer)
 
 
 def _compiles(p: Plan, f: Facts) -> bool:
