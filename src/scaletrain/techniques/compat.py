@@ -49,6 +49,8 @@ class Facts:
     """Micro-batches per step as resolved (pipeline); 0 = not known yet."""
     sweep: bool = False
     """Trained by ``scaletrain sweep`` (spilled shards on shared devices, :mod:`scaletrain.sweep`)."""
+    rezero: bool = False
+    """ReZero residuals without the blocks' LayerNorms (:attr:`scaletrain.models.gpt2.GPT2Config.rezero`)."""
 
     @classmethod
     def of(cls, model: Any, *, world: int, device: str, seq_len: int, eval_every: int = 0,
@@ -82,7 +84,7 @@ class Facts:
                    vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
                    n_experts=int(getattr(cfg, "n_experts", 0) or 0), n_blocks=n_blocks, chain=chain,
                    input_spec=spec, seq_len=seq_len, eval_every=eval_every,
-                   microbatches=microbatches)
+                   microbatches=microbatches, rezero=bool(getattr(cfg, "rezero", False)))
 
 
 @dataclass(frozen=True)
@@ -373,6 +375,12 @@ RULES: list[Rule] = [
     Rule("sweep-chain", lambda p, f: f.sweep and not f.chain, "a sweep of a model without a Chain of blocks",
          "shards are runs of Chain blocks", "a model scaletrain can cut into blocks (see scaletrain.chain)",
          "needs a Chain"),
+    Rule("rezero-tp", lambda p, f: f.rezero and (p.tp > 1 or p.cp > 1),
+         lambda p, f: f"model.overrides.rezero=true with parallel.tp={p.tp}, parallel.cp={p.cp}",
+         "the tensor/sequence-parallel plan and the mesh cost faces name each block's LayerNorms (ln_1, ln_2), "
+         "which ReZero drops, and a replicated alpha under TP is not verified",
+         "rezero with data parallelism, ZeRO or pipelines (alpha is a one-element parameter like any other)",
+         "ReZero drops the LayerNorms TP names"),
     # ---------------------------------------------------------------- zero-order training (no backward)
     Rule("zero-order", lambda p, f: _zero_order(p) and (
         f.world > 1 or p.pp > 1 or _mp(p) or p.zero or p.remat.active or p.offload.active or p.activation_compression
