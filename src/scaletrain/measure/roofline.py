@@ -154,7 +154,9 @@ def to_dict(table: list[RooflineRow], plat: Any, precision: str, meta: dict) -> 
 
 def plot(table: list[RooflineRow], plat: Any, precision: str, path: str, title: str = "") -> None:
     """A log-log roofline: the platform's roof (min(peak, bandwidth × intensity)), each operator at its
-    intensity and its FLOP/s on the platform (filled) and, where measured, on this machine (hollow)."""
+    intensity and its FLOP/s on the platform (filled) and, where measured, on this machine (hollow).
+    Operators without FLOPs (element-wise, norms, copies) have no point on a FLOP/s axis: the table and
+    the JSON give them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,7 +170,8 @@ def plot(table: list[RooflineRow], plat: Any, precision: str, path: str, title: 
     fig, ax = plt.subplots(figsize=(7, 5))
     ax.loglog(grid, [min(peak, bw * i) for i in grid], "k-", label=f"{plat.name} roof ({precision})")
     for r in pts:
-        (line,) = ax.loglog([r.intensity], [r.flops / r.platform_s], "o", label=r.op)
+        # matplotlib's legend hides labels that start with "_" (_scaled_dot_product_...)
+        (line,) = ax.loglog([r.intensity], [r.flops / r.platform_s], "o", label=r.op.lstrip("_"))
         if r.achieved_flops_per_s:
             ax.loglog([r.intensity], [r.achieved_flops_per_s], "o", mfc="none", color=line.get_color())
     ax.axvline(ridge_point(plat, precision), color="grey", ls=":", lw=1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform as platform_mod
+from datetime import datetime, timezone
 from typing import Any
 
 from scaletrain.errors import UserError
@@ -37,7 +39,9 @@ def run_roofline(args: argparse.Namespace, device: str, overrides: dict[str, Any
     ops, seconds = rl.measure_ops(module, x, y, loss_for(module), args.precision, warmup=max(args.warmup, 1))
     table = rl.rows(ops, plat, args.precision, measured=seconds)
     ridge = rl.ridge_point(plat, args.precision)
-    meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "measured_on": device}
+    meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "measured_on": device,
+            "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform_mod.platform()}
     if args.png:
         rl.plot(table, plat, args.precision, args.png,
                 title=f"{args.model} b={args.batch} ({args.precision}) on {plat.name}; measured on {device}")
