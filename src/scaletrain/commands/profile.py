@@ -65,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"unknown --device {device!r}; allowed: cpu, cuda")
     overrides = parse_overrides(args.set)
     if args.roofline:
+        from scaletrain.commands.estimate import _platform
         from scaletrain.measure.roofline_report import run_roofline
 
-        return run_roofline(args, device, overrides)
+        return run_roofline(args, device, overrides, lambda n: _platform(n, args.precision, (args.model, overrides)))
     if args.png or args.platform != "a100-80g":
         raise UserError("--png and --platform go with --roofline")
     kw = dict(precision=args.precision, optimizer=args.optimizer, accum=args.accum, params_dtype=args.params_dtype)

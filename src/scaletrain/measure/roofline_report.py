@@ -7,19 +7,15 @@ import argparse
 import json
 import platform as platform_mod
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from scaletrain.errors import UserError
 
 
-def _load_platform(name: str, precision: str, model: str, overrides: dict) -> Any:
-    from scaletrain.commands.estimate import _platform
-
-    return _platform(name, precision, (model, overrides))
-
-
-def run_roofline(args: argparse.Namespace, device: str, overrides: dict[str, Any]) -> int:
-    """Measure one forward + backward of ``args.model`` op by op on ``device`` and price it on ``--platform``."""
+def run_roofline(args: argparse.Namespace, device: str, overrides: dict[str, Any],
+                 load_platform: Callable[[str], Any]) -> int:
+    """Measure one forward + backward of ``args.model`` op by op on ``device`` and price it on ``--platform``
+    (``load_platform``: the command's preset / file / ``local`` loader; a bad name is its UserError)."""
     import torch
 
     from scaletrain import models
@@ -28,7 +24,7 @@ def run_roofline(args: argparse.Namespace, device: str, overrides: dict[str, Any
 
     if args.optimizer != "adamw" or args.accum != 1 or args.plot:
         raise UserError("--roofline measures one forward + backward: --optimizer, --accum and --plot do not apply")
-    plat = _load_platform(args.platform, args.precision, args.model, overrides)  # bad name: one line, exit 2
+    plat = load_platform(args.platform)  # a bad name: one line, exit 2, before anything runs
     if args.png and not args.png.lower().endswith(".png"):
         raise UserError(f"--png must name a .png file (got {args.png!r})")
     torch.manual_seed(0)
