@@ -59,7 +59,7 @@ def test_zo_same_seed_same_trajectory_and_loss_falls() -> None:
 def test_zo_step_restores_and_updates_along_z() -> None:
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(5))
-    opt = ZOSGD([w], lr=0.1, eps=1e-3, seed=3)
+    opt = ZOSGD([w], lr=0.1, perturbation=1e-3, seed=3)
     w0 = w.detach().clone()
     loss = opt.estimate(lambda: (w ** 2).sum())
     assert torch.allclose(w, w0, atol=1e-6) and loss == pytest.approx(float((w0 ** 2).sum()), rel=1e-5)
@@ -95,3 +95,16 @@ def test_zo_state_dict_resumes_the_seed_sequence() -> None:
     opt2.load_state_dict(saved)  # the step counter and the seed come from the checkpoint
     run(opt2, w2, 2)
     assert torch.equal(w, w2)
+
+
+def test_zo_adam_keeps_adams_moments_only_and_trains() -> None:
+    from scaletrain.techniques.optim import state_bytes
+
+    t, losses = _fit(["optim.name=zo-adam", "optim.lr=1e-3", "train.steps=20", "train.measure_memory=true"])
+    z = t.tracked["tracked_peak_breakdown"]
+    shapes = [tuple(p.shape) for p in t.model.parameters()]
+    assert z["gradients"] == z["activations"] == 0
+    assert z["optimizer_states"] == state_bytes("zo-adam", shapes) == 8 * sum(p.numel() for p in t.model.parameters())
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
+    est = estimate_step("gpt2-tiny", 8, 64, optimizer="zo-adam")
+    assert est.bytes["peak"] == pytest.approx(z["peak"], rel=0.02)

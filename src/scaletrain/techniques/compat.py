@@ -392,8 +392,8 @@ RULES: list[Rule] = [
          "a zero-order step runs two forwards and no backward: remat, activation offload/compression and the fp16 "
          "loss scaler act on a backward that never runs; pipelines, TP/ZeRO shards and DDP would need the seed "
          "shared and the two losses all-reduced (MeZO's data parallelism), which is not implemented; a MoE's "
-         "load-balancing loss needs gradients", "optim.name=zo-sgd with one process, fp32 or bf16, no memory.* "
-         "techniques", "one process, forwards only"),
+         "load-balancing loss needs gradients", lambda p, f: f"optim.name={p.optimizer} with one process, fp32 or "
+         "bf16, no memory.* techniques", "one process, forwards only"),
     # ---------------------------------------------------------------- precision
     Rule("params-dtype", lambda p, f: p.params_dtype != "fp32" and (
         p.pp > 1 or _mp(p) or _offload(p) or (f.world > 1 and p.zero not in (1, 2))),

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-ZERO_ORDER = ("zo-sgd",)
+ZERO_ORDER = ("zo-sgd", "zo-adam")
 """Optimizer names (``optim.name``) that train without a backward pass."""
 
 
@@ -32,15 +32,16 @@ def is_zero_order(name: str) -> bool:
 
 
 class ZOSGD(torch.optim.Optimizer):
-    """MeZO's ZO-SGD (module docstring). ``eps``: perturbation scale ε (MeZO: 1e-3); ``seed``: base of
+    """MeZO's ZO-SGD (module docstring). ``perturbation``: ε (MeZO: 1e-3); ``seed``: base of
     the per-step seeds (same seed, same data → the same trajectory). The step counter lives in the
     first parameter group (``zo_step``) so that a checkpoint carries it."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-6, eps: float = 1e-3, weight_decay: float = 0.0,
-                 seed: int = 0) -> None:
-        if lr <= 0 or eps <= 0 or weight_decay < 0:
-            raise ValueError(f"lr and eps must be > 0 and weight_decay >= 0 (got {lr}, {eps}, {weight_decay})")
-        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
+    def __init__(self, params: Iterable[Any], lr: float = 1e-6, perturbation: float = 1e-3, weight_decay: float = 0.0,
+                 seed: int = 0, **defaults: Any) -> None:
+        if lr <= 0 or perturbation <= 0 or weight_decay < 0:
+            raise ValueError(f"lr and perturbation must be > 0 and weight_decay >= 0 "
+                             f"(got {lr}, {perturbation}, {weight_decay})")
+        super().__init__(params, dict(lr=lr, perturbation=perturbation, weight_decay=weight_decay, **defaults))
         self.param_groups[0].setdefault("zo_step", 0)
         self.param_groups[0].setdefault("zo_seed", int(seed))
         self.projected = 0.0
@@ -64,13 +65,13 @@ class ZOSGD(torch.optim.Optimizer):
 
     def perturb(self, scale: float) -> None:
         """θ += scale·ε·z (z of this step)."""
-        self._walk(lambda p, z, g: p.add_(z, alpha=scale * g["eps"]))
+        self._walk(lambda p, z, g: p.add_(z, alpha=scale * g["perturbation"]))
 
     @torch.no_grad()
     def estimate(self, loss_of: Callable[[], torch.Tensor], weight: float = 1.0) -> torch.Tensor:
         """Two forwards of ``loss_of`` at θ ± ε·z; adds weight · (L+ − L−)/(2ε) to :attr:`projected`
         and returns the mean of the two losses (the micro-batch's loss at θ, to second order)."""
-        eps = self.param_groups[0]["eps"]
+        eps = self.param_groups[0]["perturbation"]
         self.perturb(+1.0)
         plus = loss_of().detach().float()
         self.perturb(-2.0)
@@ -88,18 +89,52 @@ class ZOSGD(torch.optim.Optimizer):
         def update(p: torch.Tensor, z: torch.Tensor, group: dict) -> None:
             if group["weight_decay"]:
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(z, alpha=-group["lr"] * g_proj)
+            self._update(p, z, g_proj, group)
 
         self._walk(update)
         self.projected = 0.0
         self.param_groups[0]["zo_step"] += 1
+
+    def _update(self, p: torch.Tensor, z: torch.Tensor, g_proj: float, group: dict) -> None:
+        """SGD along z: θ −= lr·g·z."""
+        p.add_(z, alpha=-group["lr"] * g_proj)
+
+
+class ZOAdam(ZOSGD):
+    """Zero-order Adam (MeZO's appendix variant): Adam's moments over the SPSA gradient estimate ĝ = g·z
+    (``betas``, ``eps`` as Adam's), so it keeps 8 bytes of state per parameter (no gradients, no saved
+    activations still). ``perturbation``, ``seed``: as :class:`ZOSGD`."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-4, perturbation: float = 1e-3,
+                 weight_decay: float = 0.0, seed: int = 0, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or eps < 0:
+            raise ValueError(f"betas must be in [0, 1) and eps >= 0 (got {betas}, {eps})")
+        super().__init__(params, lr, perturbation, weight_decay, seed, betas=tuple(betas), eps=eps)
+
+    @staticmethod
+    def state_nbytes(numel: int, element_size: int = 4) -> int:
+        """exp_avg and exp_avg_sq in the parameter dtype."""
+        return 2 * numel * element_size
+
+    def _update(self, p: torch.Tensor, z: torch.Tensor, g_proj: float, group: dict) -> None:
+        st = self.state[p]
+        if not st:
+            st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+        b1, b2 = group["betas"]
+        k = int(self.param_groups[0]["zo_step"]) + 1
+        z.mul_(g_proj)  # ĝ, in place: z is regenerated, never needed again this step
+        st["exp_avg"].lerp_(z, 1 - b1)
+        st["exp_avg_sq"].mul_(b2).addcmul_(z, z, value=1 - b2)
+        denom = (st["exp_avg_sq"] / (1 - b2**k)).sqrt_().add_(group["eps"])
+        p.addcdiv_(st["exp_avg"], denom, value=-group["lr"] / (1 - b1**k))
 
 
 def forward_backward(model_forward: Callable[[torch.Tensor], torch.Tensor], ctx: Any
                      ) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
     """The per-micro-batch function of a zero-order run (the stack's step 6): two forwards through
     ``model_forward`` under ``ctx``'s autocast, no backward; the estimate accumulates in the run's
-    optimizer (``ctx.optimizer``, a :class:`ZOSGD`), which the trainer's ``optimizer.step`` applies."""
+    optimizer (``ctx.optimizer``, a :class:`ZOSGD` or :class:`ZOAdam`), which the trainer's ``optimizer.step`` applies."""
 
     def fb(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
         def loss_of() -> torch.Tensor:
