@@ -134,7 +134,8 @@ def forward_backward(model_forward: Callable[[torch.Tensor], torch.Tensor], ctx:
                      ) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
     """The per-micro-batch function of a zero-order run (the stack's step 6): two forwards through
     ``model_forward`` under ``ctx``'s autocast, no backward; the estimate accumulates in the run's
-    optimizer (``ctx.optimizer``, a :class:`ZOSGD` or :class:`ZOAdam`), which the trainer's ``optimizer.step`` applies."""
+    optimizer (``ctx.optimizer``, a :class:`ZOSGD` or :class:`ZOAdam`), which the trainer's
+    ``optimizer.step`` applies."""
 
     def fb(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
         def loss_of() -> torch.Tensor:
