@@ -12,7 +12,8 @@ Per optimizer step k a seed s_k is drawn from the run's seed and k; z ~ N(0, I) 
 
 :meth:`ZOSGD.step` then regenerates z once more and updates θ −= lr·(g·z + wd·θ). No backward pass, no
 gradient, no optimizer state: the step's memory is inference memory plus one parameter-sized z
-tensor at a time. Units: ε and lr in parameter units; seconds nowhere.
+tensor at a time. :class:`ZOAdam` (``zo-adam``) runs Adam on the estimate g·z instead, at 8 bytes of
+state per parameter. Units: ε and lr in parameter units; seconds nowhere.
 """
 
 from __future__ import annotations
