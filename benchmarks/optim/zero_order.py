@@ -1,13 +1,14 @@
-"""Zero-order SGD (MeZO) against AdamW on the shipped text at equal wall time, and their peak memory.
+"""Zero-order SGD (MeZO) and Adam against AdamW on the shipped text at equal wall time, and their peak memory.
 
 ``gpt2-tiny`` trains on Shakespeare (8 x 64-byte sequences per step, constant lr, no warm-up) with
-``optim.name=zo-sgd`` (two forwards per step, no backward: scaletrain.techniques.optim.zero_order)
-and with AdamW; the training loss of every step is set against the cumulated step seconds, and both
-curves are cut at the same wall time (the shorter run's). The last step of each run is measured by
+``optim.name=zo-sgd`` (two forwards per step, no backward: scaletrain.techniques.optim.zero_order),
+with ``zo-adam`` (Adam's moments over the same estimate) and with AdamW; the training loss of every
+step is set against the cumulated step seconds, and the curves are cut at the same wall time (the
+shortest run's). The last step of each run is measured by
 the memory tracker (``train.measure_memory``). Writes ``benchmarks/results/optim_zero_order.json``
 and ``.png``. Timings are wall time on a shared machine: compare curves, not single seconds.
 
-    .venv/bin/python benchmarks/optim/zero_order.py --seconds 40
+    .venv/bin/python benchmarks/optim/zero_order.py --seconds 45
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import torch
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 BASE = ["data.seq_len=64", "train.global_batch=8", "train.eval_every=0", "train.progress=off", "train.log_every=1",
         "optim.warmup_steps=0", "optim.schedule=constant", "optim.weight_decay=0", "train.measure_memory=true"]
-RUNS = {"adamw": ["optim.name=adamw", "optim.lr=2e-3"], "zo-sgd": ["optim.name=zo-sgd", "optim.lr=1e-4"]}
+RUNS = {"adamw": ["optim.name=adamw", "optim.lr=2e-3"], "zo-sgd": ["optim.name=zo-sgd", "optim.lr=1e-4"],
+        "zo-adam": ["optim.name=zo-adam", "optim.lr=1e-3"]}
 
 
 def run(extra: list[str], seconds: float) -> dict:
@@ -99,7 +101,7 @@ def _plot(runs: dict, summary: dict, equal: float, path: Path) -> None:
     ax.axvline(equal, color="grey", ls=":", lw=1)
     ax.set_xlabel("training seconds (wall, shared CPU)")
     ax.set_ylabel("training loss (nats/byte)")
-    ax.set_title("gpt2-tiny on Shakespeare: zero-order SGD vs AdamW")
+    ax.set_title("gpt2-tiny on Shakespeare: zero-order SGD / Adam vs AdamW")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
