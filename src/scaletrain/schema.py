@@ -202,7 +202,8 @@ KEYS: tuple[Key, ...] = (
         "bf16/fp16 with fp32 master weights kept by the optimizer (2 + 2 + 4 + K bytes per parameter; one process "
         "or parallel.zero=1/2)", choices=("fp32", "bf16", "fp16"), planner="pinned"),
     Key("optimizer", "optim.name", "adamw", "optimizer",
-        choices=("adamw", "adam", "sgd", "adamw8bit", "adam8bit", "adafactor", "came", "lamb", "lars"),
+        choices=("adamw", "adam", "sgd", "adamw8bit", "adam8bit", "adafactor", "came", "lamb", "lars", "zo-sgd",
+                 "zo-adam"),
         planner="kept"),
     Key("compile", "train.compile", "false", "torch.compile each block of the model (after TP/remat, before "
         "DDP/FSDP, as torchtitan): true, false, auto (compile on CUDA only: on a CPU the tens of seconds of "

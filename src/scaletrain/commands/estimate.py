@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dp > 1 or args.zero:
         est.meta["data_parallel"] = _data_parallel(est, args, overrides)
     if (args.plan or args.dp > 1 or args.tp > 1 or args.cp > 1 or args.ep > 1 or args.pp > 1 or args.remat != "none"
-            or plat is not None):
+            or (plat is not None and not est.meta.get("backward_free"))):  # the plan's cost faces price a backward
         est.meta["plan"] = _plan(args, overrides, plat)
         if est.meta["plan"].get("step_time_s") is not None:
             est.meta["step_time_s"] = est.meta["plan"]["step_time_s"]
@@ -152,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
                   f"per step in collectives")
         print(f"heaviest: {pl['heaviest']['rank']}, peak {pl['heaviest']['peak_bytes'] / size:.3f} {unit}")
         print_times(pl)
+    elif est.meta.get("backward_free"):
+        print(f"step seconds by phase: not priced for {est.optimizer} (the cost faces price a backward pass)")
     else:
         print("step seconds by phase: add --platform (a preset, a platform JSON file, or local)")
     print_blocks(profile_to_rows(est.profile), measured=False, unit=u)

@@ -18,6 +18,7 @@ CUDA events on GPU), bytes and FLOPs. The estimate for the same configuration is
 
 example:
   scaletrain profile --model gpt2-tiny --batch 8 --seq 256 --precision bf16 --optimizer adamw --plot step.png
+  scaletrain profile --model gpt2-tiny --batch 8 --seq 256 --roofline --platform a100-80g --png roofline.png
 """
 
 
@@ -27,6 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int(1000), default=5, help="timed runs per block (default 5)")
     p.add_argument("--warmup", type=count(1000), default=2, help="untimed runs per block first (default 2)")
     p.add_argument("--force", action="store_true", help="run even if the estimate says it will not fit")
+    p.add_argument("--roofline", action="store_true",
+                   help="instead: each operator's FLOP/byte, achieved FLOP/s and bytes/s here, and whether it is "
+                        "compute- or memory-bound on --platform (scaletrain.measure.roofline)")
+    p.add_argument("--platform", default="a100-80g",
+                   help="with --roofline: a preset (h100, h200, a100-80g, a100-40g, v100), a platform JSON file "
+                        "or local (default a100-80g)")
+    p.add_argument("--png", default=None, metavar="PNG", help="with --roofline: write the log-log roofline to PNG")
 
 
 def _available_bytes(device: str) -> int:
@@ -56,6 +64,13 @@ def run(args: argparse.Namespace) -> int:
     if not (device == "cpu" or device.startswith("cuda")):
         raise UserError(f"unknown --device {device!r}; allowed: cpu, cuda")
     overrides = parse_overrides(args.set)
+    if args.roofline:
+        from scaletrain.commands.estimate import _platform
+        from scaletrain.measure.roofline_report import run_roofline
+
+        return run_roofline(args, device, overrides, lambda n: _platform(n, args.precision, (args.model, overrides)))
+    if args.png or args.platform != "a100-80g":
+        raise UserError("--png and --platform go with --roofline")
     kw = dict(precision=args.precision, optimizer=args.optimizer, accum=args.accum, params_dtype=args.params_dtype)
     try:
         est = estimate_step(args.model, args.batch, args.seq, device=device, **kw, **overrides)

@@ -70,19 +70,25 @@ class _Census(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+        """Append the operator ``func`` (called on ``args``/``kwargs``, giving ``out``) if it does work;
+        True when it was appended."""
         packet = func.overloadpacket
         if func.is_view or packet in _NO_WORK:
-            return out
+            return False
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not outs:  # queries (prim.device, sizes): no kernel
-            return out
+            return False
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         nbytes = float(sum(t.numel() * t.element_size() for t in ins + outs))
         fn = self.registry.get(packet)
         flops = float(fn(*args, **kwargs, out_val=out)) if fn is not None else 0.0
         half = any(t.dtype in (torch.bfloat16, torch.float16) for t in outs)
         self.ops.append(Op(packet.__name__, flops, nbytes, half))
-        return out
+        return True
 
 
 def _run(fn: Callable[[torch.Tensor], torch.Tensor], params: list, h: torch.Tensor, x_grad: bool,

@@ -247,6 +247,17 @@ def estimate_step(model: str | nn.Module, batch: int = 1, seq: int | None = None
     prof, traces = estimate_chain(chain, example_input, target=target, loss_fn=loss_fn, precision=precision,
                                   accum=accum, flops_per_s=flops_per_s, device=device, name=name,
                                   params_dtype=params_dtype, platform=plat, _return_traces=True)
+    if optimizers.backward_free(optimizer):  # zero-order: the traced step is two forwards, no gradients
+        est = simulate_step(module, batch, seq, precision=precision, optimizer=optimizer, accum=accum,
+                            params_dtype=params_dtype, device=device, loss_fn=loss_fn,
+                            optimizer_kwargs=optimizer_kwargs)
+        est.model, est.profile = name, prof
+        est.meta.update(flops_per_s=prof.meta["flops_per_s"], backward_free=True)
+        if plat is not None:
+            est.meta.update(platform=plat.name, device_memory_bytes=plat.device_memory_bytes,
+                            fits=est.bytes["peak"] <= plat.device_memory_bytes)
+        est.meta["seconds_to_estimate"] = time.perf_counter() - t0
+        return est
     params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
     all_params = list({id(p): p for p in module.parameters()}.values())
     n_params = sum(p.numel() for p in all_params)

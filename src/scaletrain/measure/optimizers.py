@@ -150,6 +150,13 @@ def state_bytes(name: str, shapes_and_dtypes: Sequence[ShapeDtype], *, device_ty
     return sum(_round(int(reg.state_bytes(name, [sd], **kw)), device_type) for sd in shapes_and_dtypes)
 
 
+def backward_free(name: str) -> bool:
+    """Whether optimizer ``name`` trains without a backward pass (the registry's zero-order ones): its step
+    is two forwards, so the estimator traces that step (:func:`scaletrain.measure.estimate.estimate_step`)."""
+    reg = _registry()
+    return bool(getattr(reg, "backward_free", lambda n: False)(check(name)))
+
+
 def transient_modelled(name: str) -> bool:
     """False where :func:`step_transient_bytes` has no model and answers 0 (see module doc)."""
     reg = _registry()

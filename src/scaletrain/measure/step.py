@@ -165,6 +165,8 @@ def train_step(model: nn.Module, optimizer: Any, micro_batches: Sequence[Batch],
     dev = next(model.parameters()).device.type
     total = 0.0
     mark = mark or (lambda _label: None)
+    if hasattr(optimizer, "estimate"):  # zero-order (the registry's zo-sgd): two forwards per micro-batch, no backward
+        return _forward_only_step(model, optimizer, micro_batches, precision, loss_fn, mark)
     for i, (x, y) in enumerate(micro_batches):
         mark(f"forward {i}")
         with autocast(precision, dev):
@@ -190,3 +192,26 @@ def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+def _forward_only_step(model: nn.Module, optimizer: Any, micro_batches: Sequence[Batch], precision: str,
+                       loss_fn: LossFn, mark: Callable[[str], None]) -> float:
+    """A zero-order optimizer's step: ``optimizer.estimate(loss_of, weight)`` per micro-batch (forwards at
+    perturbed parameters, no autograd graph), then ``optimizer.step()`` (the update along the seeded
+    direction). Returns the summed loss (0.0 on fake tensors)."""
+    dev = next(model.parameters()).device.type
+    total = 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        mark(f"forward {i}")
+
+        def loss_of(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            with autocast(precision, dev):
+                return loss_fn(model(x), y)
+
+        loss = optimizer.estimate(loss_of, 1.0 / len(micro_batches))
+        if not _is_fake(loss):
+            total += float(loss) / len(micro_batches)
+    mark("optimizer step")
+    optimizer.step()
+    mark("end")
+    return total

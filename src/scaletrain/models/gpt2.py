@@ -31,6 +31,10 @@ class GPT2Config:
     dropout: float = 0.0
     """Dropout probability on embeddings, attention probabilities and residual branches."""
     layer_norm_eps: float = 1e-5
+    rezero: bool = False
+    """ReZero residuals (Bachlechner et al. 2020): each block computes x + α·F(x) with one scalar α per
+    block (shared by its attention and MLP branches, as the authors' RZTX layers), initialised at 0,
+    and without the block's LayerNorms; the head's final LayerNorm stays (it scales the tied logits)."""
 
 
 class GPT2Embedding(nn.Module):
@@ -96,6 +100,21 @@ class GPT2Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class ReZeroBlock(nn.Module):
+    """ReZero block (:attr:`GPT2Config.rezero`): x + α·attn(x), then x + α·mlp(x); α a one-element
+    parameter initialised at 0, so every block starts as the identity. [b, s, h] -> [b, s, h]."""
+
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp = MLP(cfg)
+        self.alpha = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.alpha * self.attn(x)
+        return x + self.alpha * self.mlp(x)
+
+
 class GPT2Head(nn.Module):
     """Final LayerNorm and the language-model head whose weight is the token embedding (tied)."""
 
@@ -118,7 +137,8 @@ class GPT2(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = GPT2Embedding(cfg)
-        self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.n_layer))
+        block = ReZeroBlock if cfg.rezero else GPT2Block
+        self.h = nn.ModuleList(block(cfg) for _ in range(cfg.n_layer))
         self.head = GPT2Head(cfg, self.embed.wte)
         self.apply(self._init_weights)
         # GPT-2's scaled init of residual projections: std 0.02 / sqrt(2 l).

@@ -49,6 +49,8 @@ class Facts:
     """Micro-batches per step as resolved (pipeline); 0 = not known yet."""
     sweep: bool = False
     """Trained by ``scaletrain sweep`` (spilled shards on shared devices, :mod:`scaletrain.sweep`)."""
+    rezero: bool = False
+    """ReZero residuals without the blocks' LayerNorms (:attr:`scaletrain.models.gpt2.GPT2Config.rezero`)."""
 
     @classmethod
     def of(cls, model: Any, *, world: int, device: str, seq_len: int, eval_every: int = 0,
@@ -82,7 +84,7 @@ class Facts:
                    vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
                    n_experts=int(getattr(cfg, "n_experts", 0) or 0), n_blocks=n_blocks, chain=chain,
                    input_spec=spec, seq_len=seq_len, eval_every=eval_every,
-                   microbatches=microbatches)
+                   microbatches=microbatches, rezero=bool(getattr(cfg, "rezero", False)))
 
 
 @dataclass(frozen=True)
@@ -379,6 +381,25 @@ RULES: list[Rule] = [
     Rule("sweep-chain", lambda p, f: f.sweep and not f.chain, "a sweep of a model without a Chain of blocks",
          "shards are runs of Chain blocks", "a model scaletrain can cut into blocks (see scaletrain.chain)",
          "needs a Chain"),
+    Rule("rezero-tp", lambda p, f: f.rezero and (p.tp > 1 or p.cp > 1),
+         lambda p, f: f"model.overrides.rezero=true with parallel.tp={p.tp}, parallel.cp={p.cp}",
+         "the tensor/sequence-parallel plan and the mesh cost faces name each block's LayerNorms (ln_1, ln_2), "
+         "which ReZero drops, and a replicated alpha under TP is not verified",
+         "rezero with data parallelism, ZeRO or pipelines (alpha is a one-element parameter like any other)",
+         "ReZero drops the LayerNorms TP names"),
+    # ---------------------------------------------------------------- zero-order training (no backward)
+    Rule("zero-order", lambda p, f: _zero_order(p) and (
+        f.world > 1 or p.pp > 1 or _mp(p) or p.zero or p.remat.active or p.offload.active or p.activation_compression
+        or p.precision == "fp16" or p.params_dtype != "fp32" or f.sweep or f.moe),
+         lambda p, f: f"optim.name={p.optimizer} with world={f.world}, pp={p.pp}, tp={p.tp}, zero={p.zero}, "
+                      f"precision={p.precision}, params_dtype={p.params_dtype}"
+                      + (", remat" if p.remat.active else "") + (", offload" if p.offload.active else "")
+                      + (", 8-bit activations" if p.activation_compression else "") + (", MoE" if f.moe else ""),
+         "a zero-order step runs two forwards and no backward: remat, activation offload/compression and the fp16 "
+         "loss scaler act on a backward that never runs; pipelines, TP/ZeRO shards and DDP would need the seed "
+         "shared and the two losses all-reduced (MeZO's data parallelism), which is not implemented; a MoE's "
+         "load-balancing loss needs gradients", lambda p, f: f"optim.name={p.optimizer} with one process, fp32 or "
+         "bf16, no memory.* techniques", "one process, forwards only"),
     # ---------------------------------------------------------------- precision
     Rule("params-dtype", lambda p, f: p.params_dtype != "fp32" and (
         p.pp > 1 or _mp(p) or _offload(p) or (f.world > 1 and p.zero not in (1, 2))),
@@ -387,6 +408,12 @@ RULES: list[Rule] = [
          "16-bit parameter storage with fp32 masters runs with one process or ZeRO-1/2",
          "train.params_dtype=fp32 with train.precision=bf16 there", "1 process or zero 1/2"),
 ]
+
+
+def _zero_order(p: Plan) -> bool:
+    from scaletrain.techniques.optim.zero_order import is_zero_order
+
+    return is_zero_order(p.optimizer)
 
 
 def _compiles(p: Plan, f: Facts) -> bool:

@@ -39,6 +39,8 @@ from scaletrain.errors import ConfigError, UserError
 from scaletrain.plan import Plan
 from scaletrain.techniques import compat
 from scaletrain.techniques import compile as compile_face
+from scaletrain.techniques.optim.zero_order import forward_backward as zero_order_step
+from scaletrain.techniques.optim.zero_order import is_zero_order
 from scaletrain.techniques.runtime import RunContext, Strategy
 
 ForwardBackward = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -209,6 +211,8 @@ def _plain(rt: Strategy, ctx: RunContext) -> ForwardBackward:
 def _forward_backward(plan: Plan, model: nn.Module, ctx: RunContext, rt: Strategy, executor: Any) -> ForwardBackward:
     """6. The per-micro-batch function: the runtime's own, or an op-by-op schedule (``ilp``/``dtr``)."""
     fb = _plain(rt, ctx)
+    if is_zero_order(plan.optimizer):  # two forwards, no backward (compat refuses what needs gradients)
+        return zero_order_step(rt.forward_module, ctx)
     if executor is not None:
         fb = executor.forward_backward(model, ctx, rt)
     if plan.activation_compression:

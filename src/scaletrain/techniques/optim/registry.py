@@ -13,6 +13,8 @@ and ``step_transient_bytes`` (temporary bytes of a step, in closed form for the 
 | came       | CAME                       | 4 nm + 8 (n + m) per [n, m] matrix               |
 | lamb       | LAMB                       | 8                                                |
 | lars       | LARS                       | 4 with momentum (default 0.9), else 0            |
+| zo-sgd     | ZOSGD (zero-order, MeZO)   | 0 (and no gradients: two forwards, no backward)  |
+| zo-adam    | ZOAdam (zero-order Adam)   | 8 (and no gradients)                             |
 
 torch's optimizers keep their state in the parameter dtype; scaletrain's keep fp32 statistics
 (8-bit codes for Adam8bit) whatever the parameter dtype. Bytes are those present after the
@@ -37,6 +39,7 @@ from scaletrain.techniques.optim.came import CAME
 from scaletrain.techniques.optim.lamb import LAMB
 from scaletrain.techniques.optim.lars import LARS
 from scaletrain.techniques.optim.quantize import BLOCK_SIZE
+from scaletrain.techniques.optim.zero_order import ZOSGD, ZOAdam, is_zero_order
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,12 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "lars": OptimizerSpec(LARS, ("lr", "weight_decay", "momentum", "eps"), {},
                           "LARS (You et al. 2017); lr 0.1, momentum 0.9, weight_decay 5e-4, "
                           "trust_coefficient 1e-3, eps 0, nesterov False"),
+    "zo-sgd": OptimizerSpec(ZOSGD, ("lr", "weight_decay"), {},
+                            "zero-order SGD (MeZO, Malladi et al. 2023): two forwards at theta +- eps*z, no "
+                            "backward; lr (1e-6), perturbation eps 1e-3, seed 0, weight_decay 0 (decoupled)"),
+    "zo-adam": OptimizerSpec(ZOAdam, ("lr", "weight_decay", "betas", "eps"), {},
+                             "zero-order Adam: Adam's moments over MeZO's estimate g*z; lr (1e-4), betas (0.9, "
+                             "0.999), eps 1e-8, perturbation 1e-3, seed 0, weight_decay 0 (decoupled)"),
 }
 
 NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
@@ -86,6 +95,11 @@ NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
 def names() -> list[str]:
     """Selectable optimizer names (``optim.name``)."""
     return list(NAMES)
+
+
+def backward_free(name: str) -> bool:
+    """Whether ``name`` trains without gradients (zero-order: :mod:`.zero_order`)."""
+    return is_zero_order(name)
 
 
 def _spec(name: str) -> OptimizerSpec:
@@ -217,6 +231,9 @@ def state_bytes(name: str, shapes: Iterable[Any], dtype: torch.dtype = torch.flo
         elif key == "lars":
             mom = hyper.get("momentum")
             total += LARS.state_nbytes(n, 0.9 if mom is None else mom)
+        # zo-sgd: no state (z is regenerated from a seed, never stored)
+        elif key == "zo-adam":
+            total += ZOAdam.state_nbytes(n, elem)
     return total
 
 
