@@ -21,7 +21,7 @@ run: install
 	$(BIN)/scaletrain train
 
 test: install
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider --durations=15
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider --durations=30
 
 test-fast: install
 	$(BIN)/python -m pytest tests -q -m "not slow"
