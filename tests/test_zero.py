@@ -128,7 +128,7 @@ def _estimate(world, stage, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])  # 4 covers 2: the same assertions at N=4, where N and 2 (or N/2 and 1) no longer coincide
 def test_stages_match_one_process_and_formulas(world):
     """fp32: same losses (5 steps) and parameters as one process; memory and traffic = formulas."""
     ref = _train([])
