@@ -39,6 +39,11 @@ def test_sharded_region_forks_per_rank_and_replays():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def _replicated_both(rank: int, world: int) -> dict[bool, list]:
+    """Without and with sequence parallelism, in one start of the processes."""
+    return {sp: _replicated(rank, world, sp) for sp in (False, True)}
+
+
 def _replicated(rank: int, world: int, sp: bool) -> list:
     import torch.distributed as dist
 
@@ -68,10 +73,9 @@ def _replicated(rank: int, world: int, sp: bool) -> list:
 
 @pytest.mark.slow
 def test_replicated_activations_agree_across_the_tp_group():
-    for same in run_distributed(_replicated, 2, False):
-        assert all(same), same  # without SP the block outputs are replicated: identical masks
-    for same in run_distributed(_replicated, 2, True):
-        assert not any(same), same  # with SP each rank holds other positions (and draws its own masks)
+    for same in run_distributed(_replicated_both, 2):
+        assert all(same[False]), same  # without SP the block outputs are replicated: identical masks
+        assert not any(same[True]), same  # with SP each rank holds other positions (and draws its own masks)
 
 
 def _train(rank: int, world: int, extra: list[str]) -> tuple[list[float], list[float]]:
