@@ -24,7 +24,7 @@ lint: install
 	$(BIN)/ruff check src tests benchmarks
 
 test: install lint
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider --durations=15
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider --durations=30
 
 test-fast: install
 	$(BIN)/python -m pytest tests -q -m "not slow"

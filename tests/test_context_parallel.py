@@ -92,7 +92,8 @@ def test_balanced_layout_round_trip_and_balance():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", [2, 4])
+# 4 covers 2: the same assertions at N=4, where N and 2 (or N/2 and 1) no longer coincide
+@pytest.mark.parametrize("cp", [4])
 def test_ring_attention_parity(cp):
     ref_losses, ref_state = reference()
     res = run_distributed(_train_cp, cp)

@@ -107,7 +107,8 @@ def test_rows_per_rank_and_memory_face():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+# 4 covers 2: the same assertions at N=4, where N and 2 (or N/2 and 1) no longer coincide
+@pytest.mark.parametrize("world", [4])
 def test_sharded_embeddings_parity(world):
     ref_losses, ref_state = reference(world)
     res = run_distributed(_train_sharded, world)

@@ -269,7 +269,8 @@ def _zero_offload(rank: int, world: int, runs: list[list[str]]) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+# 4 covers 2: the same assertions at N=4, where N and 2 (or N/2 and 1) no longer coincide
+@pytest.mark.parametrize("world", [4])
 def test_zero_offload_each_rank_offloads_its_shard(world):
     """ZeRO-Offload on several processes (ZeRO-1 and 2): every rank keeps the fp32 masters and the
     AdamW states of its own rows on the host; the one-process losses and parameters (rel 1e-5), and

@@ -149,6 +149,7 @@ def _worker(rank: int, world: int, one_dir: str, full: bool, extra: tuple = ()) 
     res = t.fit()
     out["bf16"] = (res.losses, res.val_loss)
     t.close()
+    out["async"] = _async_worker(rank, world, 2)  # checked by test_pp2_tp2_async_schedules_equal_the_pp2_pipeline
     return out
 
 
@@ -195,11 +196,19 @@ def check_tp_bytes(metrics: dict) -> None:
         assert metrics["comm_bytes"] == pytest.approx(metrics["predicted_comm_bytes"], rel=1e-12), metrics
 
 
+@pytest.fixture(scope="module")
+def pp2_tp2(tmp_path_factory) -> tuple:
+    """The one-process reference (checkpoint at step 2) and one start of 4 processes (pp=2 x tp=2) that
+    runs every pp=2 x tp=2 case of this module: two tests read it, one start of torch in 4 processes."""
+    one = tmp_path_factory.mktemp("one")
+    ref = reference(one)
+    return ref, run_distributed(_worker, 4, str(one), True, timeout_s=300)
+
+
 @pytest.mark.slow
-def test_pp2_tp2_1f1b_equals_one_process(tmp_path):
-    ref = reference(tmp_path / "one")
+def test_pp2_tp2_1f1b_equals_one_process(pp2_tp2):
+    ref, results = pp2_tp2
     assert ref[2] > 0.1  # the clipping scales the gradients
-    results = run_distributed(_worker, 4, str(tmp_path / "one"), True, timeout_s=240)
     check(results, ref, "pipeline 1f1b over 2 stages x 1 dp x 2 tp, 4 micro-batches", True,
           reference(None, "train.precision=bf16"))
 
@@ -227,11 +236,11 @@ def _async_worker(rank: int, world: int, tp: int) -> dict:
 
 
 @pytest.mark.slow
-def test_pp2_tp2_async_schedules_equal_the_pp2_pipeline():
-    """Weight stashing works on TP shards: pipedream and 2BW at pp=2 x tp=2 give the pp=2
-    pipeline's losses and norms (they differ from one process by design)."""
+def test_pp2_tp2_async_schedules_equal_the_pp2_pipeline(pp2_tp2):
+    """Weight stashing works on TP shards: pipedream and 2BW at pp=2 x tp=2 (run by the module's
+    4-process start) give the pp=2 pipeline's losses and norms (they differ from one process by design)."""
     plain = run_distributed(_async_worker, 2, 1, timeout_s=240)[0]
-    for rank, res in enumerate(run_distributed(_async_worker, 4, 2, timeout_s=240)):
+    for rank, res in enumerate(r["async"] for r in pp2_tp2[1]):
         for s, (losses, norm) in plain.items():
             assert res[s][0] == pytest.approx(losses, rel=1e-5), (s, rank)
             assert res[s][1] == pytest.approx(norm, rel=1e-5), (s, rank)

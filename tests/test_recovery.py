@@ -50,13 +50,11 @@ def _train(out: Path, faults: str | None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_rank_killed_twice_ends_with_uninterrupted_parameters(tmp_path):
-    base = _train(tmp_path / "base", None)
-    assert base.returncode == 0, base.stderr[-2000:]
+def test_rank_killed_twice_ends_with_uninterrupted_parameters(tmp_path, recovery_base):
     hit = _train(tmp_path / "hit", "3,6")  # step 3: before any checkpoint but step 2's; step 6: one step after 4's
     assert hit.returncode == 0, hit.stderr[-2000:]
     assert hit.stderr.count("rank 1 died (SIGKILL)") == 2 and "Traceback" not in hit.stderr
-    diff = final_parameters_diff(tmp_path / "base", tmp_path / "hit")
+    diff = final_parameters_diff(recovery_base, tmp_path / "hit")
     assert diff <= 1e-6, diff
     rows = [json.loads(line) for line in (tmp_path / "hit" / "metrics.jsonl").read_text().splitlines()]
     losses = logged_losses(tmp_path / "hit")
@@ -67,4 +65,4 @@ def test_rank_killed_twice_ends_with_uninterrupted_parameters(tmp_path):
     for r in restarts:  # the four parts add up to the time lost
         parts = r["detect_s"] + r["restart_s"] + r["reload_s"] + r["recompute_s"]
         assert r["lost_s"] > 0 and parts == pytest.approx(r["lost_s"], abs=1e-3)
-    assert torch.allclose(torch.tensor(losses), torch.tensor(logged_losses(tmp_path / "base")), rtol=0, atol=1e-6)
+    assert torch.allclose(torch.tensor(losses), torch.tensor(logged_losses(recovery_base)), rtol=0, atol=1e-6)

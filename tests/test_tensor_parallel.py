@@ -150,7 +150,8 @@ def test_cost_face_matches_single_device_measurement():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+# 4 covers 2: the same assertions at N=4, where N and 2 (or N/2 and 1) no longer coincide
+@pytest.mark.parametrize("world", [4])
 def test_tp_and_sp_parity_memory_and_traffic(world):
     ref_losses, ref_state = reference()
     res = run_distributed(_train_tp, world)

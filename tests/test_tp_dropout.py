@@ -39,6 +39,11 @@ def test_sharded_region_forks_per_rank_and_replays():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def _replicated_both(rank: int, world: int) -> dict[bool, list]:
+    """Without and with sequence parallelism, in one start of the processes."""
+    return {sp: _replicated(rank, world, sp) for sp in (False, True)}
+
+
 def _replicated(rank: int, world: int, sp: bool) -> list:
     import torch.distributed as dist
 
@@ -68,27 +73,33 @@ def _replicated(rank: int, world: int, sp: bool) -> list:
 
 @pytest.mark.slow
 def test_replicated_activations_agree_across_the_tp_group():
-    for same in run_distributed(_replicated, 2, False):
-        assert all(same), same  # without SP the block outputs are replicated: identical masks
-    for same in run_distributed(_replicated, 2, True):
-        assert not any(same), same  # with SP each rank holds other positions (and draws its own masks)
+    for same in run_distributed(_replicated_both, 2):
+        assert all(same[False]), same  # without SP the block outputs are replicated: identical masks
+        assert not any(same[True]), same  # with SP each rank holds other positions (and draws its own masks)
 
 
 def _train(rank: int, world: int, extra: list[str]) -> tuple[list[float], list[float]]:
+    """The run, then the same run again cut to its warm-up (``REPLAY`` steps, whose learning rates do
+    not depend on the run's length): the replay must repeat the first ``REPLAY`` losses bit for bit,
+    which proves the dropout masks reproducible for a tenth of the steps of a second full run."""
     from scaletrain.train.trainer import Trainer
 
     runs = []
-    for _ in range(2):  # twice: bit-reproducible
-        t = Trainer(load_config(None, SMALL + extra), None, log=lambda s: None)
+    for more in ([], [f"train.steps={REPLAY}"]):
+        t = Trainer(load_config(None, SMALL + extra + more), None, log=lambda s: None)
         runs.append(t.fit().losses)
         t.close()
     return runs[0], runs[1]
 
 
+REPLAY = 10  # = optim.warmup_steps in SMALL
+
+
 @pytest.mark.slow
 def test_tp2_dropout_trains_like_one_process_and_reproduces():
     """200 steps of gpt2-tiny (2 x 64) with dropout 0.1: the tp=2 curve (mean of its last 50 losses)
-    lies within the run-to-run spread of one process over dropout seeds (mean ± 3 sd, 4 seeds)."""
+    lies within the run-to-run spread of one process over dropout seeds (mean ± 3 sd, 4 seeds); a
+    second tp=2 run repeats the first one's losses bit for bit (over the warm-up's 10 steps)."""
     from scaletrain.train.trainer import Trainer
 
     steps = ["train.steps=200"]
@@ -98,8 +109,8 @@ def test_tp2_dropout_trains_like_one_process_and_reproduces():
         torch.manual_seed(1000 + seed)
         tails.append(statistics.mean(t.fit().losses[-50:]))
         t.close()
-    first, second = run_distributed(_train, 2, steps + ["parallel.tp=2"])[0]
-    assert first == second  # bit-reproducible
+    first, replay = run_distributed(_train, 2, steps + ["parallel.tp=2"])[0]
+    assert len(first) == 200 and replay == first[:REPLAY]  # bit-reproducible
     tp_tail = statistics.mean(first[-50:])
     mu, sd = statistics.mean(tails), statistics.stdev(tails)
     assert abs(tp_tail - mu) <= 3 * sd + 1e-3, (tp_tail, tails)

@@ -128,7 +128,8 @@ def _estimate(world, stage, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+# 4 covers 2: the same assertions at N=4, where N and 2 (or N/2 and 1) no longer coincide
+@pytest.mark.parametrize("world", [4])
 def test_stages_match_one_process_and_formulas(world):
     """fp32: same losses (5 steps) and parameters as one process; memory and traffic = formulas."""
     ref = _train([])
@@ -213,8 +214,11 @@ def test_checkpoints_move_between_world_sizes_and_stages(tmp_path):
 
     common = ["train.steps=6", "train.checkpoint_every=3", "train.keep_checkpoints=5"]
     full = _train(common, tmp_path / "one")
+    shutil.copytree(tmp_path / "one", tmp_path / "z2")  # for the ZeRO-2 resume below (same 2-rank start)
+    (tmp_path / "z2" / "checkpoints" / "step_00000006.pt").unlink()
     # a ZeRO-3 run writes sharded checkpoints (each rank its shards: train.checkpoint_format=auto) ...
-    sharded = run_distributed(_ckpt_runs, 2, [(common + ["parallel.zero=3"], tmp_path / "z3")])[0][0]
+    sharded, z2 = run_distributed(_ckpt_runs, 2, [(common + ["parallel.zero=3"], tmp_path / "z3"),
+                                                  (common + ["parallel.zero=2"], tmp_path / "z2", True)])[0]
     assert sharded["losses"] == pytest.approx(full["losses"], rel=1e-5)
     # ... that one process resumes
     assert ckpt_lib.at_step(tmp_path / "z3" / "checkpoints", 6).is_dir()
@@ -223,9 +227,6 @@ def test_checkpoints_move_between_world_sizes_and_stages(tmp_path):
     assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-5)
     assert _rel(resumed["params"], full["params"]) < 1e-5
     # and a one-process checkpoint resumes under ZeRO-2 on 2 ranks
-    shutil.copytree(tmp_path / "one", tmp_path / "z2")
-    (tmp_path / "z2" / "checkpoints" / "step_00000006.pt").unlink()
-    z2 = run_distributed(_ckpt_runs, 2, [(common + ["parallel.zero=2"], tmp_path / "z2", True)])[0][0]
     assert z2["losses"] == pytest.approx(full["losses"][3:], rel=1e-5)
     assert _rel(z2["params"], full["params"]) < 1e-5
 
