@@ -100,6 +100,12 @@ class Platform:
     """Fixed seconds per kernel the planner prices (dispatch, autograd bookkeeping, launch), on top of its
     roofline time. 0 on the GPU presets (not modelled there); measured by :mod:`scaletrain.planner.local`
     on a CPU, where eager PyTorch's per-operator cost dominates a small model's small kernels."""
+    optimizer_bytes_per_s: float = 0.0
+    """Bytes per second of the optimizer step's kernels (torch's foreach update and gradient clipping,
+    the bytes :func:`scaletrain.techniques.optim.registry.optimizer_step_bytes` counts), measured by
+    :mod:`scaletrain.planner.local` on a CPU, where those streaming kernels run several times faster
+    than the tanh-GELU / LayerNorm kernels that set ``device_mem_bytes_per_s``. 0 = not measured: the
+    step is priced as memory-bound kernels (:func:`scaletrain.cost.optimizer_seconds`)."""
     compile_factor: float = 0.0
     """Compute seconds of a torch.compile'd block over its eager seconds (forward + backward of one
     gpt2-tiny-sized block, median of paired steps), measured by ``scaletrain calibrate --compile``; the cost model

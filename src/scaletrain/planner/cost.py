@@ -58,7 +58,8 @@ from scaletrain.plan import Plan
 from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
-from scaletrain.cost import collective_seconds, exposed_seconds, prefetch_windows, roofline_seconds
+from scaletrain.cost import (collective_seconds, exposed_seconds, optimizer_seconds, prefetch_windows,
+                            roofline_seconds)
 from scaletrain.techniques.data_parallel import cost as zero_cost
 from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
 from scaletrain.techniques.optim.registry import optimizer_step_bytes  # noqa: F401  (priced here, defined there)
@@ -292,7 +293,7 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     opt_params = n_rank / (dp if plan.zero >= 1 else 1)
     offloaded = offload_kind(plan) == "optimizer"
     # the update's bytes per (sharded) parameter (optimizer_step_bytes) — on the device unless offloaded
-    optimizer = 0.0 if offloaded else plat.memory_bound_seconds(opt_params * optimizer_step_bytes(plan.optimizer, k))
+    optimizer = 0.0 if offloaded else optimizer_seconds(plat, opt_params * optimizer_step_bytes(plan.optimizer, k))
     host = offload_time(shape, plan, plat, n_rank=n_rank, opt_params=opt_params, m=m, tp=tp,
                         backward_s=L * lt["bwd"], compute_s=pipeline) if offloaded else {"s": 0.0, "host_bytes": 0.0}
     step = pipeline + dp_exposed + optimizer + host["s"]

@@ -55,7 +55,8 @@ from typing import Any
 
 from torch import nn
 
-from scaletrain.cost import collective_seconds, exposed_seconds, prefetch_windows, roofline_seconds
+from scaletrain.cost import (collective_seconds, exposed_seconds, optimizer_seconds, prefetch_windows,
+                            roofline_seconds)
 from scaletrain.errors import UserError
 from scaletrain.measure.census import BlockOps, Op
 from scaletrain.platform import Platform
@@ -296,7 +297,7 @@ def _optimizer_seconds(plat: Platform, plan: Any, params: float, states: float) 
     from scaletrain.techniques.optim.registry import optimizer_step_bytes
 
     n = params / (4 if plan.params_dtype == "fp32" else 2)  # parameters updated
-    return plat.memory_bound_seconds(n * optimizer_step_bytes(plan.optimizer, states / n if n else 0.0)) if n else 0.0
+    return optimizer_seconds(plat, n * optimizer_step_bytes(plan.optimizer, states / n if n else 0.0)) if n else 0.0
 
 
 def _offload(t: StepSeconds, plan: Any, plat: Platform, *, mem: dict, stages: list[int], M: int, params: float,
