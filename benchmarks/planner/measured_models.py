@@ -70,12 +70,12 @@ MODELS: dict[str, dict[str, Any]] = {
         Plan(dp=2, micro_batch=4, remat=SEL),
         Plan(tp=2, micro_batch=8), Plan(tp=2, sp=True, micro_batch=8), Plan(tp=2, micro_batch=4),
         _pp(2, 4), _pp(2, 4, "gpipe"), _pp(2, 4, "interleaved"), _pp(2, 4, "zb1p"), _pp(1, 8)]},
-    "vgg-mini": {"gb": 32, "seq": 0, "plans": [
-        Plan(dp=2, micro_batch=16), Plan(dp=2, micro_batch=8), Plan(dp=2, micro_batch=4),
-        Plan(dp=2, zero=1, micro_batch=16), Plan(dp=2, zero=2, micro_batch=8), Plan(dp=2, zero=3, micro_batch=16),
-        Plan(dp=2, zero=3, micro_batch=16, fsdp_group="2"), Plan(dp=2, micro_batch=16, remat=FULL),
-        Plan(dp=2, micro_batch=2), Plan(dp=2, zero=2, micro_batch=4),
-        _pp(8, 4), _pp(4, 8), _pp(8, 4, "gpipe"), _pp(8, 4, "interleaved"), _pp(16, 2), _pp(8, 4, zero=1)]},
+    "vgg-mini": {"gb": 64, "seq": 0, "plans": [
+        Plan(dp=2, micro_batch=32), Plan(dp=2, micro_batch=16), Plan(dp=2, micro_batch=8),
+        Plan(dp=2, zero=1, micro_batch=32), Plan(dp=2, zero=2, micro_batch=16), Plan(dp=2, zero=3, micro_batch=32),
+        Plan(dp=2, zero=3, micro_batch=32, fsdp_group="2"), Plan(dp=2, micro_batch=32, remat=FULL),
+        Plan(dp=2, micro_batch=4), Plan(dp=2, zero=2, micro_batch=8),
+        _pp(16, 4), _pp(8, 8), _pp(16, 4, "gpipe"), _pp(16, 4, "interleaved"), _pp(32, 2), _pp(16, 4, zero=1)]},
     "hf:bert": {"gb": 8, "seq": 64, "plans": [
         Plan(dp=2, micro_batch=4), Plan(dp=2, micro_batch=2), Plan(dp=2, micro_batch=1),
         Plan(dp=2, zero=1, micro_batch=4), Plan(dp=2, zero=2, micro_batch=2), Plan(dp=2, zero=3, micro_batch=4),
@@ -188,7 +188,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     ap.add_argument("--plans", default="", help="comma-separated plan indices (default: all; the first choice is kept)")
-    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds over the plans (median over them)")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds over the plans, each calibrated at its start (median)")
     ap.add_argument("--predict-only", action="store_true", help="price the plans, run nothing")
     ap.add_argument("--rescore", default="", help="a JSON this script wrote: price its plans again (this code, a fresh "
                     "calibration unless --platforms) against its measurements; nothing run")
@@ -207,36 +207,51 @@ def main(argv: list[str]) -> int:
     old = json.loads(Path(a.rescore).read_text()) if a.rescore else None
     saved = json.loads(Path(a.platforms).read_text())["platform_dicts"] if a.platforms else {}
     dicts: dict[str, Any] = {}
-    for name in names:
+    running = not a.predict_only and old is None
+    partial = Path(a.out).with_suffix(".partial.json")
+    for name in names:  # one model at a time: its rounds close together, each calibrated at its start
         spec = MODELS[name]
         if old is not None:
             plans = [Plan.from_flat(r["plan_flat"]) for r in old["rows"] if r["model"] == name]
         else:
             plans = [p.resolved(WORLD) for i, p in enumerate(spec["plans"]) if pick is None or i in pick]
         precisions = sorted({p.precision for p in plans} | {"fp32"})
-        plats = {pr: Platform.from_dict(saved[name][pr]) if name in saved else platform_for(name, pr)
-                 for pr in precisions}
-        platforms[name] = {pr: _platform_json(pl, pr) for pr, pl in plats.items()}
-        dicts[name] = {pr: pl.to_dict() for pr, pl in plats.items()}
-        first = first_choice(name, spec, plats["fp32"]).resolved(WORLD)
-        if first not in plans:
-            plans.append(first)
-        for plan in plans:
-            pred = price(name, plan, plats[plan.precision], spec)
-            runs = next((r["runs"] for r in (old or {}).get("rows", [])
-                         if r["model"] == name and r["plan_flat"] == plan.to_flat()), [])
-            rows.append({"model": name, "plan": label(plan),
-                         "plan_flat": plan.to_flat(), "planner_first": plan == first, "predicted": pred,
-                         "runs": runs})
-            print(f"{name}: {rows[-1]['plan']}: predicted {pred['step_time_s'] * 1e3:.1f} ms", flush=True)
-    if not a.predict_only and old is None:
-        for rnd in range(a.repeats):
-            for row in (rows if rnd % 2 == 0 else rows[::-1]):
-                spec = MODELS[row["model"]]
-                m = run(row["model"], Plan.from_flat(row["plan_flat"]), spec)
+        mine: list[dict[str, Any]] = []
+        platforms[name], dicts[name] = [], []
+        rounds = a.repeats if running else len(saved.get(name, [])) or 1
+        for rnd in range(rounds):
+            # this machine now, for 2 processes, as plan=auto measures it at the start of a run
+            plats = {pr: Platform.from_dict(saved[name][rnd][pr]) if name in saved else platform_for(name, pr)
+                     for pr in precisions}
+            platforms[name].append({pr: _platform_json(pl, pr) for pr, pl in plats.items()})
+            dicts[name].append({pr: pl.to_dict() for pr, pl in plats.items()})
+            if rnd == 0:
+                first = first_choice(name, spec, plats["fp32"]).resolved(WORLD)
+                if first not in plans:
+                    plans.append(first)
+                for plan in plans:
+                    runs = next((r["runs"] for r in (old or {}).get("rows", [])
+                                 if r["model"] == name and r["plan_flat"] == plan.to_flat()), [])
+                    mine.append({"model": name, "plan": label(plan), "plan_flat": plan.to_flat(),
+                                 "planner_first": plan == first, "predictions": [], "runs": runs})
+            for row in mine:
+                row["predictions"].append(price(name, Plan.from_flat(row["plan_flat"]), plats[
+                    Plan.from_flat(row["plan_flat"]).precision], spec))
+                print(f"round {rnd}: {name}: {row['plan']}: predicted "
+                      f"{row['predictions'][-1]['step_time_s'] * 1e3:.1f} ms", flush=True)
+            if not running:
+                continue
+            for row in (mine if rnd % 2 == 0 else mine[::-1]):  # odd rounds in reverse: drift hits all alike
+                m = run(name, Plan.from_flat(row["plan_flat"]), spec)
                 row["runs"].append(m)
-                print(f"round {rnd}: {row['model']}: {row['plan']}: predicted {row['predicted']['step_time_s'] * 1e3:.0f}"
-                      f" ms, measured {m.get('step_time_s', float('nan')) * 1e3:.0f} ms {m.get('error', '')}", flush=True)
+                partial.write_text(json.dumps({"rows": rows + mine, "platform_dicts": dicts}))  # a cut run keeps these
+                print(f"round {rnd}: {name}: {row['plan']}: measured {m.get('step_time_s', float('nan')) * 1e3:.0f} ms "
+                      f"{m.get('error', '')}", flush=True)
+        for row in mine:
+            p = row["predictions"]
+            row["predicted"] = {**p[0], "step_time_s": statistics.median(x["step_time_s"] for x in p),
+                                "round_step_times_s": [x["step_time_s"] for x in p]}
+        rows += mine
     for row in rows:
         good = [m for m in row["runs"] if "step_time_s" in m]
         if good:
