@@ -106,6 +106,11 @@ class Platform:
     :mod:`scaletrain.planner.local` on a CPU, where those streaming kernels run several times faster
     than the tanh-GELU / LayerNorm kernels that set ``device_mem_bytes_per_s``. 0 = not measured: the
     step is priced as memory-bound kernels (:func:`scaletrain.cost.optimizer_seconds`)."""
+    fsdp_collective_overhead_s: float = 0.0
+    """Seconds each ZeRO-3 (FSDP2) collective costs beyond its α–β time: FSDP2's own work per unit and
+    collective (copy into and out of the flat buffer, DTensor views, hooks) — ~10x gloo's α on a CPU.
+    Measured by :mod:`scaletrain.planner.local` (:func:`~scaletrain.planner.local.fsdp_overhead`); 0 = not
+    measured (the GPU presets: not modelled there)."""
     compile_factor: float = 0.0
     """Compute seconds of a torch.compile'd block over its eager seconds (forward + backward of one
     gpt2-tiny-sized block, median of paired steps), measured by ``scaletrain calibrate --compile``; the cost model

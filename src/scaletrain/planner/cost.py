@@ -267,7 +267,9 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     n_rank = max(n_first, n_last)
     dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp, tp, m, e if plan.zero == 3 else 4,
                                  blocks=int(L) + 2, bucket_bytes=plan.bucket_mb * 1e6)
-    if pp == 1 and plan.zero != 1:
+    # on a platform whose collectives do not run beside compute (the CPU pool: gloo's threads take the
+    # same cores) nothing is hidden, as the traced cost model prices it (time_cost._exposed)
+    if pp == 1 and plan.zero != 1 and plat.copy_overlaps_compute:
         window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: 0.0}[plan.zero]
         last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / 4, 0, dp, tp, 1, 4, bucket_bytes=plan.bucket_mb * 1e6)[0]
         # an overlapped collective still slows the compute it hides behind: NCCL's kernels take SMs and
@@ -344,6 +346,8 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     halves = {0: 2 * buckets, 1: 2 * buckets, 2: (m + 1) * buckets, 3: 3 * m * blocks}[zero]
     # ring bytes of the all-reduce-equivalent inside the node (k ranks) and across (dp/k), scaled to ZeRO's
     intra = collective_seconds(2 * (k - 1) / k * S * scale, halves * (k - 1), bi, plat.intra_node_latency_s)
+    if zero == 3:  # FSDP2's own work per collective (copy-in/out, hooks), measured where known (local)
+        intra += halves * plat.fsdp_collective_overhead_s
     inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, halves * (nodes - 1), bo,
                                plat.inter_node_latency_s) if nodes > 1 else 0.0
     return intra + inter, intra

@@ -31,6 +31,8 @@ not the best slice (:func:`_typical_time`):
   clipping over 2 M parameters, bytes counted as the cost model counts them (:func:`optimizer_rate`).
 * **collectives** — gloo all-reduces over the run's group: a 4-byte one gives the latency α per ring
   step (t / 2(N − 1)), a 4 MiB one the bandwidth β (ring convention, α removed); one process: none.
+  FSDP2's own work per ZeRO-3 collective beyond α–β (:func:`fsdp_overhead`: small ``fully_shard``
+  units against the same layers unsharded).
 
 Device memory is the host's memory divided among the N processes (the CPU "device" is the logical
 pool in host memory). Units: FLOP/s, bytes/s, seconds, bytes.
@@ -241,6 +243,42 @@ def collective_rates(world: int, repeats: int = 7) -> tuple[float, float]:
     return wire / max(t_big - 2 * (world - 1) * alpha, 1e-9), alpha
 
 
+def fsdp_overhead(world: int, beta: float, alpha: float, repeats: int = 7, layers: int = 4) -> float:
+    """Seconds FSDP2 adds to each of its collectives beyond α–β (``Platform.fsdp_collective_overhead_s``):
+    a stack of ``layers`` small Linear layers, each its own ``fully_shard`` unit over the run's group (as
+    ZeRO-3 shards blocks), forward and backward on one tiny batch, against the same stack unsharded;
+    the difference, less the α–β time of its 3 collectives per unit (gather, backward re-gather,
+    reduce-scatter), divided by their number. One call per sample: every rank runs the same number."""
+    if world <= 1 or not dist.is_initialized():
+        return 0.0
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from scaletrain.cost import collective_seconds
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)])
+    sharded = nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    x = torch.randn(2, 32)
+
+    def step(m: nn.Module) -> None:
+        m(x).sum().backward()
+
+    _barrier()
+    t_plain = _typical_time(lambda: step(plain), repeats, min_s=0.0)
+    _barrier()
+    t_fsdp = _typical_time(lambda: step(sharded), repeats, min_s=0.0)
+    n = 3 * layers
+    unit = 32 * 33 * 4  # bytes of one layer's weight and bias
+    wire = n * collective_seconds((world - 1) / world * unit, world - 1, beta, alpha)
+    return max((t_fsdp - t_plain - wire) / n, 0.0)
+
+
 def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None = None,
             optimizer: str = "adamw") -> Platform:
     """This machine for one of ``world`` processes; every rank calls it at once (module docstring).
@@ -257,6 +295,7 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
     overhead = kernel_overhead()
     opt_rate = optimizer_rate(optimizer)
     beta, alpha = collective_rates(world)
+    fsdp = fsdp_overhead(world, beta, alpha)
     threads = torch.get_num_threads()
     plat = Platform(
         name=f"local-cpu/{world}", device_type="cpu", device_memory_bytes=_host_memory_bytes() // max(world, 1),
@@ -265,7 +304,7 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
         matmul_efficiency=mm, mem_efficiency=mem, intra_node_bytes_per_s=beta, inter_node_bytes_per_s=beta,
         intra_node_efficiency=1.0, inter_node_efficiency=1.0, intra_node_latency_s=alpha,
         inter_node_latency_s=alpha, devices_per_node=max(world, 1), kernel_overhead_s=overhead,
-        optimizer_bytes_per_s=opt_rate,
+        optimizer_bytes_per_s=opt_rate, fsdp_collective_overhead_s=fsdp,
         source=f"planner.local.measure: {world} process(es) x {threads} thread(s) measured at once, "
                f"{time.strftime('%Y-%m-%dT%H:%M:%S')}",
         meta={"threads": threads})

@@ -165,6 +165,8 @@ def _comm(plan: Any, model: nn.Module, cfg: Any, plat: Platform, *, b: int, seq:
         halves = {0: 2 * buckets, 1: 2 * buckets, 2: (M + 1) * buckets, 3: 3 * n_blocks * M}[plan.zero]
         G = D if pp == 1 else dp
         out["dp"] = collective_seconds(kinds["dp"], halves * (G - 1), *link(plat, t * (cp if pp == 1 else 1), G))
+        if plan.zero == 3:  # FSDP2's own work per collective (copy-in/out, hooks), measured where known
+            out["dp"] += halves * plat.fsdp_collective_overhead_s
     if kinds.get("norm"):
         out["norm"] = collective_seconds(kinds["norm"], 2 * (world - 1), *link(plat, 1, world))
     return out
