@@ -15,7 +15,7 @@ from scaletrain.planner.local import _typical_time
 
 def _cpu(**kw) -> P.Platform:
     return P.Platform(name="t", device_mem_bytes_per_s=1e9, mem_efficiency=((0.0, 1.0),), kernel_overhead_s=0.0,
-                      intra_node_bytes_per_s=1e9, **kw)
+                      intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e9, devices_per_node=2, **kw)
 
 
 def test_optimizer_seconds_uses_the_measured_rate_else_memory_bound():
@@ -47,3 +47,26 @@ def test_typical_time_is_the_median_sample_not_the_best():
 
     t = _typical_time(call, 3, min_s=0.0)
     assert 0.004 <= t < 0.02  # the median sample; the best would be ~0.001
+
+
+def test_fsdp_overhead_is_paid_once_per_zero3_collective_on_both_cost_paths():
+    """3 collectives per gather unit and micro-batch (gather, backward re-gather, reduce-scatter), each
+    with FSDP2's measured overhead on top of α–β; nothing overlaps on a CPU pool."""
+    from scaletrain import models
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    shape = Shape.of("gpt2-tiny")
+    plan = Plan(dp=2, zero=3, micro_batch=2)
+    base, over = _cpu(), _cpu(fsdp_collective_overhead_s=1e-3)
+    a = [plan_cost(shape, plan, p, global_batch=8, seq=32).step_time_s for p in (base, over)]
+    m, units = 8 // (2 * 2), shape.layers + 2  # micro-batches; the layers and the root's embedding and head
+    assert a[1] - a[0] == pytest.approx(3 * m * units * 1e-3)
+    model = models.get("mlp", device="meta")
+    t = [plan_costs(plan, model, world=2, global_batch=8, seq=0, micro_batch=2, platform=p)[0].step_time_s
+         for p in (base, over)]
+    n = (t[1] - t[0]) / 1e-3
+    assert n > 0 and n == pytest.approx(round(n)) and round(n) % (3 * m) == 0
+    assert plan_costs(plan.with_(zero=2), model, world=2, global_batch=8, seq=0, micro_batch=2,
+                      platform=over)[0].step_time_s == pytest.approx(
+        plan_costs(plan.with_(zero=2), model, world=2, global_batch=8, seq=0, micro_batch=2,
+                   platform=base)[0].step_time_s)  # only ZeRO-3 pays it

@@ -182,7 +182,8 @@ class Platform:
 FRACTIONS = ("unaligned_matmul_fraction", "intra_node_efficiency", "inter_node_efficiency")
 """Fields that are a fraction of a peak, in [0, 1]."""
 MAY_BE_ZERO = ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_overhead_s", "price_per_device_hour",
-               "intra_node_latency_s", "inter_node_latency_s", "unaligned_matmul_fraction", "compile_factor")
+               "intra_node_latency_s", "inter_node_latency_s", "unaligned_matmul_fraction", "compile_factor",
+               "optimizer_bytes_per_s", "fsdp_collective_overhead_s")
 """Numeric fields where 0 is meaningful (no such link, not modelled, unknown price); the others divide."""
 
 
