@@ -296,7 +296,7 @@ def table(path: Path = OUT) -> str:
         if "spearman" not in s:
             continue
         first = (f"{s['planner_first_measured_s'] / s['fastest_measured_s'] * 100 - 100:+.0f}%"
-                 if s.get("planner_first_measured_s") else "—")
+                 if s.get("planner_first_measured_s") and k != "overall" else "—")
         spread = f"{s['median_round_spread'] * 100:.0f}%" if s.get("median_round_spread") is not None else "—"
         lines.append(f"| {k} | {s['spearman']:.2f} | {s['median_abs_step_error'] * 100:.0f}% | "
                      f"{s['median_step_error'] * 100:+.0f}% | {first} | {s['peaks_within_5pct']}/{s['ran']} | "
