@@ -4,19 +4,21 @@ For each model: this machine is measured for one of 2 processes as ``plan=auto``
 start of a run (:func:`scaletrain.planner.local.measure` on both ranks at once, one thread each, the
 model's own kernels for the fixed cost per kernel), in each precision the model's plans use. Each of
 ≥ 16 distinct runnable 2-process plans (dp, ZeRO 0–3, FSDP grouping, tp/sp where the model allows it,
-pp with 1F1B / GPipe / interleaved / ZB-1P, micro-batch, remat, bf16) is priced by the function the
+pp with 1F1B / GPipe / interleaved / ZB-1P, micro-batch, remat; no bf16: see the README) is priced by the function the
 planner ranks with (:func:`price`: a decoder shape by :func:`scaletrain.planner.cost.plan_cost`, any
 other model by :func:`scaletrain.planner.traced.price` — what ``scaletrain.plan`` and ``plan=auto``
 call), and the planner's own first choice (``plan=auto``'s) is added. Then every plan runs through
 ``scaletrain train --nproc-per-node 2 --plan FILE train.measure_memory=true`` (OMP_NUM_THREADS=1)
-in interleaved rounds: round r runs every plan of every model once (odd rounds in reverse order), so a
-change of load hits all plans alike. Measured step time of a run: the median of its steps after two
+in interleaved rounds, one model at a time: each round starts with a fresh calibration that prices
+its plans (as plan=auto calibrates at the start of a run), then runs each of the model's plans once
+(odd rounds in reverse order, so a drift of load hits all plans alike). Measured step time of a run:
+the median of its steps after two
 warm-up steps, the tracked last step left out; of a plan: the median over its rounds (the spread
 across rounds is recorded). Peak: the heaviest rank's tracked peak; traffic: rank 0's ledger. The
 1-minute load average is recorded before and after every run. Writes
 ``benchmarks/results/planner_measured_models.json``.
 
-    PYTHONPATH=src python benchmarks/planner/measured_models.py                  # ~15 min on the shared 2-core machine
+    PYTHONPATH=src python benchmarks/planner/measured_models.py                  # 53 min at load 5-14 (~100 launches)
     PYTHONPATH=src python benchmarks/planner/measured_models.py --models vgg-mini --plans 0,3 --repeats 1
     PYTHONPATH=src python benchmarks/planner/measured_models.py --predict-only   # prices only, nothing run
     PYTHONPATH=src python benchmarks/planner/measured_models.py --table          # the README's tables from the JSON
@@ -162,7 +164,7 @@ def _platform_json(plat: Any, precision: str) -> dict[str, Any]:
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Spearman ρ, median |error|, first choice vs fastest, peaks within 5 %, traffic exact (rows with a measurement)."""
+    """Spearman ρ, median |error|, first choice vs fastest, peaks within 5 %, traffic exact (measured rows)."""
     ok = [r for r in rows if r.get("measured", {}).get("step_time_s")]
     if len(ok) < 3:
         return {"ran": len(ok)}
@@ -188,7 +190,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     ap.add_argument("--plans", default="", help="comma-separated plan indices (default: all; the first choice is kept)")
-    ap.add_argument("--repeats", type=int, default=2, help="rounds over the plans, each calibrated at its start (median)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="rounds over the plans, each calibrated at its start (median)")
     ap.add_argument("--predict-only", action="store_true", help="price the plans, run nothing")
     ap.add_argument("--rescore", default="", help="a JSON this script wrote: price its plans again (this code, a fresh "
                     "calibration unless --platforms) against its measurements; nothing run")
@@ -267,7 +270,8 @@ def main(argv: list[str]) -> int:
            "machine": {**info, "load_after": machine()["load_average_1_5_15"]}, "torch": torch.__version__,
            "world": WORLD, "threads_per_process": 1, "steps": STEPS, "repeats": a.repeats,
            "models": {n: {"global_batch": MODELS[n]["gb"], "seq": MODELS[n]["seq"]} for n in names},
-           "platforms": platforms, "platform_dicts": dicts, "summary": summary, "rows": rows, "seconds": time.perf_counter() - t_start}
+           "platforms": platforms, "platform_dicts": dicts, "summary": summary, "rows": rows,
+           "seconds": time.perf_counter() - t_start}
     if not a.predict_only or old is not None:
         Path(a.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(summary, indent=1))
@@ -283,11 +287,13 @@ def table(path: Path = OUT) -> str:
         p, m = r["predicted"], r.get("measured", {})
         name = r["plan"] + (" **(planner's first)**" if r["planner_first"] else "")
         if "step_time_s" not in m:
-            lines.append(f"| {r['model']} | {name} | {p['step_time_s'] * 1e3:.0f} | failed: {m.get('error', '')} | | | |")
+            lines.append(f"| {r['model']} | {name} | {p['step_time_s'] * 1e3:.0f} | failed: {m.get('error', '')} "
+                         f"| | | |")
             continue
         rounds = "/".join(f"{x * 1e3:.0f}" for x in m["round_step_times_s"])
         traffic = "exact" if p["comm_bytes"] == m["comm_bytes"] else f"{p['comm_bytes']:.0f} vs {m['comm_bytes']:.0f} B"
-        lines.append(f"| {r['model']} | {name} | {p['step_time_s'] * 1e3:.0f} | {m['step_time_s'] * 1e3:.0f} ({rounds}) | "
+        lines.append(f"| {r['model']} | {name} | {p['step_time_s'] * 1e3:.0f} | "
+                     f"{m['step_time_s'] * 1e3:.0f} ({rounds}) | "
                      f"{(p['step_time_s'] / m['step_time_s'] - 1) * 100:+.0f}% | "
                      f"{(p['peak_bytes'] / m['peak_bytes'] - 1) * 100:+.1f}% | {traffic} |")
     lines += ["", "| | Spearman ρ | median \\|error\\| | median error | first choice vs fastest | peaks within 5 % | "
