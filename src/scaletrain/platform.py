@@ -117,6 +117,17 @@ class Platform:
     """Fixed seconds per kernel the planner prices (dispatch, autograd bookkeeping, launch), on top of its
     roofline time. 0 on the GPU presets (not modelled there); measured by :mod:`scaletrain.planner.local`
     on a CPU, where eager PyTorch's per-operator cost dominates a small model's small kernels."""
+    optimizer_bytes_per_s: float = 0.0
+    """Bytes per second of the optimizer step's kernels (torch's foreach update and gradient clipping,
+    the bytes :func:`scaletrain.techniques.optim.registry.optimizer_step_bytes` counts), measured by
+    :mod:`scaletrain.planner.local` on a CPU, where those streaming kernels run several times faster
+    than the tanh-GELU / LayerNorm kernels that set ``device_mem_bytes_per_s``. 0 = not measured: the
+    step is priced as memory-bound kernels (:func:`scaletrain.cost.optimizer_seconds`)."""
+    fsdp_collective_overhead_s: float = 0.0
+    """Seconds each ZeRO-3 (FSDP2) collective costs beyond its α–β time: FSDP2's own work per unit and
+    collective (copy into and out of the flat buffer, DTensor views, hooks) — ~10x gloo's α on a CPU.
+    Measured by :mod:`scaletrain.planner.local` (:func:`~scaletrain.planner.local.fsdp_overhead`); 0 = not
+    measured (the GPU presets: not modelled there)."""
     compile_factor: float = 0.0
     """Compute seconds of a torch.compile'd block over its eager seconds (forward + backward of one
     gpt2-tiny-sized block, median of paired steps), measured by ``scaletrain calibrate --compile``; the cost model
@@ -195,7 +206,7 @@ FRACTIONS = ("unaligned_matmul_fraction", "intra_node_efficiency", "inter_node_e
 """Fields that are a fraction of a peak, in [0, 1]."""
 MAY_BE_ZERO = ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_overhead_s", "price_per_device_hour",
                "intra_node_latency_s", "inter_node_latency_s", "unaligned_matmul_fraction", "compile_factor",
-               "sm_count")
+               "sm_count", "optimizer_bytes_per_s", "fsdp_collective_overhead_s")
 """Numeric fields where 0 is meaningful (no such link, not modelled, unknown price); the others divide."""
 
 

@@ -36,6 +36,17 @@ def roofline_seconds(plat: Any, flops: float, nbytes: float, *, precision: str =
     return max(compute, plat.memory_bound_seconds(nbytes))
 
 
+def optimizer_seconds(plat: Any, nbytes: float) -> float:
+    """Seconds of one optimizer step moving ``nbytes`` (its parameters times
+    :func:`~scaletrain.techniques.optim.registry.optimizer_step_bytes`): at the measured rate of the
+    optimizer's own kernels where the platform has one (``Platform.optimizer_bytes_per_s``), else as
+    memory-bound kernels at HBM speed."""
+    if nbytes <= 0:
+        return 0.0
+    rate = getattr(plat, "optimizer_bytes_per_s", 0.0)
+    return nbytes / rate if rate > 0 else plat.memory_bound_seconds(nbytes)
+
+
 def collective_seconds(nbytes: float, steps: float, bytes_per_s: float, latency_s: float) -> float:
     """α–β: ``nbytes`` received over a link of ``bytes_per_s`` (achieved) plus ``steps`` ring steps of
     α = ``latency_s``. A ring all-reduce of S bytes over n ranks receives 2(n − 1)/n·S in 2(n − 1)

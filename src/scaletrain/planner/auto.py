@@ -166,7 +166,8 @@ def choose(cfg: Any, world: int, rank: int, device: torch.device) -> AutoPlan:
                           f"instead: scaletrain plan --model {cfg.model.name} --platform h100|h200|a100-80g|FILE.json "
                           f"--nodes 1 --gpus-per-node {world} --global-batch {cfg.train.global_batch} --out plan.toml, "
                           f"then scaletrain train --plan plan.toml")
-    plat = local.measure(world, cfg.train.precision, (cfg.model.name, dict(cfg.model.overrides)))  # all ranks at once
+    plat = local.measure(world, cfg.train.precision, (cfg.model.name, dict(cfg.model.overrides)),
+                         optimizer=cfg.optim.name)  # all ranks at once
     payload: list[Any] = [None]
     if rank == 0:
         try:

@@ -69,8 +69,8 @@ from scaletrain.plan import Plan
 from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
-from scaletrain.cost import (all_reduce_steps, collective_seconds, exposed_seconds, prefetch_windows,
-                             roofline_seconds)
+from scaletrain.cost import (all_reduce_steps, collective_seconds, exposed_seconds, optimizer_seconds,
+                             prefetch_windows, roofline_seconds)
 from scaletrain.planner.context import ring_layer_times
 from scaletrain.planner import stage_remat
 from scaletrain.planner.stages import split as stage_split, uniform as uniform_split
@@ -347,7 +347,9 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     # innermost); HSDP shards within plan.hsdp of its ranks
     dp_time, dp_intra = _dp_time(plat, n_rank, plan.zero, dp * cp, tp, m, grad_e,
                                  blocks=int(L) + 2, bucket_bytes=plan.bucket_mb * 1e6, hsdp=plan.hsdp)
-    if pp == 1 and plan.zero != 1 and (opts.dp_overlap or plan.zero == 3):
+    # on a platform whose collectives do not run beside compute (the CPU pool: gloo's threads take the
+    # same cores) nothing is hidden, as the traced cost model prices it (time_cost._exposed)
+    if pp == 1 and plan.zero != 1 and plat.copy_overlaps_compute and (opts.dp_overlap or plan.zero == 3):
         window = {0: L * lt["bwd"], 2: m * L * lt["bwd"], 3: 0.0}[plan.zero]
         last_bucket = _dp_time(plat, plan.bucket_mb * 1e6 / grad_e, 0, dp * cp, tp, 1, grad_e,
                                bucket_bytes=plan.bucket_mb * 1e6)[0]
@@ -375,7 +377,7 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     opt_params = n_rank / ((plan.hsdp or dp) * cp if plan.zero >= 1 else 1)
     offloaded = offload_kind(plan) == "optimizer"
     # the update's bytes per (sharded) parameter (optimizer_step_bytes) — on the device unless offloaded
-    optimizer = 0.0 if offloaded else plat.memory_bound_seconds(opt_params * optimizer_step_bytes(plan.optimizer, k))
+    optimizer = 0.0 if offloaded else optimizer_seconds(plat, opt_params * optimizer_step_bytes(plan.optimizer, k))
     host = offload_time(shape, plan, plat, n_rank=n_rank, opt_params=opt_params, m=m, tp=tp,
                         backward_s=L * lt["bwd"], compute_s=pipeline) if offloaded else {"s": 0.0, "host_bytes": 0.0}
     step = pipeline + dp_exposed + optimizer + host["s"]
@@ -448,6 +450,8 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     halves = {0: 2 * buckets, 1: 2 * buckets, 2: (m + 1) * buckets, 3: 3 * m * blocks}[zero]
     # ring bytes of the all-reduce-equivalent inside the node (k ranks) and across (dp/k), scaled to ZeRO's
     intra = collective_seconds(2 * (k - 1) / k * S * scale, halves * (k - 1), bi, plat.intra_node_latency_s)
+    if zero == 3:  # FSDP2's own work per collective (copy-in/out, hooks), measured where known (local)
+        intra += halves * plat.fsdp_collective_overhead_s
     # DDP's all-reduces across nodes: ring or NCCL's tree, the fewer steps (all_reduce_steps); the rest: rings
     steps = buckets * all_reduce_steps(nodes) if zero == 0 else halves * (nodes - 1)
     inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, steps, bo,

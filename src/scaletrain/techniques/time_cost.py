@@ -55,7 +55,8 @@ from typing import Any
 
 from torch import nn
 
-from scaletrain.cost import collective_seconds, exposed_seconds, prefetch_windows, roofline_seconds
+from scaletrain.cost import (collective_seconds, exposed_seconds, optimizer_seconds, prefetch_windows,
+                            roofline_seconds)
 from scaletrain.errors import UserError
 from scaletrain.measure.census import BlockOps, Op
 from scaletrain.platform import Platform
@@ -164,6 +165,8 @@ def _comm(plan: Any, model: nn.Module, cfg: Any, plat: Platform, *, b: int, seq:
         halves = {0: 2 * buckets, 1: 2 * buckets, 2: (M + 1) * buckets, 3: 3 * n_blocks * M}[plan.zero]
         G = D if pp == 1 else dp
         out["dp"] = collective_seconds(kinds["dp"], halves * (G - 1), *link(plat, t * (cp if pp == 1 else 1), G))
+        if plan.zero == 3:  # FSDP2's own work per collective (copy-in/out, hooks), measured where known
+            out["dp"] += halves * plat.fsdp_collective_overhead_s
     if kinds.get("norm"):
         out["norm"] = collective_seconds(kinds["norm"], 2 * (world - 1), *link(plat, 1, world))
     return out
@@ -296,7 +299,7 @@ def _optimizer_seconds(plat: Platform, plan: Any, params: float, states: float) 
     from scaletrain.techniques.optim.registry import optimizer_step_bytes
 
     n = params / (4 if plan.params_dtype == "fp32" else 2)  # parameters updated
-    return plat.memory_bound_seconds(n * optimizer_step_bytes(plan.optimizer, states / n if n else 0.0)) if n else 0.0
+    return optimizer_seconds(plat, n * optimizer_step_bytes(plan.optimizer, states / n if n else 0.0)) if n else 0.0
 
 
 def _offload(t: StepSeconds, plan: Any, plat: Platform, *, mem: dict, stages: list[int], M: int, params: float,

@@ -1,0 +1,72 @@
+"""Cost terms measured by the local calibration: the optimizer step's own rate, and typical (median) samples."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from scaletrain import platform as P
+from scaletrain.cost import optimizer_seconds
+from scaletrain.plan import Plan
+from scaletrain.planner import Shape, plan_cost
+from scaletrain.planner.local import _typical_time
+
+
+def _cpu(**kw) -> P.Platform:
+    return P.Platform(name="t", device_mem_bytes_per_s=1e9, mem_efficiency=((0.0, 1.0),), kernel_overhead_s=0.0,
+                      intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e9, devices_per_node=2, **kw)
+
+
+def test_optimizer_seconds_uses_the_measured_rate_else_memory_bound():
+    assert optimizer_seconds(_cpu(optimizer_bytes_per_s=4e9), 2e9) == pytest.approx(0.5)
+    assert optimizer_seconds(_cpu(), 2e9) == pytest.approx(_cpu().memory_bound_seconds(2e9))
+    assert optimizer_seconds(_cpu(optimizer_bytes_per_s=4e9), 0.0) == 0.0
+
+
+def test_both_cost_paths_price_the_optimizer_step_at_its_rate():
+    """The analytic planner and the traced cost model: twice the rate, half the optimizer phase."""
+    from scaletrain import models
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    shape, plan = Shape.of("gpt2-tiny"), Plan(dp=1, micro_batch=2)
+    slow, fast = _cpu(optimizer_bytes_per_s=1e9), _cpu(optimizer_bytes_per_s=2e9)
+    a = [plan_cost(shape, plan, p, global_batch=2, seq=32).phases_s["optimizer"] for p in (slow, fast)]
+    assert a[0] > 0 and a[1] == pytest.approx(a[0] / 2)
+    model = models.get("mlp", device="meta")
+    t = [plan_costs(plan, model, world=1, global_batch=2, seq=0, micro_batch=2, platform=p)[0].time_s.optimizer
+         for p in (slow, fast)]
+    assert t[0] > 0 and t[1] == pytest.approx(t[0] / 2)
+
+
+def test_typical_time_is_the_median_sample_not_the_best():
+    durations = iter([0.0, 0.001, 0.03, 0.004])  # warm-up call, then three one-call samples
+
+    def call() -> None:
+        time.sleep(next(durations))
+
+    t = _typical_time(call, 3, min_s=0.0)
+    assert 0.004 <= t < 0.02  # the median sample; the best would be ~0.001
+
+
+def test_fsdp_overhead_is_paid_once_per_zero3_collective_on_both_cost_paths():
+    """3 collectives per gather unit and micro-batch (gather, backward re-gather, reduce-scatter), each
+    with FSDP2's measured overhead on top of α–β; nothing overlaps on a CPU pool."""
+    from scaletrain import models
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    shape = Shape.of("gpt2-tiny")
+    plan = Plan(dp=2, zero=3, micro_batch=2)
+    base, over = _cpu(), _cpu(fsdp_collective_overhead_s=1e-3)
+    a = [plan_cost(shape, plan, p, global_batch=8, seq=32).step_time_s for p in (base, over)]
+    m, units = 8 // (2 * 2), shape.layers + 2  # micro-batches; the layers and the root's embedding and head
+    assert a[1] - a[0] == pytest.approx(3 * m * units * 1e-3)
+    model = models.get("mlp", device="meta")
+    t = [plan_costs(plan, model, world=2, global_batch=8, seq=0, micro_batch=2, platform=p)[0].step_time_s
+         for p in (base, over)]
+    n = (t[1] - t[0]) / 1e-3
+    assert n > 0 and n == pytest.approx(round(n)) and round(n) % (3 * m) == 0
+    assert plan_costs(plan.with_(zero=2), model, world=2, global_batch=8, seq=0, micro_batch=2,
+                      platform=over)[0].step_time_s == pytest.approx(
+        plan_costs(plan.with_(zero=2), model, world=2, global_batch=8, seq=0, micro_batch=2,
+                   platform=base)[0].step_time_s)  # only ZeRO-3 pays it
