@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from scaletrain.techniques.remat import exhaustive, ilp, optimal, revolve
 from scaletrain.techniques.remat.periodic import none_ops
 from scaletrain.techniques.remat.schedule import Graph, Node
+from scaletrain.errors import UserError
 from scaletrain.techniques.remat.simulate import simulate
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -150,15 +151,35 @@ def test_ilp_equals_exhaustive_search_on_chains(g, data):
 @settings(max_examples=50, **SETTINGS)
 @given(chains(max_n=6, dag=True), st.data())
 def test_ilp_on_graphs_with_skip_connections(g, data):
-    """Checkmate's MILP on DAGs: never faster than exhaustive search (sanity), and equal to it on
-    these graphs (the MILP fixes the backward order to reverse index order; the search does not,
-    so equality is what we observe rather than a theorem — a counterexample would be reported)."""
+    """Checkmate's MILP on DAGs: within its budget, never above it, and never faster than exhaustive
+    search, whose least peak it never undercuts. Equality is not a theorem on DAGs: the MILP fixes the
+    backward order to reverse index order and the search does not (a 1-byte counterexample is kept
+    below); on chains the two are equal (the test above)."""
     budget = _budget(data.draw, g)
-    ip = ilp.solve_ilp(g, budget)
+    least = ilp.min_budget_ilp(g)
+    assert least >= exhaustive.min_peak(g)
     ex = exhaustive.solve(g, budget)
+    if budget < least:
+        with pytest.raises(UserError, match="below the minimum feasible"):
+            ilp.solve_ilp(g, budget)
+        return
+    ip = ilp.solve_ilp(g, budget)
     assert ip.predicted_peak_bytes <= budget
-    assert ip.predicted_time_s == pytest.approx(ex.predicted_time_s, abs=1e-6)
-    assert ilp.min_budget_ilp(g) == exhaustive.min_peak(g)
+    assert ip.predicted_time_s >= ex.predicted_time_s - 1e-6
+
+
+def test_ilp_fixed_backward_order_costs_a_byte_on_a_skip_graph():
+    """Counterexample hypothesis found (2026-11-28): exhaustive search reaches a 7-byte peak by running a
+    backward out of index order; the MILP, whose backward runs in reverse index order (Checkmate's
+    formulation), needs 8 and says so in one line below it."""
+    def n(name, fwd_temp, bwd_temp, preds):
+        return Node(name, 0.25, 0.25, 1, 0, fwd_temp, bwd_temp, preds)
+    g = Graph((n("b0", 0, 0, ()), n("b1", 0, 0, (0,)), n("b2", 3, 0, (1,)), n("b3", 0, 0, (0, 2)),
+               n("b4", 0, 1, (0, 3))), 0, 0)
+    assert (exhaustive.min_peak(g), ilp.min_budget_ilp(g)) == (7, 8)
+    assert ilp.solve_ilp(g, 8).predicted_peak_bytes <= 8
+    with pytest.raises(UserError, match="below the minimum feasible"):
+        ilp.solve_ilp(g, 7)
 
 
 @pytest.mark.parametrize("temps, budget, time_s", [((2, 0), 8, 3.25), ((3, 2), 9, 2.5)])
