@@ -101,6 +101,16 @@ LATER: dict[str, tuple[list[str], dict[str, list[str]]]] = {
 cases of COMMANDS stay the ones that passed before."""
 
 
+LATER2: dict[str, tuple[list[str], dict[str, list[str]]]] = {
+    "profile": (["--model", "gpt2-tiny", "--set", "n_layer=1", "--seq", "8", "--repeats", "1", "--warmup", "0",
+                 "--roofline"], {"--platform": PLATS, "--png": OUTS, "--json": [""], "--precision": ["x", "bf16"]}),
+    "plan": (["--model", "gpt2-small", "--global-batch", "8", "--gpus-per-node", "2", "--set", "n_layer=2"],
+             {"--fix": ["cp=2", "cp=x", "cp=0", "hsdp=2", "hsdp=-1", "pp_split=equal", "pp_split=x", "pp=3"],
+              "--seq": INT, "--model": MODELS}),
+}
+"""Flags added on 2026-11-28 (profile --roofline, plan --fix cp/hsdp/pp_split): a generator of their own again."""
+
+
 WEIGHTS = {"estimate": 2, "remat": 1, "profile": 1, "checkpoint export": 1, "models": 0.1, "optimizers": 0.1}
 """Relative frequency of a command's cases (default 10): the ones whose valid cases build or export a model are
 rarer, so that the whole test stays quick; `models` builds every reference model."""
@@ -129,6 +139,7 @@ def _cases(n: int, seed: int = 27, commands: dict | None = None) -> list[tuple[s
 
 CASES = _cases(int(os.environ.get("FUZZ_CMD_CASES", "1600")), int(os.environ.get("FUZZ_SEED", "27")))
 CASES += _cases(int(os.environ.get("FUZZ_LATER_CASES", "150")), int(os.environ.get("FUZZ_SEED", "27")), LATER)
+CASES += _cases(int(os.environ.get("FUZZ_LATER2_CASES", "60")), int(os.environ.get("FUZZ_SEED", "27")), LATER2)
 
 
 @pytest.fixture(scope="module")
