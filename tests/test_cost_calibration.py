@@ -70,3 +70,69 @@ def test_fsdp_overhead_is_paid_once_per_zero3_collective_on_both_cost_paths():
                       platform=over)[0].step_time_s == pytest.approx(
         plan_costs(plan.with_(zero=2), model, world=2, global_batch=8, seq=0, micro_batch=2,
                    platform=base)[0].step_time_s)  # only ZeRO-3 pays it
+
+
+def test_zero_collectives_pay_the_backends_measured_factors_on_both_cost_paths():
+    """gloo's reduce-scatter is slower than a ring: the measured factor multiplies ZeRO's collective
+    seconds by the collectives' mix (ZeRO-1: half each); DDP's all-reduce is untouched."""
+    from scaletrain import models
+    from scaletrain.cost import zero_comm_factor
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    slow = _cpu(reduce_scatter_factor=3.0, all_gather_factor=1.0)
+    assert zero_comm_factor(slow, 0) == 1.0 and zero_comm_factor(slow, 1) == pytest.approx(2.0)
+    assert zero_comm_factor(slow, 2, accum=3) == pytest.approx(10 / 4)
+    assert zero_comm_factor(slow, 3) == pytest.approx(5 / 3)
+    model = models.get("mlp", device="meta")
+    for zero in (0, 1):
+        plan = Plan(dp=2, zero=zero, micro_batch=2)
+        c = [plan_costs(plan, model, world=2, global_batch=4, seq=0, micro_batch=2, platform=p)[0].time_s
+             for p in (_cpu(), slow)]
+        assert c[1].comm_s["dp"] == pytest.approx(c[0].comm_s["dp"] * zero_comm_factor(slow, zero))
+    shape = Shape.of("gpt2-tiny")
+    a = [plan_cost(shape, Plan(dp=2, zero=1, micro_batch=2), p, global_batch=8, seq=32).phases_s["dp_comm"]
+         for p in (_cpu(), slow)]
+    assert a[0] > 0 and a[1] == pytest.approx(2.0 * a[0])
+
+
+def test_measured_blocks_replace_the_roofline_for_their_model_only():
+    """The measured source of the per-block table: the traced cost model prices the model's compute with
+    its blocks' measured seconds (interpolated in the micro-batch), any other model on the roofline."""
+    from scaletrain import models
+    from scaletrain.measure.block_times import lookup, model_key
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    from scaletrain.chain import to_chain
+
+    model = models.get("mlp", device="meta")
+
+    blocks = len(to_chain(model).blocks) + 1  # the loss last
+    key = model_key(model)
+    table = ((key, "fp32", 0, 2, (1e-3,) * blocks, (2e-3,) * blocks),
+             (key, "fp32", 0, 4, (3e-3,) * blocks, (6e-3,) * blocks))
+    assert lookup(table, key, "fp32", 0, 3) == ([2e-3] * blocks, [4e-3] * blocks)  # linear between 2 and 4
+    assert lookup(table, key, "fp32", 0, 8)[0] == pytest.approx([6e-3] * blocks)  # proportional beyond
+    assert lookup(table, "other", "fp32", 0, 2) is None and lookup(table, key, "bf16", 0, 2) is None
+    plat = _cpu(measured_blocks=table)
+    t = plan_costs(Plan(micro_batch=2), model, world=1, global_batch=4, seq=0, micro_batch=2, platform=plat)[0].time_s
+    assert t.compute == pytest.approx(2 * blocks * 3e-3)  # 2 micro-batches of (1 + 2) ms per entry
+    other = models.get("vgg-mini", device="meta")
+    a = plan_costs(Plan(micro_batch=2), other, world=1, global_batch=2, seq=0, micro_batch=2, platform=plat)
+    b = plan_costs(Plan(micro_batch=2), other, world=1, global_batch=2, seq=0, micro_batch=2, platform=_cpu())
+    assert a[0].time_s.compute == pytest.approx(b[0].time_s.compute)
+    assert P.Platform.from_dict(plat.to_dict()).measured_blocks == table  # a platform file keeps it
+
+
+def test_time_blocks_measures_every_block_and_the_loss():
+    import torch
+
+    from scaletrain import models
+    from scaletrain.chain import to_chain
+    from scaletrain.measure.block_times import time_blocks
+    from scaletrain.techniques.plan_cost import _loss
+
+    model = models.get("mlp")
+    x = torch.randn(4, *model.input_spec(4).shape[1:])
+    f, b = time_blocks(to_chain(model), x, torch.zeros(4, dtype=torch.long), _loss, repeats=1)
+    assert len(f) == len(b) == len(to_chain(model).blocks) + 1 and all(t > 0 for t in f)
+    assert all(p.grad is None for p in model.parameters())  # nothing left behind

@@ -97,7 +97,7 @@ def _choose(rank: int, world: int) -> dict:
     # rank 1 "measures" a machine whose all-reduce is 1000x slower: planning on its own it would choose
     # differently; the plan it runs must still be rank 0's
     slow = _platform(world).with_(intra_node_bytes_per_s=1e6, inter_node_bytes_per_s=1e6, intra_node_latency_s=0.1)
-    local.measure = lambda w, precision="fp32", model=None, optimizer="adamw": _platform(w) if rank == 0 else slow
+    local.measure = lambda w, precision="fp32", model=None, optimizer="adamw", **kw: _platform(w) if rank == 0 else slow
     cfg = load_config(None, ["plan=auto", *TINY])
     own = auto._plan_on_rank0(cfg, world, {}, local.measure(world), torch.device("cpu"))["plan"]
     return {"chosen": auto.choose(cfg, world, rank, torch.device("cpu")).plan.to_flat(), "own": own}

@@ -46,7 +46,8 @@ def _predict(extra: list[str], world: int):
 
 @pytest.mark.slow
 def test_data_parallel_plans_predicted():
-    runs = [["parallel.zero=0", "memory.remat.method=periodic"], ["parallel.zero=2"], ["parallel.zero=3"]]
+    runs = [["parallel.zero=0", "memory.remat.method=periodic"], ["parallel.zero=0"], ["parallel.zero=2"],
+            ["parallel.zero=3"]]
     res = run_distributed(_run, 2, runs)
     for i, extra in enumerate(runs):
         (cost,) = _predict(extra, 2)

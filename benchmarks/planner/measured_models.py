@@ -94,13 +94,15 @@ def base_args(name: str, spec: dict[str, Any]) -> list[str]:
     return out + ([f"data.seq_len={spec['seq']}"] if spec["seq"] else [])
 
 
-def _measure(rank: int, world: int, precision: str, name: str) -> Any:
-    return local.measure(world, precision, (name, {}))  # both ranks at once; rank 0's is used
+def _measure(rank: int, world: int, precision: str, name: str, gb: int, seq: int) -> Any:
+    # both ranks at once; rank 0's is used; the blocks timed at every micro-batch the search may choose
+    return local.measure(world, precision, (name, {}), micro_batches=auto.micro_batches(gb), seq=seq)
 
 
 def platform_for(name: str, precision: str) -> Any:
     """This machine for one of 2 processes (one thread each), measured as plan=auto measures it; rank 0's."""
-    return run_distributed(_measure, WORLD, precision, name, threads_per_rank=1)[0]
+    spec = MODELS[name]
+    return run_distributed(_measure, WORLD, precision, name, spec["gb"], spec["seq"], threads_per_rank=1)[0]
 
 
 def price(name: str, plan: Plan, plat: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +162,8 @@ def _platform_json(plat: Any, precision: str) -> dict[str, Any]:
     return {"flops": plat.flops(precision), "matmul_efficiency": plat.matmul_efficiency,
             "elementwise_bytes_per_s": plat.device_mem_bytes_per_s, "mem_efficiency": plat.mem_efficiency,
             "allreduce_bytes_per_s": plat.intra_node_bytes_per_s, "allreduce_alpha_s": plat.intra_node_latency_s,
-            "kernel_overhead_s": plat.kernel_overhead_s, **{k: v for k, v in plat.meta.items() if k != "threads"}}
+            "kernel_overhead_s": plat.kernel_overhead_s, "measured_blocks": plat.measured_blocks,
+            **{k: v for k, v in plat.meta.items() if k != "threads"}}
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:

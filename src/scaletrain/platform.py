@@ -128,6 +128,21 @@ class Platform:
     collective (copy into and out of the flat buffer, DTensor views, hooks) — ~10x gloo's α on a CPU.
     Measured by :mod:`scaletrain.planner.local` (:func:`~scaletrain.planner.local.fsdp_overhead`); 0 = not
     measured (the GPU presets: not modelled there)."""
+    reduce_scatter_factor: float = 1.0
+    """Seconds of the backend's reduce-scatter over the α–β ring time of the same bytes at this platform's
+    link rate and α (:func:`scaletrain.cost.collective_seconds`, (n − 1)/n of the bytes in n − 1 steps).
+    1.0 on the presets (NCCL's ring reduce-scatter). Measured by :mod:`scaletrain.planner.local`: gloo
+    runs ``reduce_scatter_tensor`` as an all-reduce and more (measured here, 2 processes, 8 MiB: 2.2x an
+    all-reduce's time, ~4x the ring's), which is what ZeRO-1/2/3 wait for on a CPU."""
+    all_gather_factor: float = 1.0
+    """The same for the backend's all-gather (1.0 on the presets; measured on the CPU pool)."""
+    measured_blocks: tuple = ()
+    """Forward and backward seconds of every block of one model, measured on this machine by
+    :mod:`scaletrain.measure.block_times` (:func:`scaletrain.planner.local.measure` with the run's model):
+    entries ``(model key, precision, seq, micro-batch, forward seconds per block, backward seconds per
+    block)``, the loss last. The traced cost model (:mod:`scaletrain.techniques.time_cost`) prices that
+    model's blocks with them instead of the roofline (linear in the micro-batch between measured sizes),
+    because a CPU's operators miss the roofline by either sign per kind. Empty on the presets."""
     compile_factor: float = 0.0
     """Compute seconds of a torch.compile'd block over its eager seconds (forward + backward of one
     gpt2-tiny-sized block, median of paired steps), measured by ``scaletrain calibrate --compile``; the cost model
@@ -196,8 +211,15 @@ class Platform:
                     d[k] = tuple(sorted(((float(a), float(b)) for a, b in d[k]), reverse=True))
                 except (TypeError, ValueError):
                     raise UserError(f"platform field {k!r} must be a list of [size, fraction] pairs") from None
+        if "measured_blocks" in d:  # JSON lists -> tuples (the table is data, read as written)
+            try:
+                d["measured_blocks"] = tuple((str(k), str(p), int(s), int(b), tuple(map(float, f)), tuple(map(float, g)))
+                                             for k, p, s, b, f, g in d["measured_blocks"])
+            except (TypeError, ValueError):
+                raise UserError("platform field 'measured_blocks' must be a list of [model key, precision, seq, "
+                                "micro-batch, [forward s...], [backward s...]] entries") from None
         for f in dataclasses.fields(cls):
-            if f.name in d:
+            if f.name in d and f.name != "measured_blocks":
                 _check_field(f.name, d[f.name], "" if f.name == "name" else f.default)
         return cls(**d)
 

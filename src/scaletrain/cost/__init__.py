@@ -59,6 +59,22 @@ def collective_seconds(nbytes: float, steps: float, bytes_per_s: float, latency_
     return nbytes / bytes_per_s + steps * latency_s
 
 
+def zero_comm_factor(plat: Any, zero: int, accum: int = 1) -> float:
+    """How much slower the backend runs ZeRO's collectives than the α–β ring prices them: the measured
+    :attr:`~scaletrain.platform.Platform.reduce_scatter_factor` and ``all_gather_factor`` weighted by
+    the collectives a step issues — ZeRO-1: one reduce-scatter and one all-gather of the same bytes;
+    ZeRO-2: a reduce-scatter per micro-batch (``accum``) and one all-gather; ZeRO-3 (FSDP): two
+    all-gathers and one reduce-scatter per unit and micro-batch. DDP's all-reduce: 1."""
+    rs, ag = plat.reduce_scatter_factor, plat.all_gather_factor
+    if zero == 1:
+        return (rs + ag) / 2
+    if zero == 2:
+        return (accum * rs + ag) / (accum + 1)
+    if zero == 3:
+        return (rs + 2 * ag) / 3
+    return 1.0
+
+
 def all_reduce_steps(ranks: int) -> int:
     """Latency steps (each α) of one all-reduce over ``ranks`` (nodes, for the inter-node level): NCCL
     runs the faster of a ring, 2(n − 1) steps, and a double binary tree, 2·⌈log2 n⌉ steps at the same

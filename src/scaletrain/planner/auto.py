@@ -156,6 +156,15 @@ def apply(cfg: Any, plan: Plan) -> Any:
     return out
 
 
+def micro_batches(global_batch: int) -> tuple[int, ...]:
+    """Every micro-batch the traced search can choose for ``global_batch`` (a divisor of a rank's share,
+    at most :data:`scaletrain.planner.traced.MAX_MICRO_BATCH`): the sizes :func:`local.measure` times the
+    model's blocks at."""
+    from scaletrain.planner.traced import MAX_MICRO_BATCH
+
+    return tuple(b for b in range(1, min(global_batch, MAX_MICRO_BATCH) + 1) if global_batch % b == 0)
+
+
 def choose(cfg: Any, world: int, rank: int, device: torch.device) -> AutoPlan:
     """Plan this run (module docstring); collective when ``world`` > 1: every rank must call it."""
     from scaletrain.planner import local
@@ -167,7 +176,8 @@ def choose(cfg: Any, world: int, rank: int, device: torch.device) -> AutoPlan:
                           f"--nodes 1 --gpus-per-node {world} --global-batch {cfg.train.global_batch} --out plan.toml, "
                           f"then scaletrain train --plan plan.toml")
     plat = local.measure(world, cfg.train.precision, (cfg.model.name, dict(cfg.model.overrides)),
-                         optimizer=cfg.optim.name)  # all ranks at once
+                         optimizer=cfg.optim.name, micro_batches=micro_batches(cfg.train.global_batch),
+                         seq=cfg.data.seq_len)  # all ranks at once
     payload: list[Any] = [None]
     if rank == 0:
         try:

@@ -70,7 +70,7 @@ from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
 from scaletrain.cost import (all_reduce_steps, collective_seconds, exposed_seconds, optimizer_seconds,
-                             prefetch_windows, roofline_seconds)
+                             prefetch_windows, roofline_seconds, zero_comm_factor)
 from scaletrain.planner.context import ring_layer_times
 from scaletrain.planner import stage_remat
 from scaletrain.planner.stages import split as stage_split, uniform as uniform_split
@@ -449,13 +449,14 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     # (reduce-scatters + all-gathers) issued per step; an all-reduce is one of each
     halves = {0: 2 * buckets, 1: 2 * buckets, 2: (m + 1) * buckets, 3: 3 * m * blocks}[zero]
     # ring bytes of the all-reduce-equivalent inside the node (k ranks) and across (dp/k), scaled to ZeRO's
-    intra = collective_seconds(2 * (k - 1) / k * S * scale, halves * (k - 1), bi, plat.intra_node_latency_s)
+    factor = zero_comm_factor(plat, zero, m)  # the backend's reduce-scatters / all-gathers against the ring
+    intra = collective_seconds(2 * (k - 1) / k * S * scale, halves * (k - 1), bi, plat.intra_node_latency_s) * factor
     if zero == 3:  # FSDP2's own work per collective (copy-in/out, hooks), measured where known (local)
         intra += halves * plat.fsdp_collective_overhead_s
     # DDP's all-reduces across nodes: ring or NCCL's tree, the fewer steps (all_reduce_steps); the rest: rings
     steps = buckets * all_reduce_steps(nodes) if zero == 0 else halves * (nodes - 1)
     inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, steps, bo,
-                               plat.inter_node_latency_s) if nodes > 1 else 0.0
+                               plat.inter_node_latency_s) * factor if nodes > 1 else 0.0
     return intra + inter, intra
 
 

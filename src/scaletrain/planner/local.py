@@ -27,10 +27,17 @@ not the best slice (:func:`_typical_time`):
   reshapes). Without it a micro-batch of 1 looks as fast as one of 16 on a CPU; measured, it is twice
   as slow. Any other model (:func:`traced_kernel_overhead`): the same rule on its Chain and its
   fake-tensor census. No model given: a tiny linear layer's forward and backward / 3.
+* **the model's blocks** (``Platform.measured_blocks``, traced models, when the caller gives the
+  micro-batches the search may choose): each block forward and backward on real tensors at each size
+  (:func:`block_table`, :mod:`scaletrain.measure.block_times`): on a CPU an operator misses the
+  roofline by either sign per kind (a convolution's backward 2.7x slower, a ReLU 10x faster), so the
+  blocks themselves are the source of the per-block table the traced cost model prices.
 * **the optimizer step** (``Platform.optimizer_bytes_per_s``) — the run's optimizer with gradient
   clipping over 2 M parameters, bytes counted as the cost model counts them (:func:`optimizer_rate`).
 * **collectives** — gloo all-reduces over the run's group: a 4-byte one gives the latency α per ring
   step (t / 2(N − 1)), a 4 MiB one the bandwidth β (ring convention, α removed); one process: none.
+  The reduce-scatter and all-gather ZeRO and FSDP call, timed against that ring
+  (:func:`sharded_collective_factors`): gloo's reduce-scatter is not a ring (2.2x an all-reduce here).
   FSDP2's own work per ZeRO-3 collective beyond α–β (:func:`fsdp_overhead`: small ``fully_shard``
   units against the same layers unsharded).
 
@@ -204,6 +211,42 @@ def traced_kernel_overhead(name: str, overrides: dict, plat: Platform, precision
     return max((t - roofline) / max(priced(1.0) - roofline, 1.0), 0.0)
 
 
+def block_table(name: str, overrides: dict, precision: str, micro_batches: tuple[int, ...], seq: int,
+                repeats: int = 3, budget_s: float = 20.0) -> tuple:
+    """:attr:`Platform.measured_blocks` for one model: its blocks timed forward and backward on real
+    tensors (:func:`scaletrain.measure.block_times.time_blocks`) at each of ``micro_batches``, smallest
+    first, every rank at once (a barrier before each size). Sizes left once ``budget_s`` seconds have
+    gone are not measured (the cost model scales from the largest measured one; every rank stops at the
+    same size: rank 0's clock decides). Units: seconds."""
+    from scaletrain import models
+    from scaletrain.chain import to_chain
+    from scaletrain.measure.block_times import model_key, time_blocks
+    from scaletrain.models.adapters import adapt
+    from scaletrain.techniques.plan_cost import _loss
+
+    model = models.get(name, **overrides)
+    a = adapt(model)
+    lm = a.task == "lm"
+    chain = to_chain(model)
+    key = model_key(model, chain)
+    rows = []
+    t0 = time.perf_counter()
+    for b in sorted(set(micro_batches)):
+        go = torch.tensor([1 if time.perf_counter() - t0 < budget_s else 0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(go, 0)
+        if not go.item():
+            break
+        spec = a.input_spec(b, seq if lm else None)
+        x = (torch.randn(tuple(spec.shape), dtype=spec.dtype) if spec.is_floating_point()
+             else torch.zeros(tuple(spec.shape), dtype=spec.dtype))
+        y = torch.zeros(tuple(x.shape) if lm else (b,), dtype=torch.long)
+        _barrier()
+        f, g = time_blocks(chain, x, y, _loss, precision, repeats)
+        rows.append((key, precision, int(seq if lm else 0), int(b), tuple(f), tuple(g)))
+    return tuple(rows)
+
+
 def optimizer_rate(name: str = "adamw", n_params: int = 1 << 21, repeats: int = 5) -> float:
     """Bytes/s of the optimizer step as the trainer runs it (:func:`~scaletrain.techniques.optim.registry.
     build_optimizer`, torch's foreach kernels, after clipping the gradients' norm) over ``n_params``
@@ -243,6 +286,22 @@ def collective_rates(world: int, repeats: int = 7) -> tuple[float, float]:
     return wire / max(t_big - 2 * (world - 1) * alpha, 1e-9), alpha
 
 
+def sharded_collective_factors(world: int, beta: float, alpha: float, repeats: int = 7) -> tuple[float, float]:
+    """(reduce-scatter, all-gather) seconds over their α–β ring time ((n − 1)/n of the bytes at ``beta``
+    plus (n − 1) α): :attr:`Platform.reduce_scatter_factor` / ``all_gather_factor``, measured with the
+    tensor collectives ZeRO and FSDP call, 4 MiB in all, over the default group; (1, 1) for one process."""
+    if world <= 1 or not dist.is_initialized():
+        return 1.0, 1.0
+    full = torch.zeros(1 << 20)
+    shard = torch.zeros(full.numel() // world)
+    ring = (world - 1) / world * full.numel() * 4 / beta + (world - 1) * alpha
+    _barrier()
+    t_rs = _typical_time(lambda: dist.reduce_scatter_tensor(shard, full), repeats, min_s=0.0)
+    _barrier()
+    t_ag = _typical_time(lambda: dist.all_gather_into_tensor(full, shard), repeats, min_s=0.0)
+    return max(t_rs / ring, 1e-3), max(t_ag / ring, 1e-3)
+
+
 def fsdp_overhead(world: int, beta: float, alpha: float, repeats: int = 7, layers: int = 4) -> float:
     """Seconds FSDP2 adds to each of its collectives beyond α–β (``Platform.fsdp_collective_overhead_s``):
     a stack of ``layers`` small Linear layers, each its own ``fully_shard`` unit over the run's group (as
@@ -280,10 +339,12 @@ def fsdp_overhead(world: int, beta: float, alpha: float, repeats: int = 7, layer
 
 
 def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None = None,
-            optimizer: str = "adamw") -> Platform:
+            optimizer: str = "adamw", micro_batches: tuple[int, ...] = (), seq: int = 0) -> Platform:
     """This machine for one of ``world`` processes; every rank calls it at once (module docstring).
     ``model``: (model name, overrides) whose operators set the fixed cost per kernel; ``optimizer``:
-    the run's, whose step sets ``optimizer_bytes_per_s``.
+    the run's, whose step sets ``optimizer_bytes_per_s``; ``micro_batches`` (with ``seq``, the run's
+    sequence length, 0 for a model without one): the sizes at which the model's blocks are timed
+    (:attr:`Platform.measured_blocks`, traced models only; :func:`block_table`).
     Returns each rank's own measurement (rank 0's is the one ``plan=auto`` uses)."""
     t0 = time.perf_counter()
     f32, mm = matmul_table(torch.float32)
@@ -296,6 +357,7 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
     opt_rate = optimizer_rate(optimizer)
     beta, alpha = collective_rates(world)
     fsdp = fsdp_overhead(world, beta, alpha)
+    rs_factor, ag_factor = sharded_collective_factors(world, beta, alpha)
     threads = torch.get_num_threads()
     plat = Platform(
         name=f"local-cpu/{world}", device_type="cpu", device_memory_bytes=_host_memory_bytes() // max(world, 1),
@@ -304,7 +366,8 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
         matmul_efficiency=mm, mem_efficiency=mem, intra_node_bytes_per_s=beta, inter_node_bytes_per_s=beta,
         intra_node_efficiency=1.0, inter_node_efficiency=1.0, intra_node_latency_s=alpha,
         inter_node_latency_s=alpha, devices_per_node=max(world, 1), kernel_overhead_s=overhead,
-        optimizer_bytes_per_s=opt_rate, fsdp_collective_overhead_s=fsdp,
+        optimizer_bytes_per_s=opt_rate, fsdp_collective_overhead_s=fsdp, reduce_scatter_factor=rs_factor,
+        all_gather_factor=ag_factor,
         source=f"planner.local.measure: {world} process(es) x {threads} thread(s) measured at once, "
                f"{time.strftime('%Y-%m-%dT%H:%M:%S')}",
         meta={"threads": threads})
@@ -315,6 +378,8 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
         fixed = model_kernel_overhead if analytic(model[0]) else traced_kernel_overhead
         try:
             plat = plat.with_(kernel_overhead_s=fixed(model[0], model[1], plat, precision))
+            if micro_batches and not analytic(model[0]):
+                plat = plat.with_(measured_blocks=block_table(model[0], model[1], precision, micro_batches, seq))
         except UserError:  # a model the cost model cannot price: the planner says so later, in its own words
             pass
     plat.meta["seconds"] = time.perf_counter() - t0

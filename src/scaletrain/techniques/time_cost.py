@@ -56,7 +56,7 @@ from typing import Any
 from torch import nn
 
 from scaletrain.cost import (collective_seconds, exposed_seconds, optimizer_seconds, prefetch_windows,
-                            roofline_seconds)
+                            roofline_seconds, zero_comm_factor)
 from scaletrain.errors import UserError
 from scaletrain.measure.census import BlockOps, Op
 from scaletrain.platform import Platform
@@ -83,6 +83,26 @@ def block_seconds(ops: list[BlockOps], plat: Platform, *, tp: int = 1, sp: bool 
 def attention_seconds(ops: BlockOps, plat: Platform, *, tp: int = 1, cp: int = 1) -> float:
     """Forward seconds of a block's attention kernels (what selective recompute replays)."""
     return sum(op_seconds(o, plat, work_split=float(tp * cp)) for o in ops.fwd if "scaled_dot_product" in o.name)
+
+
+def _measured(plat: Platform, model: nn.Module, chain: Any, plan: Any, ops: list[BlockOps], fwd: list[float],
+              bwd: list[float], *, seq: int, b: int) -> tuple[list[float], list[float]] | None:
+    """The blocks' seconds measured on this machine (:attr:`Platform.measured_blocks`, the measured source of
+    the per-block table) when it has this model, else None (the roofline's stand). Measured whole; under
+    tp / cp each block keeps the roofline's ratio of its split time to its whole time."""
+    if not plat.measured_blocks:
+        return None
+    from scaletrain.measure.block_times import lookup, model_key
+
+    got = lookup(plat.measured_blocks, model_key(model, chain), plan.precision, seq, b)
+    if got is None or len(got[0]) != len(fwd):
+        return None
+    mf, mb = got
+    if plan.tp * plan.cp > 1:
+        wf, wb = block_seconds(ops, plat)
+        mf = [m * (s / w if w > 0 else 1.0) for m, s, w in zip(mf, fwd, wf)]
+        mb = [m * (s / w if w > 0 else 1.0) for m, s, w in zip(mb, bwd, wb)]
+    return mf, mb
 
 
 def recompute_counts(plan: Any, bounds: list[int], remat: list | None) -> list[int]:
@@ -164,7 +184,8 @@ def _comm(plan: Any, model: nn.Module, cfg: Any, plat: Platform, *, b: int, seq:
         buckets = max(1, math.ceil(rank_param_bytes / (plan.bucket_mb * 2**20)))
         halves = {0: 2 * buckets, 1: 2 * buckets, 2: (M + 1) * buckets, 3: 3 * n_blocks * M}[plan.zero]
         G = D if pp == 1 else dp
-        out["dp"] = collective_seconds(kinds["dp"], halves * (G - 1), *link(plat, t * (cp if pp == 1 else 1), G))
+        out["dp"] = collective_seconds(kinds["dp"], halves * (G - 1), *link(plat, t * (cp if pp == 1 else 1), G)) \
+            * zero_comm_factor(plat, plan.zero, M)
         if plan.zero == 3:  # FSDP2's own work per collective (copy-in/out, hooks), measured where known
             out["dp"] += halves * plat.fsdp_collective_overhead_s
     if kinds.get("norm"):
@@ -185,6 +206,9 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
 
     ops = census(chain, example, target, loss_fn, plan.precision)
     fwd, bwd = block_seconds(ops, plat, tp=plan.tp, sp=plan.sp, cp=plan.cp)
+    measured = _measured(plat, model, chain, plan, ops, fwd, bwd, seq=seq, b=b)
+    if measured is not None:
+        fwd, bwd = measured
     k = compute_factor(plan, plat.compile_factor, plat.device_type)  # train.compile: the measured compiled/eager factor (1 when not measured)
     fwd, bwd = [x * k for x in fwd], [x * k for x in bwd]
     rec = recompute_counts(plan, bounds, remat)

@@ -94,6 +94,10 @@ class StageCosts:
     wgrad_temp_bytes: list[float] | None = None
     """Transient bytes of a W pass (zb1p) above its micro-batch's kept inputs and output gradients:
     one weight-gradient GEMM's result before it is added to ``.grad``."""
+    grads_from_backward_start: bool = False
+    """Gradients count from the *start* of a stage's first backward piece, not its end: torch DDP's
+    ``gradient_as_bucket_view`` writes every ``.grad`` into bucket storage the reducer keeps, so the
+    first gradient of a backward brings all its bucket bytes (measured: gpt2-tiny, dp=2)."""
     sync_s: list[float] | None = None
     """Time of the all-reduce of a stage's gradients between its two replicas (Chimera's
     GRAD_SYNC) once both have arrived; None: ``weight_bytes`` over the link."""
@@ -423,6 +427,8 @@ def _memory(schedule: Schedule, costs: StageCosts):
             elif a.kind == SEND_B:
                 held_b[i] = g("boundary_bytes", a.stage - 1)
                 held += held_b[i]
+            if a.kind == grad_piece and costs.grads_from_backward_start:
+                grads[ps] = True
             if a.kind in COMPUTE_KINDS:  # gradients made by this pass count from its end, when the set is freed
                 peak_b[r] = max(peak_b[r], base() + extra)
             if a.kind == grad_piece:
