@@ -191,11 +191,13 @@ def _user_data(cfg: Config, adapter: Adapter, train_data: Any, eval_data: Any) -
 
 def _accepts(model: str, key: str) -> bool:
     """Whether model ``model`` (a reference name or an ``hf:`` family) takes the shape option ``key``."""
-    from scaletrain.models.external import HF_FAMILIES, is_external
+    from scaletrain.models.external import is_external
     from scaletrain.models.registry import resolve_args
+    from scaletrain.models.spec import hf_families
 
     if model.startswith("hf:"):
-        return model[3:] in HF_FAMILIES and key in HF_FAMILIES[model[3:]].defaults
+        fams = hf_families()
+        return model[3:] in fams and key in fams[model[3:]].defaults
     if is_external(model):
         return False
     try:
