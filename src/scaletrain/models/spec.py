@@ -108,8 +108,6 @@ class ModelSpec:
     """A decoder LM of a layout tensor/context parallelism and selective remat know (compat ``Facts.gpt2``)."""
     moe: type | None = None
     """The family's mixture-of-experts layer class (expert parallelism shards it); None: dense."""
-    from_hf: bool = False
-    """Hugging Face's own module, driven unmodified (no sequence parallelism: its positions are inside)."""
 
     def owns(self, model: Any) -> int | None:
         """How specifically this family owns ``model``: the position in its class's MRO of the most

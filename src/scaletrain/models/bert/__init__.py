@@ -36,4 +36,4 @@ def bert_blocks(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
     return blocks
 
 
-SPEC = register(ModelSpec(name="bert", matches=is_bert, hf=HF, blocks=bert_blocks, from_hf=True))
+SPEC = register(ModelSpec(name="bert", matches=is_bert, hf=HF, blocks=bert_blocks))

@@ -64,5 +64,4 @@ HF_SPEC = register(ModelSpec(
     blocks=hf.hf_gpt2_blocks,
     tp=ShardingPlan(style="hf-gpt2", divides=("n_head", "vocab_size")),
     decoder=True,
-    from_hf=True,
 ))

@@ -119,5 +119,4 @@ SPEC = register(ModelSpec(
                     divides=("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")),
     shape=shape,
     decoder=True,
-    from_hf=True,
 ))

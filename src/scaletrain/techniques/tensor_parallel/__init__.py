@@ -31,7 +31,7 @@ from .plan import apply_plan
 __all__ = ["TPInfo", "apply_tensor_parallel", "check_model", "full_state_dict", "local_numel", "loss_context",
            "qkv_permutation", "qkv_row_permutation", "replicate_module", "tp_activation_bytes",
            "tp_comm_bytes_per_step", "tp_info", "tp_memory_per_rank", "tp_param_elements",
-           "vocab_parallel_cross_entropy", "conv1d_transposed", "apply_plan"]
+           "vocab_parallel_cross_entropy", "conv1d_transposed", "apply_plan", "costed"]
 
 
 def _plan(model: nn.Module) -> ShardingPlan:
@@ -56,6 +56,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if plan.style == "hf-gpt2":
         return apply_tensor_parallel_hf(model, tp_mesh)
     return apply_plan(model, tp_mesh, plan)
+
+
+GPT2_SPLIT = ("megatron", "hf-gpt2")
+"""Styles whose cost the cost faces (:mod:`.cost`: ``tp_param_elements``, ``tp_activation_bytes``, ...) model:
+GPT-2's split, read off a GPT-2 config (``n_embd``, ``n_head``, ``n_positions``, ``vocab_size``)."""
+
+
+def costed(model: nn.Module) -> bool:
+    """Whether the TP cost faces model ``model``'s split (its family's plan has a :data:`GPT2_SPLIT` style)."""
+    spec = spec_of(model)
+    return spec is not None and spec.tp is not None and spec.tp.style in GPT2_SPLIT
 
 
 def _hf_gpt2_tp(model: nn.Module) -> bool:
