@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,8 @@ import scaletrain
 from scaletrain import models
 from scaletrain.chain import to_chain
 from scaletrain.errors import UserError
-from scaletrain.models.spec import ModelEntry, ModelSpec, register, spec_of, spec_named, unregister
+from scaletrain.models.spec import ModelEntry, ModelSpec, ShardingPlan, register, spec_named, spec_of, unregister
+from scaletrain.testing import run_distributed
 
 
 class ToyLayer(nn.Module):
@@ -97,3 +100,73 @@ def test_unregistered_family_is_gone_and_builtins_stay():
         to_chain(ToyNet())
     assert {s for s in ("gpt2-tiny", "gpt2-moe", "vgg-mini", "resnet-mini", "mlp", "dlrm-mini")} <= set(models.names())
     assert spec_of(models.get("gpt2-moe", device="meta")).name == "moe"  # the subclass's family, not GPT-2's
+
+
+class ToyLM(nn.Module):
+    """A byte language model the library has never seen: embedding, residual MLP layers, a head."""
+
+    task = "lm"
+
+    def __init__(self, width: int = 32, depth: int = 2, vocab_size: int = 256, max_seq: int = 64):
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=vocab_size, width=width)
+        self.max_seq = max_seq
+        self.embed = nn.Embedding(vocab_size, width)
+        self.layers = nn.ModuleList(ToyLayer(width) for _ in range(depth))
+        self.head = nn.Linear(width, vocab_size, bias=False)
+
+    def input_spec(self, batch: int, seq: int | None = None) -> torch.Tensor:
+        return torch.zeros(batch, seq or self.max_seq, dtype=torch.long, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def register_toy_lm() -> ModelSpec:
+    """The toy LM's family with Megatron's split given as data: fc1 by columns, fc2 by rows, the embedding
+    and the head over the vocabulary."""
+    return register(ModelSpec(
+        name="toy-lm", classes=(ToyLM,),
+        blocks=lambda m: [("embed", m.embed), *[(f"layers.{i}", b) for i, b in enumerate(m.layers)], ("head", m.head)],
+        models={"toy-lm": ModelEntry(ToyLM, dict(width=32, depth=2), "residual MLP LM (test)", "shakespeare")},
+        tp=ShardingPlan(layers="layers", colwise=("fc1",), rowwise=("fc2",), embedding="embed", head="head",
+                        divides=("vocab_size", "width")),
+        decoder=True))
+
+
+TOY_LM = ["model.name=toy-lm", "train.steps=2", "train.global_batch=4", "data.seq_len=16", "train.eval_batches=1",
+          "train.progress=off", "train.log_every=1"]
+
+
+def _fit_toy_lm(extra: list[str]) -> tuple[list[float], tuple[int, ...]]:
+    """(losses, the shape of layer 0's fc1 weight this rank holds)."""
+    from scaletrain.train.config import load_config
+    from scaletrain.train.trainer import Trainer
+
+    tr = Trainer(load_config(None, TOY_LM + extra), None, log=lambda s: None)
+    try:
+        losses = tr.fit().losses
+        w = tr.model.layers[0].fc1.weight
+        return losses, tuple(getattr(w, "_local_tensor", w).shape)
+    finally:
+        tr.close()
+
+
+def _toy_lm_ranks(rank: int, world: int) -> tuple[list[float], tuple[int, ...]]:
+    register_toy_lm()
+    return _fit_toy_lm(["parallel.tp=2"])
+
+
+@pytest.mark.slow
+def test_a_registered_sharding_plan_runs_tp2_equal_to_one_process():
+    register_toy_lm()
+    try:
+        ref, full = _fit_toy_lm([])
+    finally:
+        unregister("toy-lm")
+    for losses, local in run_distributed(_toy_lm_ranks, 2):
+        assert local == (full[0] // 2, full[1])  # fc1 split by columns (its output rows) as the plan says
+        assert losses == pytest.approx(ref, rel=1e-5)
