@@ -185,12 +185,15 @@ def spec_named(name: str) -> ModelSpec | None:
     return None
 
 
+def is_moe_layer(module: Any) -> bool:
+    """Whether ``module`` is a mixture-of-experts layer of a registered family (:attr:`ModelSpec.moe`)."""
+    return any(s.moe is not None and isinstance(module, s.moe) for s in specs())
+
+
 def moe_layers(model: Any) -> list[Any]:
-    """The mixture-of-experts layers of ``model`` (instances of its family's :attr:`ModelSpec.moe`)."""
-    family = spec_of(model)
-    if family is None or family.moe is None:
-        return []
-    return [m for m in model.modules() if isinstance(m, family.moe)]
+    """The mixture-of-experts layers inside ``model`` (a whole model or any piece of one, e.g. a stage)."""
+    kinds = tuple(s.moe for s in specs() if s.moe is not None)
+    return [m for m in model.modules() if isinstance(m, kinds)] if kinds else []
 
 
 def hf_families() -> dict[str, Any]:
