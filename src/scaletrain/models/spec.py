@@ -122,7 +122,7 @@ class ModelSpec:
 
 _SPECS: list[ModelSpec] = []
 MODELS: dict[str, ModelEntry] = {}
-"""Every named model of every registered family (``scaletrain.models.MODELS``)."""
+"""Every named model of every registered family (``scaletrain.models.MODELS`` lists them in the catalog's order)."""
 _loaded = False
 
 
