@@ -170,3 +170,17 @@ def test_a_registered_sharding_plan_runs_tp2_equal_to_one_process():
     for losses, local in run_distributed(_toy_lm_ranks, 2):
         assert local == (full[0] // 2, full[1])  # fc1 split by columns (its output rows) as the plan says
         assert losses == pytest.approx(ref, rel=1e-5)
+
+
+def test_a_familys_extra_tokens_size_the_model_for_user_text(tmp_path):
+    """BERT's mask id is its family's declaration (HFFamily.extra_tokens), not a name test in the trainer."""
+    from scaletrain.models.spec import hf_families
+    from scaletrain.train.config import load_config
+    from scaletrain.train.model_data import user_overrides
+
+    (tmp_path / "a.txt").write_text("hello world " * 50)
+    data = f"data.name=text:{tmp_path / 'a.txt'}"
+    sizes = {m: user_overrides(load_config(None, [f"model.name={m}", data]))["vocab_size"]
+             for m in ("hf:bert", "hf:gpt2", "gpt2-tiny")}
+    assert hf_families()["bert"].extra_tokens == 1
+    assert sizes == {"hf:bert": 257, "hf:gpt2": 256, "gpt2-tiny": 256}

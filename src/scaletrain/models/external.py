@@ -44,6 +44,8 @@ class HFFamily:
     defaults: dict[str, Any]
     description: str
     default_data: str = "shakespeare"
+    extra_tokens: int = 0
+    """Token ids past the data's vocabulary that the family's objective adds (BERT: one mask id)."""
 
 
 def is_external(name: str) -> bool:

@@ -219,5 +219,8 @@ def user_overrides(cfg: Config) -> dict[str, Any]:
           and _accepts(model, "vocab_size")):
         vocab = user_sources.text_vocab(name, cfg.data.tokenizer)
         if vocab is not None:
-            over["vocab_size"] = vocab + (1 if model == "hf:bert" else 0)  # BERT: one mask id past the text's
+            from scaletrain.models.spec import hf_families
+
+            fam = hf_families().get(model[3:]) if model.startswith("hf:") else None
+            over["vocab_size"] = vocab + (fam.extra_tokens if fam else 0)  # BERT: one mask id past the text's
     return over

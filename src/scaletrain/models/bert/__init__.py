@@ -16,7 +16,7 @@ HF = {"bert": HFFamily("BertForMaskedLM", "BertConfig",
                        dict(vocab_size=257, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                             num_attention_heads=4, max_position_embeddings=256, hidden_dropout_prob=0.0,
                             attention_probs_dropout_prob=0.0, pad_token_id=0),
-                       LISTED["hf:bert"].description)}
+                       LISTED["hf:bert"].description, extra_tokens=1)}
 """``hf:bert``: 257 tokens (the 256 bytes and one mask id), 4 x 128, no dropout."""
 
 
