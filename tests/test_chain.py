@@ -7,7 +7,7 @@ from torch import nn
 from scaletrain import models
 from scaletrain.chain import Chain, to_chain
 from scaletrain.errors import UserError
-from scaletrain.models.resnet import Bottleneck
+from scaletrain.models.cnn.resnet import Bottleneck
 
 
 def _input(m, batch=2, seq=16):

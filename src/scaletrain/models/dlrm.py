@@ -16,9 +16,12 @@ which replaces :meth:`DLRM.lookup` and reuses :meth:`DLRM.dense_forward`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from scaletrain.models.spec import ModelSpec, listed, register
 
 
 @dataclass
@@ -88,3 +91,13 @@ class DLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         return self.dense_forward(dense, self.lookup(sparse))
+
+
+def build(**kw: Any) -> DLRM:
+    return DLRM(DLRMConfig(**kw))
+
+
+SPEC = register(ModelSpec(name="dlrm", classes=(DLRM,), models={
+    "dlrm-mini": listed("dlrm-mini", build, n_dense=13, table_sizes=(20000, 10000, 5000, 1000), embed_dim=16,
+                        bag_size=4, bottom=(64, 16), top=(64, 32, 1))}))
+"""The ``dlrm`` family: two inputs (dense features, sparse ids), so no chain of single-tensor blocks."""

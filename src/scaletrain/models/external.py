@@ -2,7 +2,7 @@
 ``py:package.module:factory`` (see :func:`build`).
 
 - ``hf:gpt2``, ``hf:llama``, ``hf:mistral``, ``hf:bert``: a ``transformers`` model of that family,
-  randomly initialised from a config of small CPU-sized defaults (:data:`HF_FAMILIES`) with
+  randomly initialised from a config of small CPU-sized defaults (each family's ``ModelSpec.hf``) with
   ``model.overrides.*`` applied (names as in the transformers config: ``n_layer``, ``n_embd`` for
   GPT-2; ``num_hidden_layers``, ``hidden_size`` for the others). Nothing is downloaded. The
   vocabulary defaults to the shipped text's 256 bytes (257 for BERT: one mask token more), and
@@ -30,39 +30,22 @@ import torch
 from torch import nn
 
 from scaletrain.errors import UserError
-from scaletrain.models.catalog import LISTED
 
 PREFIXES = ("hf:", "py:")
 
 
 @dataclass(frozen=True)
 class HFFamily:
+    """An ``hf:<name>`` family (declared in its folder's ``ModelSpec.hf``): the transformers model and
+    config classes, and the small defaults it is built with."""
+
     model_class: str
     config_class: str
     defaults: dict[str, Any]
     description: str
     default_data: str = "shakespeare"
-
-
-_NO_DROPOUT_GPT2 = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-_DECODER = dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=4, max_position_embeddings=256, attention_dropout=0.0, loss_type="ForCausalLM",
-                bos_token_id=None, eos_token_id=None, pad_token_id=None)
-
-HF_FAMILIES: dict[str, HFFamily] = {
-    "gpt2": HFFamily("GPT2LMHeadModel", "GPT2Config",
-                     dict(vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4, loss_type="ForCausalLM",
-                          bos_token_id=None, eos_token_id=None, **_NO_DROPOUT_GPT2),
-                     LISTED["hf:gpt2"].description),
-    "llama": HFFamily("LlamaForCausalLM", "LlamaConfig", dict(_DECODER), LISTED["hf:llama"].description),
-    "mistral": HFFamily("MistralForCausalLM", "MistralConfig", dict(_DECODER, sliding_window=None),
-                        LISTED["hf:mistral"].description),
-    "bert": HFFamily("BertForMaskedLM", "BertConfig",
-                     dict(vocab_size=257, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                          num_attention_heads=4, max_position_embeddings=256, hidden_dropout_prob=0.0,
-                          attention_probs_dropout_prob=0.0, pad_token_id=0),
-                     LISTED["hf:bert"].description),
-}
+    extra_tokens: int = 0
+    """Token ids past the data's vocabulary that the family's objective adds (BERT: one mask id)."""
 
 
 def is_external(name: str) -> bool:
@@ -86,8 +69,10 @@ def _transformers() -> Any:
 
 
 def _hf_family(family: str, overrides: dict[str, Any]) -> nn.Module:
+    from scaletrain.models.spec import hf_families
+
     T = _transformers()
-    fam = HF_FAMILIES[family]
+    fam = hf_families()[family]
     cfg_cls = getattr(T, fam.config_class)
     known = set(cfg_cls().to_dict()) | set(fam.defaults)
     bad = sorted(set(overrides) - known)
@@ -158,13 +143,24 @@ def _py_factory(spec: str, overrides: dict[str, Any]) -> nn.Module:
 
 def build(name: str, overrides: dict[str, Any], device: str | torch.device | None = None) -> nn.Module:
     """The model ``name`` (``hf:...`` or ``py:...``) with ``overrides``; ``device="meta"`` allocates nothing."""
+    from scaletrain.models.spec import hf_families
+
     kind, rest = name[:3], name[3:]
-    if kind == "hf:" and rest not in HF_FAMILIES and not ("/" in rest or rest.startswith((".", "~"))):
-        raise UserError(f"unknown model {name!r}; allowed hf: names: {', '.join('hf:' + f for f in HF_FAMILIES)}, "
+    families = hf_families()
+    if kind == "hf:" and rest not in families and not ("/" in rest or rest.startswith((".", "~"))):
+        raise UserError(f"unknown model {name!r}; allowed hf: names: {', '.join('hf:' + f for f in families)}, "
                         "hf:/path/to/dir")
     with torch.device(device) if device is not None else contextlib.nullcontext():
         if kind == "py:":
             return _py_factory(rest, overrides)
-        if rest in HF_FAMILIES:
+        if rest in families:
             return _hf_family(rest, overrides)
         return _hf_dir(rest, overrides)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HF_FAMILIES":  # the former table, now each family's ModelSpec.hf
+        from scaletrain.models.spec import hf_families
+
+        return hf_families()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

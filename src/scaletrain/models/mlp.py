@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from scaletrain.models.spec import ModelSpec, listed, register
+
 
 class Dense(nn.Module):
     """Linear, then GELU and dropout unless it is the last layer. Flattens its input if asked."""
@@ -57,3 +59,8 @@ class MLP(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+SPEC = register(ModelSpec(name="mlp", classes=(MLP,), models={
+    "mlp": listed("mlp", MLP, widths=(192, 512, 512, 512, 10), dropout=0.0, image_size=8, channels=3)}))
+"""The ``mlp`` family: its blocks are its own (``chain_blocks``); priced by its trace."""

@@ -1,96 +1,54 @@
-"""Reference models by name: ``scaletrain.models.get(name, **overrides)``.
+"""Models by name: ``scaletrain.models.get(name, **overrides)``.
 
-Each entry is a builder plus its default arguments; overrides replace defaults and are checked
+Each registered family (:mod:`scaletrain.models.spec`) names its models; each is a builder plus its
+default arguments; overrides replace defaults and are checked
 against them, so a typo gives a one-line error listing what may be overridden.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from scaletrain.errors import UserError
+from scaletrain.models import spec as _spec
 from scaletrain.models.catalog import LISTED
 from scaletrain.models.external import build as build_external
 from scaletrain.models.external import default_data as external_default_data
 from scaletrain.models.external import is_external
-from scaletrain.models.gpt2 import GPT2, GPT2Config
-from scaletrain.models.mlp import MLP
-from scaletrain.models.resnet import ResNet
-from scaletrain.models.vgg import VGG
+from scaletrain.models.spec import ModelEntry
+
+__all__ = ["ModelEntry", "check_name", "count_params", "default_data", "entry", "get", "names",
+           "resolve_args"]
 
 
-def _gpt2(**kw: Any) -> GPT2:
-    return GPT2(GPT2Config(**kw))
+def _models() -> dict[str, ModelEntry]:
+    """Every registered family's models: the shipped ones in the catalog's order, then the rest."""
+    _spec.specs()  # loads the shipped families
+    order = list(LISTED)
+    return dict(sorted(_spec.MODELS.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
 
 
-def _gpt2_moe(**kw: Any) -> nn.Module:
-    from scaletrain.models.moe import GPT2MoE, GPT2MoEConfig
-
-    return GPT2MoE(GPT2MoEConfig(**kw))
-
-
-def _dlrm(**kw: Any) -> nn.Module:
-    from scaletrain.models.dlrm import DLRM, DLRMConfig
-
-    return DLRM(DLRMConfig(**kw))
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    builder: Callable[..., nn.Module]
-    defaults: dict[str, Any]
-    description: str
-    default_data: str
-    """Name of the shipped dataset this model trains on by default."""
-    published_params: int | None = None
-    """Published parameter count, when the model reproduces a published one."""
-    extra_keys: tuple[str, ...] = field(default=())
-
-
-_GPT2_KEYS = tuple(f.name for f in dataclasses.fields(GPT2Config))
-
-def _entry(name: str, builder: Callable[..., nn.Module], **defaults: Any) -> ModelEntry:
-    """A registry entry; its description, default data and published count are the catalog's."""
-    row = LISTED[name]
-    return ModelEntry(builder, defaults, row.description, row.default_data, row.published)
-
-
-MODELS: dict[str, ModelEntry] = {
-    "gpt2-tiny": _entry("gpt2-tiny", _gpt2, vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4),
-    "gpt2-mini": _entry("gpt2-mini", _gpt2, vocab_size=256, n_positions=512, n_embd=256, n_layer=6, n_head=8),
-    "gpt2-small": _entry("gpt2-small", _gpt2, n_embd=768, n_layer=12, n_head=12),
-    "gpt2-medium": _entry("gpt2-medium", _gpt2, n_embd=1024, n_layer=24, n_head=16),
-    "gpt2-large": _entry("gpt2-large", _gpt2, n_embd=1280, n_layer=36, n_head=20),
-    "gpt2-xl": _entry("gpt2-xl", _gpt2, n_embd=1600, n_layer=48, n_head=25),
-    "resnet50": _entry("resnet50", ResNet, layers=(3, 4, 6, 3), base_width=64, num_classes=1000, image_size=224,
-                       imagenet_stem=True),
-    "resnet-mini": _entry("resnet-mini", ResNet, layers=(1, 1, 1, 1), base_width=8, num_classes=10, image_size=32,
-                          imagenet_stem=False),
-    "vgg16": _entry("vgg16", VGG, width_div=1, hidden=4096, num_classes=1000, image_size=224, pool_hw=7, dropout=0.5),
-    "vgg-mini": _entry("vgg-mini", VGG, width_div=8, hidden=256, num_classes=10, image_size=32, pool_hw=1, dropout=0.0),
-    "gpt2-moe": _entry("gpt2-moe", _gpt2_moe, vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4,
-                       dropout=0.0, n_experts=4, top_k=2, capacity_factor=1.25, moe_every=2, aux_loss_coef=0.01),
-    "dlrm-mini": _entry("dlrm-mini", _dlrm, n_dense=13, table_sizes=(20000, 10000, 5000, 1000), embed_dim=16,
-                        bag_size=4, bottom=(64, 16), top=(64, 32, 1)),
-    "mlp": _entry("mlp", MLP, widths=(192, 512, 512, 512, 10), dropout=0.0, image_size=8, channels=3),
-}
+def __getattr__(name: str) -> object:
+    if name == "MODELS":
+        return _models()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def names() -> list[str]:
-    return list(MODELS)
+    return list(_models())
 
 
 def entry(name: str) -> ModelEntry:
-    if name not in MODELS:
-        raise UserError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}, hf:gpt2, hf:llama, hf:mistral, "
-                        "hf:bert, hf:/path/to/dir, py:package.module:factory")
-    return MODELS[name]
+    models = _models()
+    if name not in models:
+        hf = ", ".join("hf:" + f for f in _spec.hf_families())
+        raise UserError(f"unknown model {name!r}; allowed: {', '.join(models)}, {hf}, hf:/path/to/dir, "
+                        "py:package.module:factory")
+    return models[name]
 
 
 def check_name(name: str) -> None:
@@ -101,8 +59,9 @@ def check_name(name: str) -> None:
 
 def default_data(name: str, model: nn.Module | None = None) -> str:
     """The shipped dataset model ``name`` trains on when ``data.name`` is empty."""
-    if name in MODELS:
-        return MODELS[name].default_data
+    models = _models()
+    if name in models:
+        return models[name].default_data
     if is_external(name) and model is not None:
         from scaletrain.models.adapters import task_of
 
@@ -113,18 +72,15 @@ def default_data(name: str, model: nn.Module | None = None) -> str:
 def resolve_args(name: str, **overrides: Any) -> dict[str, Any]:
     """Defaults of ``name`` with ``overrides`` applied; unknown keys give a UserError."""
     e = entry(name)
-    allowed = set(e.defaults) | (set(_GPT2_KEYS) if e.builder is _gpt2 else set())
+    allowed = set(e.defaults) | set(e.options)
     bad = sorted(set(overrides) - allowed)
     if bad:
         raise UserError(f"model {name!r} has no option {bad[0]!r}; allowed: {', '.join(sorted(allowed))}")
     args = dict(e.defaults)
     for k, v in overrides.items():
-        _check_override(name, k, v, e.defaults.get(k, _GPT2_DEFAULTS.get(k)))
+        _check_override(name, k, v, e.defaults.get(k, e.options.get(k)))
         args[k] = tuple(v) if isinstance(v, list) else v
     return args
-
-
-_GPT2_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPT2Config)}
 
 
 def _check_override(name: str, key: str, value: Any, default: Any) -> None:

@@ -1,13 +1,13 @@
 """A decoder-only transformer as the planner sees it: a handful of integers, no module.
 
-Two families, one type: GPT-2 (LayerNorm, biases, GELU MLP of two matrices, learned positions, the
+Two layouts, one type: GPT-2 (LayerNorm, biases, GELU MLP of two matrices, learned positions, the
 head tied to the embedding) and Llama (RMSNorm, no biases, SwiGLU MLP of three matrices, grouped-query
 attention with fewer key/value heads, rotary positions, an untied head).
 
-``Shape.of("gpt2-xl", n_layer=96, ...)`` reads a gpt2-* reference model's config (with ``--set``
-overrides, checked by the model registry); ``Shape.of("hf:llama", hidden_size=4096, ...)`` reads a
-transformers ``LlamaConfig`` (or Mistral's) with the same overrides; ``Shape.of("llama3.1-8b")`` is a
-named published shape (:data:`NAMED`). None builds a module, so any size is free to price.
+Which models have a shape is their family's to say (``ModelSpec.shape`` in ``models/<family>/``: the
+fields below from a model name and ``--set`` overrides): ``Shape.of("gpt2-xl", n_layer=96, ...)``,
+``Shape.of("hf:llama", hidden_size=4096, ...)``; ``Shape.of("llama3.1-8b")`` is a named published shape
+(:data:`NAMED`). None builds a module, so any size is free to price.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
                                      max_position_embeddings=131072, tie_word_embeddings=False)),
 }
 """Published shapes by name: the family they are read as and its config fields (``--set`` still applies)."""
-
-HF_DECODERS = ("hf:llama", "hf:mistral")
 
 
 @dataclass(frozen=True)
@@ -78,75 +76,12 @@ class Shape:
     # ---------------------------------------------------------------- construction
     @classmethod
     def of(cls, model: str, **overrides: Any) -> "Shape":
-        """The shape of ``model`` (a gpt2-* name, hf:llama / hf:mistral, or a :data:`NAMED` shape) with
-        config ``overrides``."""
+        """The shape of ``model`` (a model or ``hf:`` name whose family declares ``ModelSpec.shape``, or a
+        :data:`NAMED` shape) with config ``overrides``."""
         if model in NAMED:
-            family, fields = NAMED[model]
-            return cls._of_hf_decoder(model, family, {**fields, **overrides})
-        if model in HF_DECODERS:
-            return cls._of_hf_decoder(model, model, overrides)
-        return cls._of_gpt2(model, overrides)
-
-    @classmethod
-    def _of_gpt2(cls, model: str, overrides: dict[str, Any]) -> "Shape":
-        from scaletrain.models import registry
-
-        if model.startswith("hf:") or model.startswith("py:"):
-            raise UserError(f"scaletrain plan prices decoder shapes on paper; {model!r} is not one (allowed: gpt2-*, "
-                            f"{', '.join(HF_DECODERS)}, {', '.join(NAMED)})")
-        entry = registry.entry(model)
-        if entry.builder is not registry._gpt2:
-            gpt = [n for n in registry.names() if n.startswith("gpt2-") and n != "gpt2-moe"]
-            raise UserError(f"scaletrain plan prices decoder shapes on paper; {model!r} is not one "
-                            f"(allowed: {', '.join(gpt + list(HF_DECODERS) + list(NAMED))})")
-        import dataclasses
-
-        from scaletrain.models.gpt2 import GPT2Config
-
-        a = {**dataclasses.asdict(GPT2Config()), **registry.resolve_args(model, **overrides)}
-        _positive(model, a, ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"), "n_embd", "n_head")
-        return cls(layers=a["n_layer"], hidden=a["n_embd"], heads=a["n_head"], vocab=a["vocab_size"],
-                   positions=a["n_positions"], dropout=float(a.get("dropout", 0.0) or 0.0))
-
-    @classmethod
-    def _of_hf_decoder(cls, model: str, family: str, overrides: dict[str, Any]) -> "Shape":
-        """A Llama-style config: the registry's small defaults (``models.external.HF_FAMILIES``), then
-        ``overrides``, checked against the transformers config class when transformers is installed."""
-        from scaletrain.models.external import HF_FAMILIES
-
-        fam = HF_FAMILIES[family[3:]]
-        a: dict[str, Any] = {"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-                             "head_dim": None, **fam.defaults}
-        try:
-            import transformers
-
-            known = set(getattr(transformers, fam.config_class)().to_dict()) | set(a)
-        except ImportError:
-            known = set(a)
-        bad = sorted(set(overrides) - known)
-        if bad:
-            raise UserError(f"model {model!r} has no config option {bad[0]!r}; e.g. "
-                            f"{', '.join(sorted(k for k in a if not k.endswith('_id'))[:12])}")
-        a.update(overrides)
-        if a.get("num_key_value_heads") in (None, 0):
-            a["num_key_value_heads"] = a["num_attention_heads"]
-        _positive(model, a, ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                             "vocab_size", "intermediate_size", "max_position_embeddings"),
-                  "hidden_size", "num_attention_heads")
-        if a["num_attention_heads"] % a["num_key_value_heads"]:
-            raise UserError(f"model {model!r}: num_key_value_heads={a['num_key_value_heads']} must divide "
-                            f"num_attention_heads={a['num_attention_heads']}")
-        hd = a.get("head_dim")
-        if hd not in (None, a["hidden_size"] // a["num_attention_heads"]):
-            raise UserError(f"model {model!r}: head_dim={hd} is priced only as hidden_size / num_attention_heads "
-                            f"= {a['hidden_size'] // a['num_attention_heads']}")
-        if bool(a["attention_bias"]) != bool(a["mlp_bias"]):
-            raise UserError(f"model {model!r}: attention_bias and mlp_bias must agree (both true or both false)")
-        return cls(layers=a["num_hidden_layers"], hidden=a["hidden_size"], heads=a["num_attention_heads"],
-                   vocab=a["vocab_size"], positions=a["max_position_embeddings"], ffn=a["intermediate_size"],
-                   dropout=float(a.get("attention_dropout", 0.0) or 0.0), kv_heads=a["num_key_value_heads"],
-                   gated=True, rmsnorm=True, bias=bool(a["attention_bias"]), rotary=True,
-                   tied=bool(a["tie_word_embeddings"]))
+            name, fields = NAMED[model]
+            return cls(**_shape_fn(name)(name, {**fields, **overrides}))
+        return cls(**_shape_fn(model)(model, overrides))
 
     # ---------------------------------------------------------------- parameters
     @functools.lru_cache(maxsize=None)  # noqa: B019  (frozen, hashable, few shapes: the search calls it per plan)
@@ -199,27 +134,34 @@ class Shape:
         return batch * seq * ((4 if recompute else 3) * layer_fwd + 3 * head_fwd)
 
 
+def _shape_fn(model: str) -> Any:
+    """The family's ``ModelSpec.shape`` of model name ``model``; one-line UserError when it has none."""
+    from scaletrain.models.spec import spec_named
+
+    family = None if model.startswith("py:") else spec_named(model)
+    if family is None and not model.startswith(("hf:", "py:")):
+        from scaletrain.models import registry
+
+        registry.entry(model)  # an unknown name: the registry's one line, naming every model
+    if family is None or family.shape is None:
+        raise UserError(f"scaletrain plan prices decoder shapes on paper; {model!r} is not one "
+                        f"(allowed: {', '.join(analytic_names())})")
+    return family.shape
+
+
+def analytic_names() -> list[str]:
+    """Every name :meth:`Shape.of` prices on paper: the models and ``hf:`` families whose family declares a
+    shape, and the :data:`NAMED` shapes."""
+    from scaletrain.models.spec import specs
+
+    out: list[str] = []
+    for s in specs():
+        if s.shape is not None:
+            out += list(s.models) + ["hf:" + f for f in s.hf]
+    return out + list(NAMED)
+
+
 def analytic(model: Any) -> bool:
-    """Whether :meth:`Shape.of` prices ``model`` on paper (a gpt2-* decoder, hf:llama / hf:mistral, a
-    :data:`NAMED` shape); every other model is priced by its trace (:mod:`.traced`)."""
-    if not isinstance(model, str):
-        return False
-    if model in NAMED or model in HF_DECODERS:
-        return True
-    if model.startswith(("hf:", "py:")):
-        return False
-    from scaletrain.models import registry
-
-    try:
-        return registry.entry(model).builder is registry._gpt2
-    except UserError:
-        return False
-
-
-def _positive(model: str, a: dict[str, Any], keys: tuple[str, ...], hidden: str, heads: str) -> None:
-    """One-line UserError unless every ``keys`` value is a positive integer and heads divide hidden."""
-    for k in keys:
-        if not isinstance(a[k], int) or isinstance(a[k], bool) or a[k] < 1:
-            raise UserError(f"model {model!r}: {k} must be a positive integer (got {a[k]!r})")
-    if a[hidden] % a[heads]:
-        raise UserError(f"model {model!r}: {hidden}={a[hidden]} must be divisible by {heads}={a[heads]}")
+    """Whether :meth:`Shape.of` prices ``model`` on paper (its family declares a shape, or a :data:`NAMED`
+    shape); every other model is priced by its trace (:mod:`.traced`)."""
+    return isinstance(model, str) and model in analytic_names()

@@ -32,7 +32,8 @@ class Facts:
     device: str = "cpu"
     task: str = "lm"
     gpt2: bool = True
-    """GPT-2 layout that tensor / context parallelism know (scaletrain's or Hugging Face's)."""
+    """A decoder of a layout tensor / context parallelism know (its family's ``ModelSpec.decoder``: GPT-2,
+    scaletrain's or Hugging Face's, Llama / Mistral)."""
     hf: bool = False
     moe: bool = False
     dropout: float = 0.0
@@ -57,18 +58,17 @@ class Facts:
            microbatches: int = 0) -> "Facts":
         """Read the facts off a model (nothing is run)."""
         from scaletrain.chain import to_chain
+        from scaletrain.models.spec import is_transformers, moe_layers, spec_of
 
         cfg = getattr(model, "config", None)
-        hf = type(model).__module__.startswith("transformers")
-        moe = any(type(m).__name__ == "MoEFeedForward" for m in model.modules())
+        family = spec_of(model)  # what the model is, as its folder under models/ declares it
+        hf = is_transformers(model)
+        moe = bool(moe_layers(model))
         try:
             n_blocks, chain = len(to_chain(model)), True
         except Exception:  # noqa: BLE001 - not cut into blocks: the table refuses what needs it
             n_blocks, chain = 0, False
-        from scaletrain.techniques.tensor_parallel.hf_llama import is_hf_llama
-
-        gpt2 = (hasattr(model, "embed") and hasattr(model, "h") and hasattr(model, "head") and cfg is not None) or (
-            hf and hasattr(model, "transformer") and hasattr(model, "lm_head")) or is_hf_llama(model)
+        gpt2 = family is not None and family.decoder
         drop = float(getattr(cfg, "dropout", 0.0) or 0.0)
         if hf and cfg is not None:
             drop = max(float(getattr(cfg, k, 0.0) or 0.0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop"))

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from scaletrain.models.spec import moe_layers
 from scaletrain.techniques.mesh import has_moe
 
 
@@ -67,7 +68,7 @@ def local_param_counts(model: nn.Module, *, tp: int = 1, ep: int = 1) -> dict[st
         # tp_param_elements counts a dense MLP per layer: c_fc 4h^2+4h and c_proj 4h^2 sharded, c_proj's
         # bias h replicated — the MoE layers have none of it
         dense = tp_param_elements(cfg, tp)["total"] - n_moe * ((8 * h * h + 4 * h) // tp + h)
-        moe = [m for m in model.modules() if type(m).__name__ == "MoEFeedForward"]
+        moe = moe_layers(model)
         experts = expert_param_ids(model)
         router = sum(q.numel() for m in moe for q in m.parameters() if id(q) not in experts)
         n = ep_param_elements(model, ep)

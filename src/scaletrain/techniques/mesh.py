@@ -236,6 +236,7 @@ def apply_model_parallel(model: nn.Module, mp: ModelParallel) -> None:
 
 
 def has_moe(model: nn.Module) -> bool:
-    from scaletrain.models.moe import MoEFeedForward
+    """Whether the model has mixture-of-experts layers (its family's ``ModelSpec.moe``)."""
+    from scaletrain.models.spec import moe_layers
 
-    return any(isinstance(m, MoEFeedForward) for m in model.modules())
+    return bool(moe_layers(model))

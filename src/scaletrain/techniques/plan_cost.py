@@ -155,7 +155,9 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
             mem[k] = half[k]
     S = len(bounds) - 1
     cfg = getattr(model, "config", None)
-    if (plan.tp > 1 or plan.cp > 1) and not hasattr(cfg, "n_embd"):  # e.g. HF Llama: trains under TP, not modelled
+    from scaletrain.techniques.tensor_parallel import costed as tp_costed
+
+    if (plan.tp > 1 or plan.cp > 1) and not tp_costed(model):  # e.g. HF Llama: trains under TP, not modelled
         raise UserError(f"the tensor/context-parallel cost faces describe the GPT-2 layout; {type(model).__name__} "
                         f"runs with parallel.tp={plan.tp} but its costs are not modelled: estimate with tp=cp=1")
     if plan.tp > 1 or plan.cp > 1:

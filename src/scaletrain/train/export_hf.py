@@ -6,7 +6,8 @@ the one every such tool reads. Two sources have it:
 
 * ``hf:`` models (:mod:`scaletrain.models.external`): the trainer's parameters already carry the
   model's own names, and its config is rebuilt from ``model.overrides`` (on the meta device);
-* the reference GPT-2 family (:mod:`scaletrain.models.gpt2`): the same architecture as
+* a family whose :class:`~scaletrain.models.spec.ModelSpec` declares an ``export`` mapping (the reference
+  GPT-2 family, :mod:`scaletrain.models.gpt2.export`): the same architecture as
   ``GPT2LMHeadModel`` (pre-LN blocks, fused QKV, tanh GELU = HF's ``gelu_new``, tied head), with
   other names and ``nn.Linear`` weights where HF's ``Conv1D`` stores their transpose.
 
@@ -16,19 +17,14 @@ Any other model has no Hugging Face layout: one line names the formats that work
 from __future__ import annotations
 
 import json
-import re
 import tomllib
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 from scaletrain.errors import UserError
 from scaletrain.train import export
 from scaletrain.train.model_record import is_python_only
 from scaletrain.train.safe_write import write_atomic
-
-_LINEARS = re.compile(r"^h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
 
 def _model_section(path: Path) -> tuple[str, dict[str, Any]]:
@@ -43,50 +39,21 @@ def _model_section(path: Path) -> tuple[str, dict[str, Any]]:
     return str(model["name"]), dict(model.get("overrides", {}))
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _transpose(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous()
-
-
-def _gpt2_rename(name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None:
-    """Reference GPT-2 name -> GPT2LMHeadModel name (Linear -> Conv1D: transposed); the tied head is left out."""
-    if name == "head.lm_head.weight":
-        return None  # tied to transformer.wte.weight, which from_pretrained re-ties
-    if _LINEARS.match(name):
-        return "transformer." + name, _transpose
-    for ours, theirs in (("embed.", "transformer."), ("head.ln_f.", "transformer.ln_f."), ("h.", "transformer.h.")):
-        if name.startswith(ours):
-            return theirs + name[len(ours):], _same
-    raise UserError(f"tensor {name!r} has no GPT2LMHeadModel counterpart")
-
-
-def _gpt2_config(cfg: Any) -> dict[str, Any]:
-    from transformers import GPT2Config
-
-    return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-                      n_head=cfg.n_head, activation_function="gelu_new", resid_pdrop=cfg.dropout,
-                      embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.layer_norm_eps,
-                      bos_token_id=None, eos_token_id=None, tie_word_embeddings=True,
-                      architectures=["GPT2LMHeadModel"]).to_dict()
-
-
 def export_hf(path: Path, out: Path) -> dict[str, Any]:
     """Write ``out/config.json`` and ``out/model.safetensors`` for checkpoint ``path``."""
     from scaletrain import models
-    from scaletrain.models.gpt2 import GPT2
     from scaletrain.models.external import is_external
+    from scaletrain.models.spec import spec_of
 
     name, overrides = _model_section(path)
     module = None if is_python_only(name) else models.get(name, device="meta", **overrides)
-    if is_external(name) and hasattr(module, "config") and hasattr(module.config, "to_dict"):
+    spec = spec_of(module) if module is not None else None
+    if spec is not None and spec.export is not None:  # the family's own mapping (reference GPT-2)
+        config, rename = spec.export(module)
+    elif is_external(name) and hasattr(module, "config") and hasattr(module.config, "to_dict"):
         config, rename = module.config.to_dict(), None
         if not config.get("architectures"):  # a config built in memory says None: from_pretrained needs the class
             config["architectures"] = [type(module).__name__]
-    elif module is not None and type(module) is GPT2:
-        config, rename = _gpt2_config(module.config), _gpt2_rename
     else:
         raise UserError(f"model {name!r} has no Hugging Face layout; --to hf takes hf: models and the gpt2-* "
                         f"reference family; use --to safetensors")

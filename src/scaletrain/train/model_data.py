@@ -191,11 +191,13 @@ def _user_data(cfg: Config, adapter: Adapter, train_data: Any, eval_data: Any) -
 
 def _accepts(model: str, key: str) -> bool:
     """Whether model ``model`` (a reference name or an ``hf:`` family) takes the shape option ``key``."""
-    from scaletrain.models.external import HF_FAMILIES, is_external
+    from scaletrain.models.external import is_external
     from scaletrain.models.registry import resolve_args
+    from scaletrain.models.spec import hf_families
 
     if model.startswith("hf:"):
-        return model[3:] in HF_FAMILIES and key in HF_FAMILIES[model[3:]].defaults
+        fams = hf_families()
+        return model[3:] in fams and key in fams[model[3:]].defaults
     if is_external(model):
         return False
     try:
@@ -217,5 +219,8 @@ def user_overrides(cfg: Config) -> dict[str, Any]:
           and _accepts(model, "vocab_size")):
         vocab = user_sources.text_vocab(name, cfg.data.tokenizer)
         if vocab is not None:
-            over["vocab_size"] = vocab + (1 if model == "hf:bert" else 0)  # BERT: one mask id past the text's
+            from scaletrain.models.spec import hf_families
+
+            fam = hf_families().get(model[3:]) if model.startswith("hf:") else None
+            over["vocab_size"] = vocab + (fam.extra_tokens if fam else 0)  # BERT: one mask id past the text's
     return over

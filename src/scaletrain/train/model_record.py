@@ -6,7 +6,7 @@ model from. A model passed as an object has no name in the config, so the traine
 rebuilds the same class with the same parameter names and shapes, or says plainly that none does:
 
 1. a ``transformers`` model of a known family (GPT-2, Llama, Mistral, BERT heads that
-   :data:`~scaletrain.models.external.HF_FAMILIES` names): ``model.name = "hf:<family>"`` and
+   :func:`~scaletrain.models.spec.hf_families` names): ``model.name = "hf:<family>"`` and
    ``model.overrides`` = every field of its HF config that differs from the family's defaults —
    so ``--resume`` and ``export --to hf`` work from the command line;
 2. the config's own ``model.name`` (with its overrides) when it builds the same class with the same
@@ -66,9 +66,9 @@ def _hf_family(model: nn.Module) -> tuple[str, dict[str, Any]] | None:
     config = getattr(model, "config", None)
     if not type(model).__module__.startswith("transformers.") or not hasattr(config, "to_dict"):
         return None
-    from scaletrain.models.external import HF_FAMILIES
+    from scaletrain.models.spec import hf_families
 
-    for family, fam in HF_FAMILIES.items():
+    for family, fam in hf_families().items():
         if type(model).__name__ != fam.model_class or type(config).__name__ != fam.config_class:
             continue
         base = type(config)(**fam.defaults).to_dict()

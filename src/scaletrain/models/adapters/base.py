@@ -157,6 +157,6 @@ class Adapter:
             c = self.chain_finder(self.model)
             if c is not None:
                 return c
-        from scaletrain.chain import to_chain
+        from scaletrain.models.chain import to_chain
 
         return to_chain(self.model)

@@ -8,8 +8,7 @@
   ``labels``), that loss is used as is.
 - ``attention_mask`` of a dict batch is passed to the model (padding is masked out).
 - Tied embeddings (``lm_head.weight is wte.weight``) stay tied: nothing is copied.
-- Blocks: the embedding, every decoder layer, the final norm + head. A Llama layer is given the
-  rotary position embeddings HF computes at model level (recomputed per layer: no parameters).
+- Blocks: each family's own (``models/gpt2/hf.py``, ``models/llama``), found through its ``ModelSpec``.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from scaletrain.chain import llama_chain
 from scaletrain.models.adapters.base import Adapter, cross_entropy
 
 
@@ -43,5 +41,4 @@ def causal_adapter(model: nn.Module) -> Adapter:
         return fn(logits, None, vocab_size=vocab, shift_labels=y)
 
     max_seq = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
-    return Adapter(model, "hf-causal", task="lm", vocab_size=vocab, max_seq=max_seq, logits_loss=loss,
-                   chain_finder=lambda m: llama_chain(m))
+    return Adapter(model, "hf-causal", task="lm", vocab_size=vocab, max_seq=max_seq, logits_loss=loss)

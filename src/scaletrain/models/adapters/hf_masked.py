@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from scaletrain.errors import UserError
-from scaletrain.chain import bert_chain
 from scaletrain.models.adapters.base import Adapter
 
 MASK_PERCENT = 15
@@ -54,7 +53,7 @@ def masked_adapter(model: nn.Module) -> Adapter:
         return mask_tokens(x, vocab - 1)
 
     max_seq = getattr(model.config, "max_position_embeddings", None)
-    return Adapter(model, "hf-masked", task="lm", vocab_size=vocab, max_seq=max_seq, chain_finder=bert_chain,
+    return Adapter(model, "hf-masked", task="lm", vocab_size=vocab, max_seq=max_seq,
                    sample_transform=transform)
 
 

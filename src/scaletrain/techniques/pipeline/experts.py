@@ -75,9 +75,9 @@ def slice_experts(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 
 def moe_layers_per_block(blocks: Any) -> list[int]:
     """Mixture-of-experts layers inside each block of a chain."""
-    from scaletrain.models.moe import MoEFeedForward
+    from scaletrain.models.spec import is_moe_layer
 
-    return [sum(isinstance(m, MoEFeedForward) for m in blk.modules()) for blk in blocks]
+    return [sum(is_moe_layer(m) for m in blk.modules()) for blk in blocks]
 
 
 def rank_ep_bytes(cfg: Any, sched: Any, bounds: list[int], moe_per_block: list[int], rank: int, micro_batch: int,

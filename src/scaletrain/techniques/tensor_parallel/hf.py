@@ -35,12 +35,6 @@ from .megatron import (
 )
 
 
-def is_hf_gpt2(model: nn.Module) -> bool:
-    """A ``transformers`` GPT-2 LM: ``transformer.{wte, wpe, h, ln_f}`` and ``lm_head``."""
-    tr = getattr(model, "transformer", None)
-    return tr is not None and all(hasattr(tr, a) for a in ("wte", "wpe", "h", "ln_f")) and hasattr(model, "lm_head")
-
-
 def _conv1d_to_linear(conv: nn.Module, rows: torch.Tensor | None = None) -> nn.Linear:
     """HF Conv1D (weight [in, out]) -> nn.Linear (weight [out, in]); optionally permute outputs."""
     w = conv.weight.detach().t()
@@ -56,8 +50,6 @@ def _conv1d_to_linear(conv: nn.Module, rows: torch.Tensor | None = None) -> nn.L
 
 def apply_tensor_parallel_hf(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shard a ``transformers`` GPT-2 LM over ``tp_mesh`` in place (see the module docstring)."""
-    if not is_hf_gpt2(model):
-        raise UserError(f"{type(model).__name__} is not a Hugging Face GPT-2 LM (transformer.h + lm_head)")
     t = tp_mesh.size()
     cfg = model.config
     h, a, V = cfg.n_embd, cfg.n_head, cfg.vocab_size

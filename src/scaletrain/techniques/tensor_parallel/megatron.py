@@ -177,8 +177,11 @@ def check_model(model: nn.Module, tp: int) -> None:
 
 
 def _is_moe(mlp: nn.Module) -> bool:
-    """A mixture-of-experts MLP: left whole on every TP rank (its experts are split by expert parallelism)."""
-    return type(mlp).__name__ == "MoEFeedForward"
+    """A mixture-of-experts MLP (its family's ``ModelSpec.moe``): left whole on every TP rank (its experts are
+    split by expert parallelism)."""
+    from scaletrain.models.spec import is_moe_layer
+
+    return is_moe_layer(mlp)
 
 
 def _reduce_partial_grads_eagerly(model: nn.Module) -> None:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.gpt2 import GPT2, GPT2Config
+from scaletrain.models.gpt2.model import GPT2, GPT2Config
 
 
 @dataclass
