@@ -112,3 +112,18 @@ def test_traced_gemms_carry_their_shape_to_the_roofline():
     assert one == pytest.approx(roofline_seconds(plat, mm(256).flops, 0, precision="bf16") * 216 / 110)
     # split over 2 TP ranks: each rank's GEMM is the 256-column one, with its two waves
     assert op_seconds(mm(512), plat, work_split=2) == pytest.approx(one)
+
+
+def test_flash_attention_backward_is_five_halves_of_its_forward():
+    # FlashAttention recomputes the scores in its backward: five matmuls to the forward's two; a materialised
+    # attention keeps P, so its backward stays 2 x
+    from scaletrain.planner.cost import FLASH_BWD_RATIO
+
+    shape = Shape(layers=2, hidden=256, heads=4, vocab=1024, positions=512)
+    kw = dict(seq=512, b=2, tp=1, sp=False, precision="bf16")
+    plat = P.get("a100-80g")
+    flash = layer_times(shape, plat, opts=Options(), **kw)
+    assert FLASH_BWD_RATIO == 2.5 and flash["attn_core"] > 0
+    assert flash["bwd"] - 2 * flash["fwd"] == pytest.approx(0.5 * flash["attn_core"], rel=1e-12)
+    mat = layer_times(shape, plat, opts=Options(attention="materialized"), **kw)
+    assert mat["bwd"] == pytest.approx(2 * mat["fwd"], rel=1e-12)
