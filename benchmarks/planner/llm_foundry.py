@@ -21,7 +21,8 @@ The plan priced for each row, nothing fitted: dp = #GPUs, ZeRO-3, the published 
 = global batch / (dp x micro-batch), full recomputation of every block when activation checkpointing is
 True, bf16 over fp32 sharded parameters with a bf16 residual stream (``COMPOSER`` below), AdamW, flash
 attention. The
-presets are used as they are: ``h100``, ``a100-80g``, ``a100-40g`` (its 40 GiB and 1,555 GB/s; the A100
+presets are used as they are: ``h100`` (its matmul table at 2023's cuBLAS rate, :func:`h100_2023`), ``a100-80g``,
+``a100-40g`` (its 40 GiB and 1,555 GB/s; the A100
 tables' RoCE 1,600 Gbps per node = 25 GB/s per GPU is the A100 presets' inter-node figure already). The
 published tokens/s/GPU only enters the comparison.
 
