@@ -83,3 +83,47 @@ def test_all_reduce_steps_by_hand():
     from scaletrain.cost import all_reduce_steps
 
     assert [all_reduce_steps(n) for n in (1, 2, 3, 4, 8, 64)] == [0, 2, 4, 4, 6, 12]  # ring up to 3, tree after
+
+
+def test_traced_gemms_carry_their_shape_to_the_roofline():
+    # the census records a GEMM's output (m, n, batch) and alignment; the traced cost prices it with the
+    # planner's tile and wave quantization: 110 tiles of 256x128 on 108 SMs take two waves (0.51 useful)
+    import torch
+
+    from scaletrain.cost import roofline_seconds
+    from scaletrain.measure.census import Op, gemm_shape
+    from scaletrain.techniques.time_cost import op_seconds
+
+    aten = torch.ops.aten
+    a, b = torch.empty(4, 24, 8), torch.empty(4, 8, 16)
+    assert gemm_shape(aten.bmm, (a, b), torch.empty(4, 24, 16)) == ((24.0, 16.0, 4.0), False)
+    assert gemm_shape(aten.addmm, (torch.empty(15), a[0], torch.empty(8, 15)), torch.empty(24, 15)) == \
+        ((24.0, 15.0, 1.0), True)  # n = 15: alignment-1 kernels
+    assert gemm_shape(aten.add, (a, a), a) == (None, False)
+    plat = P.get("a100-80g")
+    m, k = 55 * 256, 4096  # x 256 columns: 110 tiles in either orientation
+
+    def mm(n: int) -> Op:
+        return Op("mm", 2.0 * m * n * k, 2.0 * (m * k + k * n + m * n), half=True, output=(m, n, 1.0))
+
+    one = op_seconds(mm(256), plat)
+    assert plat.wave_fraction(m, 256) == pytest.approx(110 / 216)
+    assert one == roofline_seconds(plat, mm(256).flops, mm(256).nbytes, precision="bf16", output=(m, 256, 1.0))
+    assert one == pytest.approx(roofline_seconds(plat, mm(256).flops, 0, precision="bf16") * 216 / 110)
+    # split over 2 TP ranks: each rank's GEMM is the 256-column one, with its two waves
+    assert op_seconds(mm(512), plat, work_split=2) == pytest.approx(one)
+
+
+def test_flash_attention_backward_is_five_halves_of_its_forward():
+    # FlashAttention recomputes the scores in its backward: five matmuls to the forward's two; a materialised
+    # attention keeps P, so its backward stays 2 x
+    from scaletrain.planner.cost import FLASH_BWD_RATIO
+
+    shape = Shape(layers=2, hidden=256, heads=4, vocab=1024, positions=512)
+    kw = dict(seq=512, b=2, tp=1, sp=False, precision="bf16")
+    plat = P.get("a100-80g")
+    flash = layer_times(shape, plat, opts=Options(), **kw)
+    assert FLASH_BWD_RATIO == 2.5 and flash["attn_core"] > 0
+    assert flash["bwd"] - 2 * flash["fwd"] == pytest.approx(0.5 * flash["attn_core"], rel=1e-12)
+    mat = layer_times(shape, plat, opts=Options(attention="materialized"), **kw)
+    assert mat["bwd"] == pytest.approx(2 * mat["fwd"], rel=1e-12)

@@ -21,7 +21,8 @@ The plan priced for each row, nothing fitted: dp = #GPUs, ZeRO-3, the published 
 = global batch / (dp x micro-batch), full recomputation of every block when activation checkpointing is
 True, bf16 over fp32 sharded parameters with a bf16 residual stream (``COMPOSER`` below), AdamW, flash
 attention. The
-presets are used as they are: ``h100``, ``a100-80g``, ``a100-40g`` (its 40 GiB and 1,555 GB/s; the A100
+presets are used as they are: ``h100`` (its matmul table at 2023's cuBLAS rate, :func:`h100_2023`), ``a100-80g``,
+``a100-40g`` (its 40 GiB and 1,555 GB/s; the A100
 tables' RoCE 1,600 Gbps per node = 25 GB/s per GPU is the A100 presets' inter-node figure already). The
 published tokens/s/GPU only enters the comparison.
 
@@ -145,6 +146,28 @@ TABLES = {
 }
 
 
+H100_2023_GEMM_FLOPS = 720.3e12
+"""bf16 FLOP/s of one H100 SXM GEMM with 2023's cuBLAS: pytorch/pytorch issue #100850 (May 2023), a
+[2048, 8192] x [8192, 8192] matmul (``--batch-size 1``) at 720.3 TFLOP/s with cuBLAS 11.11.3 (CUDA 11.8, the
+cuBLAS of PyTorch 2.0's cu118 wheels; 742.7 with cuBLAS 12.0.2 in NVIDIA's container). The runs' stack
+(Composer 0.16, PyTorch < 2.1.1, CUDA 11.8 or 12.1) predates the cuBLAS the ``h100`` preset's MAMF
+figure (792.1) was measured with."""
+H100_2023_SHAPE = (2048, 8192)
+"""That GEMM's output (rows, columns): 512 tiles of 256x128 in 4 waves of 132 SMs (0.97 useful)."""
+
+
+def h100_2023() -> platforms.Platform:
+    """The ``h100`` preset with its matmul table scaled to :data:`H100_2023_GEMM_FLOPS` per useful tile (the
+    preset's own rule: a table's top row is a measured GEMM over its shape's wave fraction; the rows below
+    keep their ratios to it). Everything else is the preset's."""
+    h100 = platforms.get("h100")
+    top = H100_2023_GEMM_FLOPS / h100.flops_bf16 / h100.wave_fraction(*H100_2023_SHAPE)
+    scale = top / h100.matmul_efficiency[0][1]
+    return h100.with_(name="h100-cublas-2023", matmul_efficiency=tuple((g, f * scale) for g, f in h100.matmul_efficiency),
+                      source=h100.source + "; matmul table scaled to pytorch/pytorch#100850's 720.3 TFLOP/s "
+                      "(cuBLAS 11.11.3, May 2023)")
+
+
 COMPOSER = Options(autocast_residual_fp32=False)
 """How Composer 0.16 ran MPT under FSDP (module docstring): a bf16 residual stream; otherwise the defaults."""
 
@@ -196,7 +219,7 @@ def summarise(rows: list[dict]) -> dict:
 def main() -> int:
     rows, used = [], {}
     for kind, (heading, preset, table) in TABLES.items():
-        plat = platforms.get(preset)
+        plat = h100_2023() if preset == "h100" else platforms.get(preset)
         used[kind] = {"table": heading, "preset": preset, "platform": plat.to_dict(), "source": SOURCE}
         for row in table:
             r = price_row(kind, plat, row)

@@ -13,7 +13,11 @@ operator that does work:
 - ``nbytes`` — bytes of every tensor it reads plus every tensor it writes (an in-place operator
   reads and writes its operand: counted twice), the memory traffic of a kernel that streams its
   operands once;
-- ``half`` — whether it writes a 16-bit result (under autocast the matmuls run in bf16/fp16).
+- ``half`` — whether it writes a 16-bit result (under autocast the matmuls run in bf16/fp16);
+- ``output`` and ``unaligned`` — for a GEMM (``mm``, ``addmm``, ``bmm``, ``baddbmm``) its output's rows,
+  columns and batch count, which the roofline tiles on the GPU's SMs (:meth:`~scaletrain.platform.Platform.
+  wave_fraction`), and whether any of m, n, k is not a multiple of 8 (cuBLAS's alignment-1 kernels:
+  ``Platform.unaligned_matmul_fraction``): the planner's matmuls pass the same (``planner.cost._mm``).
 
 Views and metadata-only operators (``view``, ``t``, ``detach``, ``empty`` ...) move no data and are
 left out. Units: FLOPs, bytes.
@@ -48,6 +52,10 @@ class Op:
     flops: float
     nbytes: float
     half: bool = False
+    output: tuple[float, float, float] | None = None
+    """A GEMM's output (rows m, columns n, batch); None for any other operator."""
+    unaligned: bool = False
+    """A GEMM with m, n or k not a multiple of 8 (elements)."""
 
 
 @dataclass
@@ -87,8 +95,27 @@ class _Census(TorchDispatchMode):
         fn = self.registry.get(packet)
         flops = float(fn(*args, **kwargs, out_val=out)) if fn is not None else 0.0
         half = any(t.dtype in (torch.bfloat16, torch.float16) for t in outs)
-        self.ops.append(Op(packet.__name__, flops, nbytes, half))
+        output, unaligned = gemm_shape(packet, args, outs[0])
+        self.ops.append(Op(packet.__name__, flops, nbytes, half, output, unaligned))
         return True
+
+
+_GEMMS = {aten.mm: 0, aten.addmm: 1, aten.bmm: 0, aten.baddbmm: 1}
+"""GEMM operators and the position of their left operand ([.., m, k]) among their arguments."""
+
+
+def gemm_shape(packet: Any, args: tuple, out: torch.Tensor) -> tuple[tuple[float, float, float] | None, bool]:
+    """(output (m, n, batch), unaligned) of a GEMM operator ``packet`` called on ``args`` giving ``out``;
+    (None, False) for any other operator. m × n is the output's last two dimensions, batch the product of
+    the rest (1 for ``mm``/``addmm``), k the left operand's last dimension."""
+    at = _GEMMS.get(packet)
+    if at is None or out.dim() < 2 or len(args) <= at or not isinstance(args[at], torch.Tensor):
+        return None, False
+    m, n, k = out.shape[-2], out.shape[-1], args[at].shape[-1]
+    batch = 1
+    for d in out.shape[:-2]:
+        batch *= d
+    return (float(m), float(n), float(batch)), any(d % 8 for d in (m, n, k))
 
 
 def _run(fn: Callable[[torch.Tensor], torch.Tensor], params: list, h: torch.Tensor, x_grad: bool,

@@ -83,7 +83,8 @@ def rows(ops: list[Op], plat: Any, precision: str = "fp32",
         nbytes = sum(o.nbytes for o in calls)
         compute_s = memory_s = 0.0
         for o in calls:
-            t = roofline_seconds(plat, o.flops, o.nbytes, precision=precision if o.half else "fp32")
+            t = roofline_seconds(plat, o.flops, o.nbytes, precision=precision if o.half else "fp32",
+                                 unaligned=o.unaligned, output=o.output)
             if o.flops > 0 and t > plat.memory_bound_seconds(o.nbytes):
                 compute_s += t
             else:

@@ -8,7 +8,8 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   on the GPU's SMs, :func:`scaletrain.platform.wave_fraction`) + each memory-bound kernel's bytes /
   (HBM bandwidth × fraction for its size) — LayerNorms, bias-GELU, bias-dropout-add and, when the
   attention is materialised (Megatron 2021), softmax and attention dropout over b·a·s²/t elements.
-  Backward = 2 × forward. Recompute: full = +1 forward (its TP all-reduces included); selective = the
+  Backward = 2 × forward, except flash attention's core, whose backward is :data:`FLASH_BWD_RATIO` × its
+  forward (it recomputes the scores). Recompute: full = +1 forward (its TP all-reduces included); selective = the
   attention core again.
 * **tensor parallelism**: the bytes of the TP cost face the runtime is tested against
   (:func:`~scaletrain.techniques.tensor_parallel.cost.tp_comm_bytes_per_step`: per layer 2 all-reduces
@@ -90,6 +91,12 @@ NORM_FP32_BYTES = 36
 """Bytes per element of an eager fp32 RMSNorm's forward kernels on a 16-bit input (:attr:`Options.fp32_norm_rotary`)."""
 ROTARY_FP32_BYTES = 20
 """Bytes per element of eager fp32 complex rotary's forward kernels on 16-bit q or k (same)."""
+FLASH_BWD_RATIO = 2.5
+"""Work of a fused (flash) attention's backward over its forward's: the forward runs two matmuls per
+tile (S = QKᵀ, O = PV), the backward five (S again, since the s² scores are never stored, then dV = PᵀdO,
+dP = dO Vᵀ, dQ = dS K, dK = dSᵀQ): 5/2 (Dao, "FlashAttention-2", 2023, §3.1.2 and its benchmarks'
+FLOP count, backward = 2.5 × forward; ``torch.utils.flop_counter``'s SDPA backward counts the same five).
+A materialised attention keeps P, so its backward is the usual 2 × (four matmuls)."""
 
 
 @dataclass(frozen=True)
@@ -262,7 +269,9 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
     # torchtitan's op-level selective recompute redoes every other matmul (the 2nd, 4th, ...) and every
     # memory-bound kernel of the layer; the attention and the other matmuls' outputs are kept
     op_recompute = sum(mms[1::2]) + ew
-    return {"fwd": fwd, "bwd": 2 * fwd, "attn_core": attn, "op_recompute": op_recompute, "tp_fwd": tp_fwd,
+    # flash attention's backward recomputes the scores: FLASH_BWD_RATIO x its forward, not 2 x
+    bwd = 2 * fwd + ((FLASH_BWD_RATIO - 2) * attn if opts.attention == "flash" else 0.0)
+    return {"fwd": fwd, "bwd": bwd, "attn_core": attn, "op_recompute": op_recompute, "tp_fwd": tp_fwd,
             "tp_bwd": tp_bwd, "tp_stage": tp["stage"] / bw if t > 1 else 0.0}
 
 

@@ -64,10 +64,14 @@ from scaletrain.techniques.cost import StepSeconds
 
 def op_seconds(op: Op, plat: Platform, *, work_split: float = 1.0, mem_split: float = 1.0) -> float:
     """Seconds of one operator on ``plat`` on the one roofline (:func:`scaletrain.cost.roofline_seconds`);
-    ``work_split`` divides an operator with FLOPs (its FLOPs and bytes), ``mem_split`` a memory-bound one."""
+    ``work_split`` divides an operator with FLOPs (its FLOPs and bytes), ``mem_split`` a memory-bound one.
+    A GEMM passes its output shape (tile and wave quantization on the platform's SMs) and alignment, as the
+    planner's matmuls do; under a split its output's columns are divided (Megatron's column-parallel
+    matmuls and attention heads; a row-parallel one, whose output is whole, is priced the same way)."""
     if op.flops > 0:
+        output = op.output and (op.output[0], op.output[1] / work_split, op.output[2])
         return roofline_seconds(plat, op.flops / work_split, op.nbytes / work_split,
-                                precision="bf16" if op.half else "fp32")
+                                precision="bf16" if op.half else "fp32", unaligned=op.unaligned, output=output)
     return plat.memory_bound_seconds(op.nbytes / mem_split)
 
 
