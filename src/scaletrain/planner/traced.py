@@ -14,7 +14,8 @@ dp × ZeRO 0–3 (0–1 with a pipeline) × remat none / selective (attention mo
 sequence parallelism × schedule (1F1B, interleaved, ZB-1P; GPipe — 1F1B's time with more micro-batches
 alive — and Chimera — two copies of the weights — when pinned; each priced by the pipeline simulator) ×
 micro-batch. Recomputation only adds time, so a heavier remat is priced only where the
-lighter one does not fit. What the model cannot
+lighter one does not fit; a pipeline that does not fit without it runs the runtime's solver in every stage, each
+under its own stage's budget fitted to its rank's slack (:func:`.stage_remat.fit_traced`). What the model cannot
 run is pruned by the compatibility table (:mod:`scaletrain.techniques.compat`) with the rule's name;
 a plan the cost model cannot price is rejected with the reason it gave. Units: seconds, bytes.
 """
@@ -30,7 +31,8 @@ from torch import nn
 from scaletrain.errors import UserError
 from scaletrain.plan import Plan, RematPlan
 from scaletrain.schema import REMAT_KINDS
-from scaletrain.planner.cost import Options, PlanCost, remat_kind
+from scaletrain.planner import stage_remat
+from scaletrain.planner.cost import Options, PlanCost
 from scaletrain.planner.stages import PIPELINE_REMAT
 from scaletrain.platform import Platform
 from scaletrain.techniques import compat
@@ -92,13 +94,28 @@ def price(target: Traced, plan: Plan, plat: Platform, *, global_batch: int, seq:
           options: Options | None = None) -> PlanCost:
     """One plan (dp resolved, micro_batch set) priced by the traced cost model, as the planner's
     :class:`~.cost.PlanCost` (the heaviest rank's peak, the slowest rank's step by phase)."""
-    from scaletrain.techniques.plan_cost import heaviest, plan_costs
+    return summary(target, plan, plat, rank_costs(target, plan, plat, global_batch=global_batch, seq=seq,
+                                                  device=device), global_batch=global_batch, seq=seq, options=options)
+
+
+def rank_costs(target: Traced, plan: Plan, plat: Platform, *, global_batch: int, seq: int,
+               device: str = "cuda") -> list[Any]:
+    """Every pipeline rank's :class:`~scaletrain.techniques.plan_cost.RankCost` of ``plan`` (timed on ``plat``)."""
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    mb = 0 if plan.pp > 1 else plan.micro_batch
+    return plan_costs(plan, target.model, world=plan.world(), global_batch=global_batch, seq=seq, micro_batch=mb,
+                      device=device, platform=plat)
+
+
+def summary(target: Traced, plan: Plan, plat: Platform, costs: list[Any], *, global_batch: int, seq: int,
+            options: Options | None = None) -> PlanCost:
+    """The ranks' costs as the planner's :class:`~.cost.PlanCost` (the heaviest rank's peak, the slowest
+    rank's step by phase, every rank's total in ``rank_peaks``)."""
+    from scaletrain.techniques.plan_cost import heaviest
 
     opts = options or Options()
     world = plan.world()
-    mb = 0 if plan.pp > 1 else plan.micro_batch
-    costs = plan_costs(plan, target.model, world=world, global_batch=global_batch, seq=seq, micro_batch=mb,
-                       device=device, platform=plat)
     top = heaviest(costs)
     slow = max(costs, key=lambda c: c.step_time_s or 0.0)
     t = slow.time_s
@@ -120,7 +137,8 @@ def price(target: Traced, plan: Plan, plat: Platform, *, global_batch: int, seq:
                     peak_bytes=peak, device_bytes=float(plat.device_memory_bytes),
                     fits=top.peak_bytes + opts.reserve_bytes <= plat.device_memory_bytes,
                     bubble_fraction=t.bubble / step if busy < step else 0.0, exposed_comm_s=exposed, phases_s=phases,
-                    heaviest_rank=top.rank, blocks_s={})
+                    heaviest_rank=top.rank, blocks_s={},
+                    rank_peaks=[{"rank": r, "total": float(c.peak_bytes)} for r, c in enumerate(costs)])
 
 
 _FLOPS: dict[tuple[int, int, str], float] = {}
@@ -152,7 +170,8 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
            options: Options | None = None, device: str = "cuda", params_dtype: str = "fp32") -> Any:
     """Every plan the model can run on ``nodes × gpus_per_node`` devices, priced and ranked (module
     docstring); returns a :class:`~.search.SearchResult` like the analytic search."""
-    from scaletrain.planner.search import SearchResult, _merge
+    from scaletrain.planner.search import SearchResult, _merge, _remat_rank
+    from scaletrain.techniques.plan_cost import stage_graphs_of
 
     t0 = time.perf_counter()
     fx = dict(fixed or {})
@@ -227,32 +246,53 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                             if _priced(plan, region, m, f"{region} {sched if pp > 1 else ''} b={b}"):
                                 break
 
-    def _priced(plan: Plan, region: str, m: int, where: str) -> bool:
-        """Price one plan; True when it fits (no heavier remat needed)."""
-        if not check(plan, region, m):
-            return False
+    def _cost(plan: Plan, region: str, where: str, solve: bool = False) -> PlanCost | None:
+        """``plan`` priced (with ``solve``: its pipeline stages' remat budgets fitted first), or None — a
+        rejected region naming why the cost model cannot price it."""
         try:
-            c = price(target, plan, plat, global_batch=global_batch, seq=seq, device=device, options=opts)
+            costs = rank_costs(target, plan, plat, global_batch=global_batch, seq=seq, device=device)
+            if solve:  # the runtime's pipeline remat: each stage's solver under its own stage's slack
+                graphs = stage_graphs_of(plan, target.model, world=world, global_batch=global_batch, seq=seq)
+                plan, costs = stage_remat.fit_traced(plan, costs, graphs, plat.device_memory_bytes - opts.reserve_bytes,
+                                                     lambda p: rank_costs(target, p, plat, global_batch=global_batch,
+                                                                          seq=seq, device=device))
+            return summary(target, plan, plat, costs, global_batch=global_batch, seq=seq, options=opts)
         except Exception as e:  # noqa: BLE001 - a plan the cost model cannot price is a named rejected region
             why = str(e).splitlines()[0] if str(e) else ""
             why = why if isinstance(e, UserError) else f"{type(e).__name__}: {why}"
             reject(where.replace("  ", " "), "unpriced", f"the cost model cannot price {plan.describe()}: {why}",
                    key=f"{region} {plan.schedule} {why[:60]}")
-            return False
+            return None
+
+    def _keep(c: PlanCost) -> bool:
         count[0] += 1
         if c.fits:
             ranked.append(c)
             return True
-        key = (plan.tp, plan.pp, plan.dp, plan.ep)
+        key = (c.plan.tp, c.plan.pp, c.plan.dp, c.plan.ep)
         if key not in oom or c.peak_bytes["total"] < oom[key].peak_bytes["total"]:
             oom[key] = c
         return False
+
+    def _priced(plan: Plan, region: str, m: int, where: str) -> bool:
+        """Price one plan; True when it fits (no heavier remat needed). A pipeline that does not fit without
+        recompute is priced again with the runtime's solver per stage (:func:`.stage_remat.fit_traced`)."""
+        if not check(plan, region, m):
+            return False
+        c = _cost(plan, region, where)
+        if c is None or _keep(c) or plan.pp == 1 or plan.remat.active or "remat" in fx:
+            return c is not None and c.fits
+        probe = plan.with_(remat=RematPlan(method=stage_remat.METHOD, budget="1"))  # what the table reads
+        if not check(probe, f"{region} remat={stage_remat.METHOD}", m):
+            return False
+        solved = _cost(plan, region, f"{where} remat={stage_remat.METHOD}", solve=True)
+        return solved is not None and _keep(solved)
 
     from scaletrain.measure.estimate import trace_cache
 
     with trace_cache():
         _scan(target, world, gpus_per_node, global_batch, fx, base, check, reject, _region)
-    ranked.sort(key=lambda c: (round(c.step_time_s, 9), c.plan.zero, REMATS.index(remat_kind(c.plan)), c.plan.sp,
+    ranked.sort(key=lambda c: (round(c.step_time_s, 9), c.plan.zero, _remat_rank(c.plan), c.plan.sp,
                                c.peak_bytes["total"]))
     for (tp, pp, dp, ep), c in sorted(oom.items()):
         if not any(r.plan.tp == tp and r.plan.pp == pp and r.plan.ep == ep for r in ranked):
