@@ -8,9 +8,11 @@ blocks and traced with fake tensors (:func:`scaletrain.techniques.plan_cost.plan
 rank's peak bytes by category, its traffic, and with a platform its step's seconds by phase on the
 roofline, α–β collectives and the pipeline simulator of :mod:`scaletrain.techniques.time_cost`).
 
-The space: tp (divisors of a node's devices) × pp (divisors of the world, at most one stage per
-block; the runtime's cost-balanced split) × ep (MoE models: divisors of dp and of the experts) ×
-dp × ZeRO 0–3 (0–1 with a pipeline) × remat none / selective (attention models) / full ×
+The space: tp (divisors of a node's devices) × cp (where pinned, ``--fix cp=N``: a model the runtime's ring
+attention cannot run is the compatibility table's one line) × pp (divisors of the world, at most one stage per
+block; the runtime's cost-balanced split, or equal block counts with ``--fix pp_split=equal``) × ep (MoE models:
+divisors of dp and of the experts) × dp × ZeRO 0–3 (0–1 with a pipeline) × HSDP (ZeRO within one node's dp ranks
+when the job spans nodes, or the pinned group) × remat none / selective (attention models) / full ×
 sequence parallelism × schedule (1F1B, interleaved, ZB-1P; GPipe — 1F1B's time with more micro-batches
 alive — and Chimera — two copies of the weights — when pinned; each priced by the pipeline simulator) ×
 micro-batch. Recomputation only adds time, so a heavier remat is priced only where the
@@ -187,17 +189,16 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
 
     if "offload" in fx and fx["offload"] != "none":
         raise UserError(f"--fix offload={fx['offload']}: the traced planner does not search offloading yet; "
-                        f"searched: dp, tp, pp, ep, zero, remat, sp, schedule, virtual, micro_batch")
-    if fx.get("cp", 1) != 1:
-        raise UserError(f"--fix cp={fx['cp']}: the traced planner does not search context parallelism yet (decoder "
-                        f"shapes priced on paper do: gpt2-*, hf:llama, hf:mistral)")
-    if fx.get("hsdp", 0) or fx.get("pp_split", "profile") != "profile":
-        key = "hsdp" if fx.get("hsdp", 0) else "pp_split"
-        raise UserError(f"--fix {key}={fx[key]}: the traced planner searches ZeRO over all dp ranks and the "
-                        f"runtime's profile split only (decoder shapes priced on paper search {key})")
+                        f"searched: dp, tp, pp, ep, zero, hsdp, remat, sp, schedule, virtual, micro_batch; "
+                        f"pinned: cp, pp_split, params_dtype")
     if "attention" in fx:
         raise UserError(f"--fix attention={fx['attention']}: a traced model is priced with the attention kernels it "
                         f"runs; attention= applies to decoder shapes priced on paper")
+    if fx.get("cp", 1) > 1:  # a model the runtime's context parallelism cannot run: the table's one line
+        bad = compat.violations(Plan(cp=fx["cp"]), base)
+        if bad:
+            raise UserError(f"--fix cp={fx['cp']}: compat rule {bad[0].name}: {bad[0].message(Plan(cp=fx['cp']), base)}")
+    balance = fx.pop("pp_split", "profile")
     params_dtype = fx.pop("params_dtype", params_dtype)
 
     def reject(region: str, kind: str, reason: str, key: str = "") -> None:
@@ -210,7 +211,22 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
             reject(region, "compat", f"{bad[0].name}: {bad[0].message(plan, facts)}", key=f"{region} {bad[0].name}")
         return not bad
 
-    def _region(tp: int, pp: int, dp: int, ep: int, region: str) -> None:
+    def _groups(tp: int, cp: int, pp: int, dp: int, region: str) -> list[int]:
+        """HSDP shard groups searched (ZeRO within groups of G dp ranks, replicated across them; 0: over all):
+        one node's dp ranks when the job spans nodes (the runtime's hybrid sharding keeps its all-gathers
+        inside a node), or the pinned one."""
+        per_node = max(gpus_per_node // (tp * cp * pp), 1)
+        groups = [0] + ([per_node] if nodes > 1 and 1 < per_node < dp and dp % per_node == 0 else [])
+        if "hsdp" in fx:
+            groups = [fx["hsdp"]] if fx["hsdp"] == 0 or (1 < fx["hsdp"] < dp and dp % fx["hsdp"] == 0) else []
+            if not groups:
+                reject(region, "divisibility", f"hsdp={fx['hsdp']} must be a divisor of dp={dp} below it (0: none)")
+        if any(groups) and not check(Plan(tp=tp, cp=cp, pp=pp, dp=dp, zero=1, hsdp=max(groups)), f"{region} hsdp", 1):
+            groups = [g for g in groups if g == 0]
+        return groups
+
+    def _region(tp: int, cp: int, pp: int, dp: int, ep: int, region: str) -> None:
+        groups = _groups(tp, cp, pp, dp, region)
         per_rank = global_batch // dp
         for b in _divisors(per_rank):
             if b > MAX_MICRO_BATCH or fx.get("micro_batch", b) != b:
@@ -225,7 +241,8 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                     continue
                 if fx.get("virtual", v) != v and not (v == 1 and fx.get("virtual") in (0, 1)):
                     continue
-                for zero in ((0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1)):  # ZeRO shards over dp
+                for zero, hsdp in [(z, g) for z in ((0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1))
+                                   for g in groups if z >= 1 or g == 0]:  # ZeRO shards over dp (or HSDP groups)
                     if fx.get("zero", zero) != zero:
                         continue
                     for sp in ((False, True) if tp > 1 else (False,)):
@@ -239,7 +256,8 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                             if pp > 1 and remat != "none":
                                 reject(f"{region} remat={remat}", "runtime", PIPELINE_REMAT, key=f"{region} pp-remat")
                                 continue
-                            plan = Plan(dp=dp, tp=tp, pp=pp, ep=ep, sp=sp, zero=zero, micro_batch=b,
+                            plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, zero=zero, hsdp=hsdp,
+                                        balance=balance, micro_batch=b,
                                         microbatches=m if pp > 1 else 0, schedule=sched if pp > 1 else "1f1b",
                                         virtual=v if v > 1 else 0, remat=_remat(remat), precision=precision,
                                         params_dtype=params_dtype, optimizer=optimizer)
@@ -269,7 +287,7 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
         if c.fits:
             ranked.append(c)
             return True
-        key = (c.plan.tp, c.plan.pp, c.plan.dp, c.plan.ep)
+        key = (c.plan.tp, c.plan.cp, c.plan.pp, c.plan.dp, c.plan.ep)
         if key not in oom or c.peak_bytes["total"] < oom[key].peak_bytes["total"]:
             oom[key] = c
         return False
@@ -292,13 +310,13 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
 
     with trace_cache():
         _scan(target, world, gpus_per_node, global_batch, fx, base, check, reject, _region)
-    ranked.sort(key=lambda c: (round(c.step_time_s, 9), c.plan.zero, _remat_rank(c.plan), c.plan.sp,
+    ranked.sort(key=lambda c: (round(c.step_time_s, 9), c.plan.zero, _remat_rank(c.plan), c.plan.sp, c.plan.hsdp,
                                c.peak_bytes["total"]))
-    for (tp, pp, dp, ep), c in sorted(oom.items()):
-        if not any(r.plan.tp == tp and r.plan.pp == pp and r.plan.ep == ep for r in ranked):
+    for (tp, cp, pp, dp, ep), c in sorted(oom.items()):
+        if not any(r.plan.tp == tp and r.plan.cp == cp and r.plan.pp == pp and r.plan.ep == ep for r in ranked):
             over = c.peak_bytes["total"] + opts.reserve_bytes - c.device_bytes
-            reject(f"tp={tp} pp={pp} dp={dp}" + (f" ep={ep}" if ep > 1 else ""), "memory",
-                   f"every plan is out of memory; the smallest by "
+            reject(f"tp={tp}" + (f" cp={cp}" if cp > 1 else "") + f" pp={pp} dp={dp}" + (f" ep={ep}" if ep > 1 else ""),
+                   "memory", f"every plan is out of memory; the smallest by "
                    f"{f'{over / 2**30:.2f} GiB' if over >= 2**28 else f'{over / 2**20:.2f} MiB'} ({c.plan.describe()}, "
                    f"micro-batch {c.plan.micro_batch})")
     return SearchResult(ranked=ranked, out_of_memory=list(oom.values()), rejected=_merge(rejected),
@@ -308,23 +326,27 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
 
 def _scan(target: Traced, world: int, gpus_per_node: int, global_batch: int, fx: dict[str, Any], base: Any,
           check: Any, reject: Any, region_fn: Any) -> None:
-    """tp x pp x dp x ep regions, pruned by divisibility, batch and the compatibility table."""
+    """tp x cp x pp x dp x ep regions, pruned by divisibility, batch and the compatibility table (cp only where
+    pinned: the trace prices it, the runtime's ring attention runs GPT-2-style models only)."""
+    cp = fx.get("cp", 1)
     for tp in _divisors(gpus_per_node):
-        if fx.get("tp", tp) != tp:
+        if fx.get("tp", tp) != tp or world % (tp * cp):
             continue
-        if tp > 1 and not check(Plan(tp=tp), f"tp={tp}", 0):
+        if (tp > 1 or cp > 1) and not check(Plan(tp=tp, cp=cp), f"tp={tp}" + (f" cp={cp}" if cp > 1 else ""), 0):
             continue
-        for pp in _divisors(world // tp):
+        for pp in _divisors(world // (tp * cp)):
             if fx.get("pp", pp) != pp:
                 continue
             if pp > target.blocks:
                 reject(f"pp={pp}", "divisibility", f"pp={pp} exceeds the model's {target.blocks} blocks (one stage "
                        f"holds at least one block)")
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * cp * pp)
             if fx.get("dp", dp) != dp:
                 continue
-            region = f"tp={tp} pp={pp} dp={dp}"
+            region = f"tp={tp}" + (f" cp={cp}" if cp > 1 else "") + f" pp={pp} dp={dp}"
+            if cp > 1 and pp > 1 and not check(Plan(tp=tp, cp=cp, pp=pp), region, 0):
+                continue
             if global_batch % dp:
                 reject(region, "batch", f"dp={dp} does not divide the global batch {global_batch}")
                 continue
@@ -332,5 +354,4 @@ def _scan(target: Traced, world: int, gpus_per_node: int, global_batch: int, fx:
             for ep in eps:
                 if fx.get("ep", ep) != ep:
                     continue
-                region_fn(tp, pp, dp, ep, region + (f" ep={ep}" if ep > 1 else ""))
-
+                region_fn(tp, cp, pp, dp, ep, region + (f" ep={ep}" if ep > 1 else ""))
