@@ -26,7 +26,7 @@ def test_analytic_planner_gives_each_stage_its_own_slack():
     budgets = [int(b) for b in c.plan.remat.stage_budgets.split(",")]
     assert c.plan.remat.method == "optimal" and len(budgets) == 12 and budgets == sorted(budgets)  # least in front
     cap = A100.device_memory_bytes - Options().reserve_bytes
-    assert len(c.rank_peaks) == 12 and all(r["total"] <= cap for r in c.rank_peaks)
+    assert all(r["total"] <= cap for r in c.rank_peaks)  # every case of (layers, kept, in flight) priced
     # one budget for all: the largest puts the front ranks out of memory, so it would have to be the least ...
     assert not plan_cost(shape, _one_budget(c.plan, max(budgets)), A100, **kw).fits
     tight = plan_cost(shape, _one_budget(c.plan, min(budgets)), A100, **kw)

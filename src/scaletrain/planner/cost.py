@@ -493,14 +493,15 @@ def _stage_kept(shape: Shape, plan: Plan, layers: tuple[int, ...], *, seq: int, 
                 flash: bool) -> tuple[int, ...] | None:
     """Layers per rank that keep their activations under the plan's pipeline remat budgets (None without):
     each rank's budget back in this TP rank's bytes, then :func:`.stage_remat.kept_layers` per stage."""
-    if stage_remat.budgets_of(plan) is None:
+    budgets = stage_remat.rank_budgets(plan)
+    if budgets is None:
         return None
     full, inp, whole = (mem.layer_activation_bytes(shape, seq, plan.micro_batch, tp=t, sp=sp, remat=r, elem=elem,
                                                    flash=flash)
                         for t, sp, r in ((plan.tp, plan.sp, "none"), (plan.tp, plan.sp, "full"), (1, False, "none")))
     # the last stage's budget also holds its logits (the solver's graph ends with the head and the loss)
     logits = mem.logits_bytes(shape, seq, plan.micro_batch, tp=plan.tp, elem=elem)
-    return tuple(stage_remat.kept_layers(n, (stage_remat.rank_budget(plan, k) or 0.0) * full / whole
+    return tuple(stage_remat.kept_layers(n, budgets[k] * full / whole
                                          - (logits if k == len(layers) - 1 else 0.0), full, inp)
                  for k, n in enumerate(layers))
 
@@ -510,17 +511,17 @@ def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int,
           ) -> tuple[dict[str, float], str, list[dict[str, float]]]:
     """The heaviest pipeline rank's bytes by category, which it is, and every priced rank's totals: the first,
     the last, and under an uneven split (``layers`` per rank) the earliest rank of each other layer count
-    (most in flight), or every rank with ``kept``: layers per rank keeping their activations under pipeline remat
-    budgets."""
+    (most in flight; with ``kept``, layers per rank keeping their activations under pipeline remat budgets, of each
+    other pair of layer and kept counts)."""
     tp, pp, dp, b = plan.tp, plan.pp, max(plan.dp, 1), plan.micro_batch
     flash = opts.attention == "flash"
     storage = "fp32" if plan.params_dtype == "fp32" else "mixed"
     best: tuple[dict[str, float], str] | None = None
     every: list[dict[str, float]] = []
     layers = layers or (shape.layers // pp,) * pp
-    ranks = [0] + sorted({layers.index(n) for n in set(layers)} - {0, pp - 1}) + ([pp - 1] if pp > 1 else [])
-    if kept is not None:  # each stage under its own remat budget: every rank is its own case
-        ranks = list(range(pp))
+    # under per-stage remat budgets a rank is also set by the layers it keeps: of the ranks alike, the earliest
+    cases: list = list(zip(layers, kept)) if kept is not None else list(layers)
+    ranks = [0] + sorted({cases.index(n) for n in set(cases)} - {0, pp - 1}) + ([pp - 1] if pp > 1 else [])
     for r in ranks:
         which, first, last = ("first" if r == 0 else "last" if r == pp - 1 else f"stage {r}"), r == 0, r == pp - 1
         n = mem.rank_params(shape, tp=tp, pp=pp, first=first, last=last, layers=layers[r])

@@ -50,12 +50,16 @@ def budgets_of(plan: Plan) -> list[float] | None:
     return [float(parse_bytes(plan.remat.budget) or 0)] * (plan.pp * plan.stages_per_rank)
 
 
-def rank_budget(plan: Plan, rank: int) -> float | None:
-    """The least budget among the stages pipeline rank ``rank`` runs (None without pipeline remat)."""
+def rank_budgets(plan: Plan) -> list[float] | None:
+    """Each pipeline rank's least budget among the stages it runs (None without pipeline remat)."""
     budgets = budgets_of(plan)
     if budgets is None:
         return None
-    return min(b for s, b in enumerate(budgets) if rank in stage_ranks(plan, s))
+    out = [math.inf] * plan.pp
+    for s, b in enumerate(budgets):
+        for k in stage_ranks(plan, s):
+            out[k] = min(out[k], b)
+    return out
 
 
 def kept_layers(n: int, budget: float, full: float, inp: float) -> int:
