@@ -4,8 +4,9 @@
   than blocks), trains to the same losses and parameters as without, and holds less at its peak
   (:class:`~scaletrain.measure.tracker.MemoryTracker`), as the memory model predicts (within
   10 %, with and without remat);
-* trainer, gloo, 2 processes: ``parallel.pp=2 parallel.schedule=1f1b memory.remat.method=periodic``
-  gives one process's losses; zb1p and the asynchronous schedules with remat are one-line
+* trainer, gloo, 2 processes: ``parallel.pp=2 parallel.schedule=1f1b memory.remat.method=periodic``, and
+  ``memory.remat.method=optimal`` with ``memory.remat.stage_budgets`` (one budget per stage: the tight stage
+  alone recomputes), give one process's losses; zb1p and the asynchronous schedules with remat are one-line
   ConfigErrors.
 """
 
@@ -111,28 +112,51 @@ def _quiet(s: str) -> None:
     pass
 
 
-def _trainer_worker(rank: int, world: int) -> tuple:
+def _stage_budgets() -> tuple[str, list[int]]:
+    """memory.remat.stage_budgets for TRAIN's two stages: stage 0 halfway between its solver's least budget
+    and its peak without recompute (it recomputes), stage 1 above its peak (it keeps everything)."""
+    from scaletrain.plan import Plan
+    from scaletrain.techniques.plan_cost import stage_graphs_of
+    from scaletrain.techniques.remat import min_budget
+
+    model = models.get("gpt2-tiny", device="meta", n_layer=6, n_embd=32, n_head=2, n_positions=16)
+    g0, g1 = stage_graphs_of(Plan(pp=2, microbatches=M, schedule="1f1b"), model, world=2, global_batch=8, seq=16)
+    budgets = [(min_budget(g0, "optimal") + min_budget(g0, "none")) // 2, 2 * min_budget(g1, "none")]
+    return ",".join(map(str, budgets)), [len(g0), len(g1)]
+
+
+def _trainer_worker(rank: int, world: int, stage_budgets: str) -> list:
     from scaletrain.train.trainer import Trainer
 
-    cfg = load_config(None, TRAIN + ["parallel.pp=2", "parallel.schedule=1f1b", f"parallel.microbatches={M}",
-                                     "memory.remat.method=periodic"])
-    t = Trainer(cfg, None, log=_quiet)
-    res = t.fit()
-    out = (res.losses, {s: sch.n_forwards for s, sch in t.parallel.runtime.remat_schedules.items()})
-    t.close()
+    out = []
+    for remat in (["memory.remat.method=periodic"],
+                  ["memory.remat.method=optimal", f"memory.remat.stage_budgets={stage_budgets}"]):
+        cfg = load_config(None, TRAIN + ["parallel.pp=2", "parallel.schedule=1f1b", f"parallel.microbatches={M}",
+                                         *remat])
+        t = Trainer(cfg, None, log=_quiet)
+        res = t.fit()
+        out.append((res.losses, {s: sch.n_forwards for s, sch in t.parallel.runtime.remat_schedules.items()}))
+        t.close()
     return out
 
 
 @pytest.mark.slow  # > 20 s: kept out of make test-fast
-def test_trainer_pp2_1f1b_periodic_remat_equals_one_process():
+def test_trainer_pp2_1f1b_remat_equals_one_process():
+    """One budget (periodic: √n segments in every stage) and one budget per stage (stage 0 tight, stage 1
+    above its peak): one process's losses without remat; each stage recomputes what its own budget asks."""
     from scaletrain.train.trainer import Trainer
 
+    budgets, blocks = _stage_budgets()
     t = Trainer(load_config(None, TRAIN + [f"train.micro_batch={8 // M}"]), None, log=_quiet)
     one = t.fit().losses
     t.close()
-    for losses, forwards in run_distributed(_trainer_worker, 2, timeout_s=180):
+    per_stage: dict[int, int] = {}
+    for (losses, forwards), (staged, fw) in run_distributed(_trainer_worker, 2, budgets, timeout_s=180):
         assert forwards and all(n > 4 for n in forwards.values()), forwards  # 4 blocks per stage, recomputed
         assert losses == pytest.approx(one, rel=1e-5)
+        assert staged == pytest.approx(one, rel=1e-5)
+        per_stage.update(fw)
+    assert per_stage[0] > blocks[0] and per_stage[1] == blocks[1], (per_stage, blocks)  # stage 0 alone recomputes
 
 
 @pytest.mark.parametrize("schedule", ["zb1p", "pipedream", "pipedream-2bw"])
@@ -142,3 +166,15 @@ def test_remat_with_split_or_async_schedules_is_a_config_error(schedule):
     with pytest.raises(ConfigError, match="allowed: parallel.schedule=gpipe, 1f1b") as e:
         check_config(cfg, M)
     assert "\n" not in str(e.value)
+
+
+def test_stage_budgets_are_checked_in_one_line():
+    cfg = load_config(None, TRAIN + ["parallel.pp=2", f"parallel.microbatches={M}", "memory.remat.method=optimal",
+                                     "memory.remat.stage_budgets=1MiB,2MiB,3MiB"])
+    with pytest.raises(ConfigError, match="stage_budgets has 3 entries.*allowed: 2 comma-separated sizes"):
+        check_config(cfg, M)
+    cfg = load_config(None, TRAIN + ["memory.remat.method=optimal", "memory.remat.stage_budgets=1MiB,2MiB"])
+    with pytest.raises(ConfigError, match="parallel.pp > 1"):
+        check_config(cfg, 1)
+    with pytest.raises(ConfigError, match="stage_budgets.*entry 1"):
+        load_config(None, TRAIN + ["memory.remat.stage_budgets=1MiB,,2MiB"])

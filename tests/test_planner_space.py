@@ -127,16 +127,21 @@ def test_every_rejected_region_names_its_rule_and_no_fit_names_nearest_misses():
                         overrides=dict(n_layer=96, n_embd=12288, n_head=96, vocab_size=51200, n_positions=2048))
 
 
-def test_pipeline_remat_is_the_runtimes_solver_under_a_budget_from_the_stages_slack():
+def test_pipeline_remat_is_the_runtimes_solver_under_budgets_from_the_stages_slack():
     from scaletrain.planner import stage_remat
 
-    # the budget is set by the rank whose slack per in-flight micro-batch is least (rank 0 of 1F1B here)
-    ranks = [{"rank": 0, "live": 4, "activations": 40.0, "total": 60.0},
-             {"rank": 3, "live": 1, "activations": 10.0, "total": 30.0}]
-    assert stage_remat.fit_budget(ranks, cap=100.0, full=2.0, inp=1.0) == pytest.approx((100 - 20 - 2) / 4 + 2)
-    # ... but never below what the runtime's solver can reach on the largest stage (all checkpointed + logits)
-    floor = [{**ranks[1], "layers": 30, "graph_extra": 5.0}]
-    assert stage_remat.fit_budget(floor, cap=40.0, full=2.0, inp=1.0) == pytest.approx(30 + 2 + 5)
+    # each rank's budget is its own slack per in-flight micro-batch (rank 0 of 1F1B holds 4, rank 3 one); a rank
+    # not priced holds what the earliest priced rank with as many layers holds, with its own micro-batches
+    ranks = [{"rank": 0, "live": 4, "activations": 40.0, "total": 60.0, "layers": 2},
+             {"rank": 1, "live": 3, "activations": 30.0, "total": 50.0, "layers": 2},
+             {"rank": 3, "live": 1, "activations": 10.0, "total": 30.0, "layers": 2}]
+    got = stage_remat.fit_budgets(ranks, cap=100.0, full=2.0, inp=1.0, layers=(2, 2, 2, 2), live=[4, 3, 2, 1])
+    assert got == pytest.approx([(100 - 20 - 2) / 4 + 2, (100 - 20 - 2) / 3 + 2, (100 - 20 - 2) / 2 + 2,
+                                 (100 - 20 - 2) / 1 + 2])
+    # ... but never below what the runtime's solver can reach on the stage (all checkpointed + logits)
+    floor = [{**ranks[2], "rank": 0, "layers": 30, "graph_extra": 5.0}]
+    assert stage_remat.fit_budgets(floor, cap=40.0, full=2.0, inp=1.0, layers=(30,), live=[1]) == \
+        pytest.approx([30 + 2 + 5])
     assert stage_remat.kept_layers(6, 6 * 10 + 10, 10, 1) == 6 and stage_remat.kept_layers(6, 0, 10, 1) == 0
     # nothing fits without recompute: the search writes memory.remat.method=optimal with the budget, and each
     # stage recomputes what its own layers and its slack need (a small vocabulary: the last stage's logits,
@@ -145,8 +150,8 @@ def test_pipeline_remat_is_the_runtimes_solver_under_a_budget_from_the_stages_sl
     r = search(shape, A100, nodes=1, gpus_per_node=12, global_batch=192, seq=2048,
                fixed=parse_fixed(["pp=12", "tp=1", "zero=0", "schedule=1f1b", "micro_batch=16"]))
     c = r.ranked[0]
-    assert c.plan.remat.method == "optimal" and int(c.plan.remat.budget) > 0
-    assert c.plan.to_config_dict()["memory"]["remat"]["budget"] == c.plan.remat.budget
+    assert c.plan.remat.method == "optimal" and min(map(int, c.plan.remat.stage_budgets.split(","))) > 0
+    assert c.plan.to_config_dict()["memory"]["remat"]["stage_budgets"] == c.plan.remat.stage_budgets
     again = [n - k for n, k in zip(c.stage_layers, c.stage_kept)]
     assert len(set(again)) > 1 and min(again) >= 0 and c.phases_s["recompute"] > 0
     assert any(x["kind"] == "runtime" and "memory.remat.blocks" in x["reason"] for x in r.rejected)

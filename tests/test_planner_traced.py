@@ -107,3 +107,32 @@ def test_params_dtype_and_attention_are_pinnable_on_paper():
     got = scaletrain.plan("gpt2-tiny", devices=2, global_batch=8, seq=64,
                           fix={"params_dtype": "bf16", "attention": "materialized"})
     assert got and all(g["plan"]["params_dtype"] == "bf16" for g in got)
+
+
+def _plan_json(capsys, model: str, *argv: str, nodes: int = 1) -> list:
+    assert main(["plan", "--model", model, "--nodes", str(nodes), "--gpus-per-node", "2", "--global-batch", "4",
+                 "--seq", "32", "--top", "100", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)  # the ranked plans
+
+
+def test_fix_cp_hsdp_and_pp_split_are_pinned_and_priced_for_traced_models(capsys):
+    # cp: priced by the trace where the runtime's ring attention runs (HF GPT-2), else the table's one line
+    got = _plan_json(capsys, "hf:gpt2", "--set", "n_layer=1", "--set", "n_embd=32", "--set", "n_head=2", "--fix",
+                     "cp=2", "--fix", "zero=0", "--fix", "remat=none", "--fix", "micro_batch=2")
+    assert got and all(r["plan"]["cp"] == 2 and r["plan"]["dp"] == 1 for r in got)
+    assert main(["plan", "--model", "vgg-mini", "--gpus-per-node", "2", "--global-batch", "4", "--fix", "cp=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "compat rule mp-model" in err[0], err
+    # hsdp: ZeRO within groups of 2 of the 4 dp ranks (2 nodes), sharded states twice those over all 4
+    fix = ["--fix", "pp=1", "--fix", "zero=1", "--fix", "remat=none", "--fix", "micro_batch=1"]
+    hsdp = _plan_json(capsys, "hf:bert", *BERT, *fix, "--fix", "hsdp=2", nodes=2)
+    flat = _plan_json(capsys, "hf:bert", *BERT, *fix, "--fix", "hsdp=0", nodes=2)
+    assert [r["plan"]["hsdp"] for r in hsdp] == [2] and [r["plan"]["hsdp"] for r in flat] == [0]
+    opt = [r[0]["peak_bytes_by_category"]["optimizer"] for r in (hsdp, flat)]
+    assert opt[0] == pytest.approx(2 * opt[1], rel=0.01)
+    # pp_split: the runtime's equal block counts instead of its profile split, priced by the trace
+    fix = ["--fix", "pp=2", "--fix", "zero=0", "--fix", "micro_batch=1", "--fix", "schedule=1f1b"]
+    equal = _plan_json(capsys, "vgg-mini", *fix, "--fix", "pp_split=equal")
+    profile = _plan_json(capsys, "vgg-mini", *fix)
+    assert [r["plan"]["balance"] for r in equal] == ["equal"] and [r["plan"]["balance"] for r in profile] == ["profile"]
+    assert equal[0]["peak_bytes"] != profile[0]["peak_bytes"]

@@ -27,6 +27,8 @@ def _other_value(key: schema.Key):
         return key.type(min(key.default + 1, hi)) if key.default + 1 <= hi else key.type(key.min or 0)
     if key.unit == "bytes":
         return "3MiB"
+    if key.unit == schema.BYTES_LIST:
+        return "3MiB,4MiB"
     return "0,1" if "list" in key.help else "somewhere"
 
 

@@ -72,6 +72,11 @@ class Plan:
         return (dp if dp is not None else max(self.dp, 1)) * self.pp * self.tp * self.cp
 
     @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pipeline rank runs: ``virtual``, or its default (2 interleaved, else 1)."""
+        return self.virtual if self.virtual else (2 if self.schedule == "interleaved" else 1)
+
+    @property
     def model_ranks(self) -> int:
         """Ranks one model replica spans: pp x tp x cp."""
         return self.pp * self.tp * self.cp
@@ -96,7 +101,8 @@ class Plan:
         parts = []
         r = self.remat
         if r.method != "none":
-            parts.append(f"remat {r.method}" + (f" {r.budget}" if r.budget else ""))
+            parts.append(f"remat {r.method}" + (f" {r.budget}" if r.budget else "")
+                         + (f" per stage {r.stage_budgets}" if r.stage_budgets else ""))
         if r.blocks != "none":
             parts.append(f"remat blocks {r.blocks}")
         if r.selective != "none":

@@ -109,6 +109,8 @@ class Key:
 
 _P, _M, _O, _R = "parallel.", "memory.", "memory.offload.", "memory.remat."
 _BYTES = "bytes"
+BYTES_LIST = "bytes per stage"
+"""Unit of a comma-separated list of sizes (each read as a ``bytes`` value)."""
 
 KEYS: tuple[Key, ...] = (
     # ---------------------------------------------------------------- data parallelism
@@ -159,6 +161,10 @@ KEYS: tuple[Key, ...] = (
         choices=("none", "periodic", "revolve", "optimal", "ilp", "dtr")),
     Key("remat.budget", _R + "budget", "", "memory budget for activations of a step (with parallel.pp > 1: of one "
         "micro-batch in one stage): bytes or a string like '1.5GiB'; empty = none", _BYTES),
+    Key("remat.stage_budgets", _R + "stage_budgets", "", "parallel.pp > 1: one memory.remat.budget per pipeline "
+        "stage, comma-separated in stage order (pp x virtual entries), e.g. '900MiB,1.2GiB': each stage's solver "
+        "gets its own stage's slack (what scaletrain plan writes); empty = memory.remat.budget for every stage",
+        BYTES_LIST),
     Key("remat.blocks", _R + "blocks", "none", "blocks recomputed whole in the backward (activation checkpointing "
         "of chosen Chain blocks, as torchtitan's full AC): none, all, or a list like '1,3,5'"),
     Key("remat.selective", _R + "selective", "none", "selective recompute: attention = recompute the attention "

@@ -20,8 +20,8 @@ Units: seconds and bytes (GiB / ms only when printed). What one step costs (Nara
   layers, plus the embedding on the first and the logits + loss on the last) and one p2p send per
   chunk pass each way; bubble fraction (p − 1)/v / (m + (p − 1)/v) — GPipe has the same time. Each
   rank's layers are the runtime partitioner's split (:mod:`.stages`: uneven when pp does not divide l,
-  the embedding and the head as units); recompute inside stages is the runtime's solver under one
-  budget (:mod:`.stage_remat`: each stage keeps what its layers fit, the rest run forward again).
+  the embedding and the head as units); recompute inside stages is the runtime's solver under each
+  stage's budget (:mod:`.stage_remat`: each stage keeps what its layers fit, the rest run forward again).
 * **context parallelism** (cp ranks, pp = 1): every per-rank cost at s/cp tokens, the attention core
   over all s keys, ring attention's K/V hops hidden behind it (:mod:`.context`); ZeRO over dp × cp.
 * **HSDP** (``plan.hsdp`` = G): model states sharded over G ranks, ZeRO's collectives within them and
@@ -176,9 +176,9 @@ class PlanCost:
     """The pipeline rank whose micro-batch sets the pace (every slot of the schedule is priced at its time)."""
     rank_peaks: list[dict[str, float]] = field(default_factory=list)
     """Each priced rank's ``rank``, ``live`` micro-batches, ``activations`` and ``total`` bytes (the heaviest is
-    ``peak_bytes``): what a pipeline's remat budget is fitted to (:mod:`.stage_remat`)."""
+    ``peak_bytes``): what a pipeline's per-stage remat budgets are fitted to (:mod:`.stage_remat`)."""
     stage_kept: tuple[int, ...] = ()
-    """Pipeline remat by a solver under a budget: layers per rank that keep their activations."""
+    """Pipeline remat by a solver under per-stage budgets: layers per rank that keep their activations."""
     host_bytes: float = 0.0
     """Host memory the plan needs on one node (offloaded optimizer: masters, gradients, states of every
     rank there); fits only if it is within the platform's host memory too."""
@@ -327,7 +327,7 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     split = (stage_split(shape.layers, pp, v, embed_layers=embed / (lt["fwd"] + lt["bwd"]),
                          head_layers=head / (lt["fwd"] + lt["bwd"]), balance=plan.balance)
              if opts.stage_split == "runtime" else uniform_split(shape.layers, pp))
-    # pipeline remat by a solver under one budget (planner/stage_remat.py): each stage keeps what fits
+    # pipeline remat by a solver under each stage's budget (planner/stage_remat.py): each keeps what fits
     kept, rc = _stage_kept(shape, plan, split.layers, seq=seq, elem=e, flash=opts.attention == "flash"), [0.0] * pp
     if kept is not None:
         rc = [(n - r) * (lt["fwd"] + lt["tp_fwd"] + lt["cp_fwd"]) for n, r in zip(split.layers, kept)]
@@ -501,18 +501,19 @@ def offload_time(shape: Shape, plan: Plan, plat: Platform, *, n_rank: float, opt
 
 def _stage_kept(shape: Shape, plan: Plan, layers: tuple[int, ...], *, seq: int, elem: int,
                 flash: bool) -> tuple[int, ...] | None:
-    """Layers per rank that keep their activations under the plan's pipeline remat budget (None without one):
-    the budget back in this TP rank's bytes, then :func:`.stage_remat.kept_layers` per stage."""
-    budget = stage_remat.budget_of(plan)
-    if budget is None:
+    """Layers per rank that keep their activations under the plan's pipeline remat budgets (None without):
+    each rank's budget back in this TP rank's bytes, then :func:`.stage_remat.kept_layers` per stage."""
+    budgets = stage_remat.rank_budgets(plan)
+    if budgets is None:
         return None
     full, inp, whole = (mem.layer_activation_bytes(shape, seq, plan.micro_batch, tp=t, sp=sp, remat=r, elem=elem,
                                                    flash=flash)
                         for t, sp, r in ((plan.tp, plan.sp, "none"), (plan.tp, plan.sp, "full"), (1, False, "none")))
     # the last stage's budget also holds its logits (the solver's graph ends with the head and the loss)
     logits = mem.logits_bytes(shape, seq, plan.micro_batch, tp=plan.tp, elem=elem)
-    return tuple(stage_remat.kept_layers(n, budget * full / whole - (logits if k == len(layers) - 1 else 0.0),
-                                         full, inp) for k, n in enumerate(layers))
+    return tuple(stage_remat.kept_layers(n, budgets[k] * full / whole
+                                         - (logits if k == len(layers) - 1 else 0.0), full, inp)
+                 for k, n in enumerate(layers))
 
 
 def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int, e: int, remat: str, k: float,
@@ -520,14 +521,17 @@ def _peak(shape: Shape, plan: Plan, plat: Platform, *, seq: int, m: int, v: int,
           ) -> tuple[dict[str, float], str, list[dict[str, float]]]:
     """The heaviest pipeline rank's bytes by category, which it is, and every priced rank's totals: the first,
     the last, and under an uneven split (``layers`` per rank) the earliest rank of each other layer count
-    (most in flight). ``kept``: layers per rank keeping their activations under a pipeline remat budget."""
+    (most in flight; with ``kept``, layers per rank keeping their activations under pipeline remat budgets, of each
+    other pair of layer and kept counts)."""
     tp, pp, dp, b = plan.tp, plan.pp, max(plan.dp, 1), plan.micro_batch
     flash = opts.attention == "flash"
     storage = "fp32" if plan.params_dtype == "fp32" else "mixed"
     best: tuple[dict[str, float], str] | None = None
     every: list[dict[str, float]] = []
     layers = layers or (shape.layers // pp,) * pp
-    ranks = [0] + sorted({layers.index(n) for n in set(layers)} - {0, pp - 1}) + ([pp - 1] if pp > 1 else [])
+    # under per-stage remat budgets a rank is also set by the layers it keeps: of the ranks alike, the earliest
+    cases: list = list(zip(layers, kept)) if kept is not None else list(layers)
+    ranks = [0] + sorted({cases.index(n) for n in set(cases)} - {0, pp - 1}) + ([pp - 1] if pp > 1 else [])
     for r in ranks:
         which, first, last = ("first" if r == 0 else "last" if r == pp - 1 else f"stage {r}"), r == 0, r == pp - 1
         n = mem.rank_params(shape, tp=tp, pp=pp, first=first, last=last, layers=layers[r])

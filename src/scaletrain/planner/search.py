@@ -20,8 +20,8 @@ Plans that fit are ranked by predicted step time. ``fixed`` pins any dimension (
 ``cp=16``, ``hsdp=8``, ``pp_split=equal``, ``offload=optimizer``). The compatibility table is asked once
 per distinct verdict (memoised on what its rules read), the stage split once per region.
 
-**Remat in pipelines** is what the pipeline runtime runs: a solver's schedule per stage under one budget
-(``memory.remat.method=optimal``, ``memory.remat.budget``), fitted to the stages' memory slack and priced
+**Remat in pipelines** is what the pipeline runtime runs: a solver's schedule per stage under its own budget
+(``memory.remat.method=optimal``, ``memory.remat.stage_budgets``), fitted to each stage's memory slack and priced
 per stage (:mod:`.stage_remat`) where nothing fits without recompute; full and selective recompute with
 pp > 1 are a rejected region of kind ``runtime`` (the pipeline runtime does not apply those keys).
 Activation and weight offload are named regions too (compat offload-world / offload-pp beyond one device).
@@ -307,11 +307,13 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                             if not c.fits and pp > 1 and remat == "none" and offload == "none" and "remat" not in fx:
                                 # the runtime's pipeline remat: a solver per stage under the budget the
                                 # stages' slack leaves (planner/stage_remat.py); only where nothing fits without
-                                budget = stage_remat.fit_budget(c.rank_peaks, plat.device_memory_bytes
-                                                                - opts.reserve_bytes, layer_bytes(b, tp, sp, "none"),
-                                                                layer_bytes(b, tp, sp, "full"))
-                                solved = stage_remat.with_budget(plan, budget, layer_bytes(b, 1, False, "none")
-                                                                 / layer_bytes(b, tp, sp, "none"))
+                                budgets = stage_remat.fit_budgets(c.rank_peaks, plat.device_memory_bytes
+                                                                  - opts.reserve_bytes, layer_bytes(b, tp, sp, "none"),
+                                                                  layer_bytes(b, tp, sp, "full"), c.stage_layers,
+                                                                  [mem.inflight(sched, pp, m, v, rank=k)
+                                                                   for k in range(pp)])
+                                solved = stage_remat.with_budgets(plan, budgets, layer_bytes(b, 1, False, "none")
+                                                                  / layer_bytes(b, tp, sp, "none"))
                                 if rule(solved, f"{region} {sched} v={v} b={b} remat={stage_remat.METHOD}", m,
                                         where=region):
                                     price(solved, (tp, cp, pp, dp, hsdp, offload))

@@ -8,13 +8,16 @@ blocks and traced with fake tensors (:func:`scaletrain.techniques.plan_cost.plan
 rank's peak bytes by category, its traffic, and with a platform its step's seconds by phase on the
 roofline, α–β collectives and the pipeline simulator of :mod:`scaletrain.techniques.time_cost`).
 
-The space: tp (divisors of a node's devices) × pp (divisors of the world, at most one stage per
-block; the runtime's cost-balanced split) × ep (MoE models: divisors of dp and of the experts) ×
-dp × ZeRO 0–3 (0–1 with a pipeline) × remat none / selective (attention models) / full ×
+The space: tp (divisors of a node's devices) × cp (where pinned, ``--fix cp=N``: a model the runtime's ring
+attention cannot run is the compatibility table's one line) × pp (divisors of the world, at most one stage per
+block; the runtime's cost-balanced split, or equal block counts with ``--fix pp_split=equal``) × ep (MoE models:
+divisors of dp and of the experts) × dp × ZeRO 0–3 (0–1 with a pipeline) × HSDP (ZeRO within one node's dp ranks
+when the job spans nodes, or the pinned group) × remat none / selective (attention models) / full ×
 sequence parallelism × schedule (1F1B, interleaved, ZB-1P; GPipe — 1F1B's time with more micro-batches
 alive — and Chimera — two copies of the weights — when pinned; each priced by the pipeline simulator) ×
 micro-batch. Recomputation only adds time, so a heavier remat is priced only where the
-lighter one does not fit. What the model cannot
+lighter one does not fit; a pipeline that does not fit without it runs the runtime's solver in every stage, each
+under its own stage's budget fitted to its rank's slack (:func:`.stage_remat.fit_traced`). What the model cannot
 run is pruned by the compatibility table (:mod:`scaletrain.techniques.compat`) with the rule's name;
 a plan the cost model cannot price is rejected with the reason it gave. Units: seconds, bytes.
 """
@@ -30,7 +33,8 @@ from torch import nn
 from scaletrain.errors import UserError
 from scaletrain.plan import Plan, RematPlan
 from scaletrain.schema import REMAT_KINDS
-from scaletrain.planner.cost import Options, PlanCost, remat_kind
+from scaletrain.planner import stage_remat
+from scaletrain.planner.cost import Options, PlanCost
 from scaletrain.planner.stages import PIPELINE_REMAT
 from scaletrain.platform import Platform
 from scaletrain.techniques import compat
@@ -92,13 +96,28 @@ def price(target: Traced, plan: Plan, plat: Platform, *, global_batch: int, seq:
           options: Options | None = None) -> PlanCost:
     """One plan (dp resolved, micro_batch set) priced by the traced cost model, as the planner's
     :class:`~.cost.PlanCost` (the heaviest rank's peak, the slowest rank's step by phase)."""
-    from scaletrain.techniques.plan_cost import heaviest, plan_costs
+    return summary(target, plan, plat, rank_costs(target, plan, plat, global_batch=global_batch, seq=seq,
+                                                  device=device), global_batch=global_batch, seq=seq, options=options)
+
+
+def rank_costs(target: Traced, plan: Plan, plat: Platform, *, global_batch: int, seq: int,
+               device: str = "cuda") -> list[Any]:
+    """Every pipeline rank's :class:`~scaletrain.techniques.plan_cost.RankCost` of ``plan`` (timed on ``plat``)."""
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    mb = 0 if plan.pp > 1 else plan.micro_batch
+    return plan_costs(plan, target.model, world=plan.world(), global_batch=global_batch, seq=seq, micro_batch=mb,
+                      device=device, platform=plat)
+
+
+def summary(target: Traced, plan: Plan, plat: Platform, costs: list[Any], *, global_batch: int, seq: int,
+            options: Options | None = None) -> PlanCost:
+    """The ranks' costs as the planner's :class:`~.cost.PlanCost` (the heaviest rank's peak, the slowest
+    rank's step by phase, every rank's total in ``rank_peaks``)."""
+    from scaletrain.techniques.plan_cost import heaviest
 
     opts = options or Options()
     world = plan.world()
-    mb = 0 if plan.pp > 1 else plan.micro_batch
-    costs = plan_costs(plan, target.model, world=world, global_batch=global_batch, seq=seq, micro_batch=mb,
-                       device=device, platform=plat)
     top = heaviest(costs)
     slow = max(costs, key=lambda c: c.step_time_s or 0.0)
     t = slow.time_s
@@ -120,7 +139,8 @@ def price(target: Traced, plan: Plan, plat: Platform, *, global_batch: int, seq:
                     peak_bytes=peak, device_bytes=float(plat.device_memory_bytes),
                     fits=top.peak_bytes + opts.reserve_bytes <= plat.device_memory_bytes,
                     bubble_fraction=t.bubble / step if busy < step else 0.0, exposed_comm_s=exposed, phases_s=phases,
-                    heaviest_rank=top.rank, blocks_s={})
+                    heaviest_rank=top.rank, blocks_s={},
+                    rank_peaks=[{"rank": r, "total": float(c.peak_bytes)} for r, c in enumerate(costs)])
 
 
 _FLOPS: dict[tuple[int, int, str], float] = {}
@@ -152,7 +172,8 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
            options: Options | None = None, device: str = "cuda", params_dtype: str = "fp32") -> Any:
     """Every plan the model can run on ``nodes × gpus_per_node`` devices, priced and ranked (module
     docstring); returns a :class:`~.search.SearchResult` like the analytic search."""
-    from scaletrain.planner.search import SearchResult, _merge
+    from scaletrain.planner.search import SearchResult, _merge, _remat_rank
+    from scaletrain.techniques.plan_cost import stage_graphs_of
 
     t0 = time.perf_counter()
     fx = dict(fixed or {})
@@ -168,17 +189,16 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
 
     if "offload" in fx and fx["offload"] != "none":
         raise UserError(f"--fix offload={fx['offload']}: the traced planner does not search offloading yet; "
-                        f"searched: dp, tp, pp, ep, zero, remat, sp, schedule, virtual, micro_batch")
-    if fx.get("cp", 1) != 1:
-        raise UserError(f"--fix cp={fx['cp']}: the traced planner does not search context parallelism yet (decoder "
-                        f"shapes priced on paper do: gpt2-*, hf:llama, hf:mistral)")
-    if fx.get("hsdp", 0) or fx.get("pp_split", "profile") != "profile":
-        key = "hsdp" if fx.get("hsdp", 0) else "pp_split"
-        raise UserError(f"--fix {key}={fx[key]}: the traced planner searches ZeRO over all dp ranks and the "
-                        f"runtime's profile split only (decoder shapes priced on paper search {key})")
+                        f"searched: dp, tp, pp, ep, zero, hsdp, remat, sp, schedule, virtual, micro_batch; "
+                        f"pinned: cp, pp_split, params_dtype")
     if "attention" in fx:
         raise UserError(f"--fix attention={fx['attention']}: a traced model is priced with the attention kernels it "
                         f"runs; attention= applies to decoder shapes priced on paper")
+    if fx.get("cp", 1) > 1:  # a model the runtime's context parallelism cannot run: the table's one line
+        bad = compat.violations(Plan(cp=fx["cp"]), base)
+        if bad:
+            raise UserError(f"--fix cp={fx['cp']}: compat rule {bad[0].name}: {bad[0].message(Plan(cp=fx['cp']), base)}")
+    balance = fx.pop("pp_split", "profile")
     params_dtype = fx.pop("params_dtype", params_dtype)
 
     def reject(region: str, kind: str, reason: str, key: str = "") -> None:
@@ -191,7 +211,22 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
             reject(region, "compat", f"{bad[0].name}: {bad[0].message(plan, facts)}", key=f"{region} {bad[0].name}")
         return not bad
 
-    def _region(tp: int, pp: int, dp: int, ep: int, region: str) -> None:
+    def _groups(tp: int, cp: int, pp: int, dp: int, region: str) -> list[int]:
+        """HSDP shard groups searched (ZeRO within groups of G dp ranks, replicated across them; 0: over all):
+        one node's dp ranks when the job spans nodes (the runtime's hybrid sharding keeps its all-gathers
+        inside a node), or the pinned one."""
+        per_node = max(gpus_per_node // (tp * cp * pp), 1)
+        groups = [0] + ([per_node] if nodes > 1 and 1 < per_node < dp and dp % per_node == 0 else [])
+        if "hsdp" in fx:
+            groups = [fx["hsdp"]] if fx["hsdp"] == 0 or (1 < fx["hsdp"] < dp and dp % fx["hsdp"] == 0) else []
+            if not groups:
+                reject(region, "divisibility", f"hsdp={fx['hsdp']} must be a divisor of dp={dp} below it (0: none)")
+        if any(groups) and not check(Plan(tp=tp, cp=cp, pp=pp, dp=dp, zero=1, hsdp=max(groups)), f"{region} hsdp", 1):
+            groups = [g for g in groups if g == 0]
+        return groups
+
+    def _region(tp: int, cp: int, pp: int, dp: int, ep: int, region: str) -> None:
+        groups = _groups(tp, cp, pp, dp, region)
         per_rank = global_batch // dp
         for b in _divisors(per_rank):
             if b > MAX_MICRO_BATCH or fx.get("micro_batch", b) != b:
@@ -206,7 +241,8 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                     continue
                 if fx.get("virtual", v) != v and not (v == 1 and fx.get("virtual") in (0, 1)):
                     continue
-                for zero in ((0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1)):  # ZeRO shards over dp
+                for zero, hsdp in [(z, g) for z in ((0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1))
+                                   for g in groups if z >= 1 or g == 0]:  # ZeRO shards over dp (or HSDP groups)
                     if fx.get("zero", zero) != zero:
                         continue
                     for sp in ((False, True) if tp > 1 else (False,)):
@@ -220,45 +256,67 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                             if pp > 1 and remat != "none":
                                 reject(f"{region} remat={remat}", "runtime", PIPELINE_REMAT, key=f"{region} pp-remat")
                                 continue
-                            plan = Plan(dp=dp, tp=tp, pp=pp, ep=ep, sp=sp, zero=zero, micro_batch=b,
+                            plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, zero=zero, hsdp=hsdp,
+                                        balance=balance, micro_batch=b,
                                         microbatches=m if pp > 1 else 0, schedule=sched if pp > 1 else "1f1b",
                                         virtual=v if v > 1 else 0, remat=_remat(remat), precision=precision,
                                         params_dtype=params_dtype, optimizer=optimizer)
                             if _priced(plan, region, m, f"{region} {sched if pp > 1 else ''} b={b}"):
                                 break
 
-    def _priced(plan: Plan, region: str, m: int, where: str) -> bool:
-        """Price one plan; True when it fits (no heavier remat needed)."""
-        if not check(plan, region, m):
-            return False
+    def _cost(plan: Plan, region: str, where: str, solve: bool = False) -> PlanCost | None:
+        """``plan`` priced (with ``solve``: its pipeline stages' remat budgets fitted first), or None — a
+        rejected region naming why the cost model cannot price it."""
         try:
-            c = price(target, plan, plat, global_batch=global_batch, seq=seq, device=device, options=opts)
+            costs = rank_costs(target, plan, plat, global_batch=global_batch, seq=seq, device=device)
+            if solve:  # the runtime's pipeline remat: each stage's solver under its own stage's slack
+                graphs = stage_graphs_of(plan, target.model, world=world, global_batch=global_batch, seq=seq)
+                plan, costs = stage_remat.fit_traced(plan, costs, graphs, plat.device_memory_bytes - opts.reserve_bytes,
+                                                     lambda p: rank_costs(target, p, plat, global_batch=global_batch,
+                                                                          seq=seq, device=device))
+            return summary(target, plan, plat, costs, global_batch=global_batch, seq=seq, options=opts)
         except Exception as e:  # noqa: BLE001 - a plan the cost model cannot price is a named rejected region
             why = str(e).splitlines()[0] if str(e) else ""
             why = why if isinstance(e, UserError) else f"{type(e).__name__}: {why}"
             reject(where.replace("  ", " "), "unpriced", f"the cost model cannot price {plan.describe()}: {why}",
                    key=f"{region} {plan.schedule} {why[:60]}")
-            return False
+            return None
+
+    def _keep(c: PlanCost) -> bool:
         count[0] += 1
         if c.fits:
             ranked.append(c)
             return True
-        key = (plan.tp, plan.pp, plan.dp, plan.ep)
+        key = (c.plan.tp, c.plan.cp, c.plan.pp, c.plan.dp, c.plan.ep)
         if key not in oom or c.peak_bytes["total"] < oom[key].peak_bytes["total"]:
             oom[key] = c
         return False
+
+    def _priced(plan: Plan, region: str, m: int, where: str) -> bool:
+        """Price one plan; True when it fits (no heavier remat needed). A pipeline that does not fit without
+        recompute is priced again with the runtime's solver per stage (:func:`.stage_remat.fit_traced`)."""
+        if not check(plan, region, m):
+            return False
+        c = _cost(plan, region, where)
+        if c is None or _keep(c) or plan.pp == 1 or plan.remat.active or "remat" in fx:
+            return c is not None and c.fits
+        probe = plan.with_(remat=RematPlan(method=stage_remat.METHOD, budget="1"))  # what the table reads
+        if not check(probe, f"{region} remat={stage_remat.METHOD}", m):
+            return False
+        solved = _cost(plan, region, f"{where} remat={stage_remat.METHOD}", solve=True)
+        return solved is not None and _keep(solved)
 
     from scaletrain.measure.estimate import trace_cache
 
     with trace_cache():
         _scan(target, world, gpus_per_node, global_batch, fx, base, check, reject, _region)
-    ranked.sort(key=lambda c: (round(c.step_time_s, 9), c.plan.zero, REMATS.index(remat_kind(c.plan)), c.plan.sp,
+    ranked.sort(key=lambda c: (round(c.step_time_s, 9), c.plan.zero, _remat_rank(c.plan), c.plan.sp, c.plan.hsdp,
                                c.peak_bytes["total"]))
-    for (tp, pp, dp, ep), c in sorted(oom.items()):
-        if not any(r.plan.tp == tp and r.plan.pp == pp and r.plan.ep == ep for r in ranked):
+    for (tp, cp, pp, dp, ep), c in sorted(oom.items()):
+        if not any(r.plan.tp == tp and r.plan.cp == cp and r.plan.pp == pp and r.plan.ep == ep for r in ranked):
             over = c.peak_bytes["total"] + opts.reserve_bytes - c.device_bytes
-            reject(f"tp={tp} pp={pp} dp={dp}" + (f" ep={ep}" if ep > 1 else ""), "memory",
-                   f"every plan is out of memory; the smallest by "
+            reject(f"tp={tp}" + (f" cp={cp}" if cp > 1 else "") + f" pp={pp} dp={dp}" + (f" ep={ep}" if ep > 1 else ""),
+                   "memory", f"every plan is out of memory; the smallest by "
                    f"{f'{over / 2**30:.2f} GiB' if over >= 2**28 else f'{over / 2**20:.2f} MiB'} ({c.plan.describe()}, "
                    f"micro-batch {c.plan.micro_batch})")
     return SearchResult(ranked=ranked, out_of_memory=list(oom.values()), rejected=_merge(rejected),
@@ -268,23 +326,27 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
 
 def _scan(target: Traced, world: int, gpus_per_node: int, global_batch: int, fx: dict[str, Any], base: Any,
           check: Any, reject: Any, region_fn: Any) -> None:
-    """tp x pp x dp x ep regions, pruned by divisibility, batch and the compatibility table."""
+    """tp x cp x pp x dp x ep regions, pruned by divisibility, batch and the compatibility table (cp only where
+    pinned: the trace prices it, the runtime's ring attention runs GPT-2-style models only)."""
+    cp = fx.get("cp", 1)
     for tp in _divisors(gpus_per_node):
-        if fx.get("tp", tp) != tp:
+        if fx.get("tp", tp) != tp or world % (tp * cp):
             continue
-        if tp > 1 and not check(Plan(tp=tp), f"tp={tp}", 0):
+        if (tp > 1 or cp > 1) and not check(Plan(tp=tp, cp=cp), f"tp={tp}" + (f" cp={cp}" if cp > 1 else ""), 0):
             continue
-        for pp in _divisors(world // tp):
+        for pp in _divisors(world // (tp * cp)):
             if fx.get("pp", pp) != pp:
                 continue
             if pp > target.blocks:
                 reject(f"pp={pp}", "divisibility", f"pp={pp} exceeds the model's {target.blocks} blocks (one stage "
                        f"holds at least one block)")
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * cp * pp)
             if fx.get("dp", dp) != dp:
                 continue
-            region = f"tp={tp} pp={pp} dp={dp}"
+            region = f"tp={tp}" + (f" cp={cp}" if cp > 1 else "") + f" pp={pp} dp={dp}"
+            if cp > 1 and pp > 1 and not check(Plan(tp=tp, cp=cp, pp=pp), region, 0):
+                continue
             if global_batch % dp:
                 reject(region, "batch", f"dp={dp} does not divide the global batch {global_batch}")
                 continue
@@ -292,5 +354,4 @@ def _scan(target: Traced, world: int, gpus_per_node: int, global_batch: int, fx:
             for ep in eps:
                 if fx.get("ep", ep) != ep:
                     continue
-                region_fn(tp, pp, dp, ep, region + (f" ep={ep}" if ep > 1 else ""))
-
+                region_fn(tp, cp, pp, dp, ep, region + (f" ep={ep}" if ep > 1 else ""))

@@ -300,6 +300,18 @@ RULES: list[Rule] = [
          "each pipeline stage rematerializes by its own solver schedule (one per stage, under the per-stage "
          "memory.remat.budget); an explicit block list or selective recompute would be silently dropped",
          "memory.remat.method=optimal, revolve or periodic with memory.remat.budget", "stages solve their own"),
+    Rule("remat-stage-budgets", lambda p, f: bool(p.remat.stage_budgets) and (
+        p.pp == 1 or p.remat.method == "none" or bool(p.remat.budget)),
+         lambda p, f: f"memory.remat.stage_budgets={p.remat.stage_budgets} with parallel.pp={p.pp}, "
+                      f"memory.remat.method={p.remat.method}, memory.remat.budget={p.remat.budget or '(empty)'}",
+         "each entry is the budget of one pipeline stage's solver, in place of the one memory.remat.budget",
+         "parallel.pp > 1, a memory.remat.method solver and memory.remat.budget empty", "pipeline solvers only"),
+    Rule("remat-stage-count", lambda p, f: bool(p.remat.stage_budgets) and p.pp > 1 and
+         len(p.remat.stage_budgets.split(",")) != p.pp * _virtual(p),
+         lambda p, f: f"memory.remat.stage_budgets has {len(p.remat.stage_budgets.split(','))} entries with "
+                      f"parallel.pp={p.pp} x {_virtual(p)} stage(s) per rank",
+         "one budget per pipeline stage, in stage order",
+         lambda p, f: f"{p.pp * _virtual(p)} comma-separated sizes", "one per stage"),
     Rule("remat-mix", lambda p, f: p.remat.method != "none" and p.remat.blocks != "none",
          lambda p, f: f"memory.remat.method={p.remat.method} with memory.remat.blocks={p.remat.blocks}",
          "a solver's schedule and an explicit block list would both decide what is kept", "one of them",
@@ -423,7 +435,7 @@ def _compiles(p: Plan, f: Facts) -> bool:
 
 
 def _virtual(p: Plan) -> int:
-    return p.virtual if p.virtual else (2 if p.schedule == "interleaved" else 1)
+    return p.stages_per_rank
 
 
 def violations(plan: Plan, facts: Facts) -> list[Rule]:

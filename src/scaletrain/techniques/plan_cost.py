@@ -110,30 +110,16 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     caller's. With a ``platform`` (:class:`scaletrain.platform.Platform`) each rank's ``time_s`` holds
     its step's seconds by phase (:func:`_add_times`). ``optimizer_kw``: the optimizer's settings that
     change its states (e.g. SGD's ``momentum``: one buffer per parameter, none without)."""
-    from scaletrain.chain import to_chain
-    from scaletrain.techniques.pipeline.apply import default_virtual, stage_bounds
     from scaletrain.techniques.pipeline.memory import stage_memory
     from scaletrain.techniques.pipeline.schedules import build
     from scaletrain.techniques.pipeline.simulate import StageCosts, simulate
 
     plan = plan.resolved(world)
-    chain = to_chain(model)
-    n = len(chain)
-    b, M = _batch(plan, global_batch, micro_batch)
-    if b < 1 or M < 1:
-        raise UserError(f"global batch {global_batch} does not split over dp={plan.dp} and the micro-batches")
-    adapter = adapt(model)  # task and example input of any model (reference, Hugging Face, own)
-    lm = adapter.task == "lm"
-    if example is None:
-        example = adapter.input_spec(b, seq if lm else None)
-    if target is None:
-        target = torch.zeros(example.shape if lm else (b,), dtype=torch.long, device="meta")
-    v = default_virtual(plan.schedule, plan.virtual) if plan.pp > 1 else 1
+    chain, bounds, example, target, b, M = _stages(plan, model, global_batch, seq, micro_batch, example, target)
+    v = plan.stages_per_rank if plan.pp > 1 else 1
     # one process runs its micro-batches forward-then-backward one at a time (accumulation): 1F1B on one
     # rank, never GPipe (which would hold every micro-batch's activations at once)
     sched_name = plan.schedule if plan.pp > 1 else "1f1b"
-    bounds = (stage_bounds(model, example, pp=plan.pp, schedule=plan.schedule, microbatches=M, virtual=v,
-                           loss_fn=_loss, balance=plan.balance) if plan.pp > 1 else [0, n])
     remat = _remat(plan, chain, bounds, example, target)
     sched = build(sched_name, plan.pp, M, v)
     zb = None
@@ -196,6 +182,39 @@ def _bucket_views(plan: Plan) -> bool:
     return plan.pp == 1 and plan.zero == 0 and plan.tp == plan.cp == plan.ep == 1 and max(plan.dp, 1) > 1
 
 
+def _stages(plan: Plan, model: nn.Module, global_batch: int, seq: int, micro_batch: int = 0,
+            example: torch.Tensor | None = None, target: torch.Tensor | None = None) -> tuple:
+    """(chain, the runtime's stage bounds, one micro-batch's example input and target, micro-batch samples,
+    micro-batches per step) of ``plan`` (dp resolved) as the runtime cuts them."""
+    from scaletrain.chain import to_chain
+    from scaletrain.techniques.pipeline.apply import stage_bounds
+
+    chain = to_chain(model)
+    b, M = _batch(plan, global_batch, micro_batch)
+    if b < 1 or M < 1:
+        raise UserError(f"global batch {global_batch} does not split over dp={plan.dp} and the micro-batches")
+    adapter = adapt(model)  # task and example input of any model (reference, Hugging Face, own)
+    lm = adapter.task == "lm"
+    if example is None:
+        example = adapter.input_spec(b, seq if lm else None)
+    if target is None:
+        target = torch.zeros(example.shape if lm else (b,), dtype=torch.long, device="meta")
+    bounds = (stage_bounds(model, example, pp=plan.pp, schedule=plan.schedule, microbatches=M,
+                           virtual=plan.stages_per_rank, loss_fn=_loss, balance=plan.balance)
+              if plan.pp > 1 else [0, len(chain)])
+    return chain, bounds, example, target, b, M
+
+
+def stage_graphs_of(plan: Plan, model: nn.Module, *, world: int, global_batch: int, seq: int,
+                    micro_batch: int = 0) -> list[Any]:
+    """The rematerialization cost graph of each of ``plan``'s pipeline stages as the runtime's solvers see
+    them (:func:`.pipeline.stage.stage_graphs`): what a per-stage budget bounds."""
+    from scaletrain.techniques.pipeline.stage import stage_graphs
+
+    chain, bounds, x, y, _, _ = _stages(plan.resolved(world), model, global_batch, seq, micro_batch)
+    return stage_graphs(chain, bounds, x, target=y, loss_fn=_loss, precision=plan.precision)
+
+
 def _add_times(costs: list[RankCost], plan: Plan, model: nn.Module, platform: Any, **kw: Any) -> None:
     """Each rank's seconds by phase (:func:`scaletrain.techniques.time_cost.rank_seconds`) on the same
     stages, schedule, remat and traffic as its bytes."""
@@ -211,9 +230,9 @@ def _remat(plan: Plan, chain: nn.Module, bounds: list[int], x: torch.Tensor, y: 
     if r.method == "none" and r.blocks == "none":
         return None
     if len(bounds) > 2:
-        from scaletrain.techniques.pipeline.stage import stage_remat
+        from scaletrain.techniques.pipeline.stage import remat_budgets, stage_remat
 
-        return stage_remat(chain, bounds, x, r.method, r.budget or None, target=y, loss_fn=_loss,
+        return stage_remat(chain, bounds, x, r.method, remat_budgets(r), target=y, loss_fn=_loss,
                            precision=plan.precision)
     from scaletrain.techniques.remat.tree import Segment, plan_remat, tree_ops
 

@@ -181,11 +181,11 @@ def _coerce(path: str, value: Any, typ: Any, meta: dict) -> Any:
         if not isinstance(value, str):
             value = str(value).lower() if isinstance(value, bool) else str(value)  # TOML true -> "true"
         # read every size now, used or not (a typo must not wait for its feature)
-        if meta.get("unit") == "bytes" and value not in meta.get("words", ()):
-            from scaletrain.techniques.remat.schedule import parse_bytes
+        if meta.get("unit") in ("bytes", schema.BYTES_LIST) and value not in meta.get("words", ()):
+            from scaletrain.techniques.remat.schedule import parse_bytes, parse_bytes_list
 
             try:
-                parse_bytes(value)
+                (parse_bytes_list if meta["unit"] == schema.BYTES_LIST else parse_bytes)(value)
             except UserError as e:
                 also = f"; or one of {', '.join(meta['words'])}" if meta.get("words") else ""
                 raise ConfigError(f"{path}={value!r} is not allowed; {one_line(e)}{also}") from None

@@ -56,8 +56,9 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
                      loss_fn: LossFn, seq_len: int | None = None, virtual: int | None = None,
                      device: torch.device | str | None = None, timeout_s: float = 300.0, balance: str = "profile",
                      forward_context: Callable[[], ContextManager] | None = None,
-                     record_events: bool = False, remat: str = "none", remat_budget: int | str | None = None,
-                     remat_precision: str = "fp32", tp: int = 1, sequence_parallel: bool = False,
+                     record_events: bool = False, remat: str = "none",
+                     remat_budget: int | str | list[int] | None = None, remat_precision: str = "fp32",
+                     tp: int = 1, sequence_parallel: bool = False,
                      loss_scale: Callable | None = None, stage_aux: Callable | None = None,
                      ep: int = 1) -> PipelineRuntime:
     """Build the :class:`PipelineRuntime` for this process (call on every process of the job).

@@ -116,7 +116,8 @@ class PipelineRuntime:
     ``remat``: a rematerialization method (:data:`scaletrain.techniques.remat.METHODS`) run
     inside every stage, one schedule per stage (:func:`.stage.stage_remat`, planned on the
     fake-tensor estimate at ``remat_precision`` with ``example_target``, under ``remat_budget``
-    per micro-batch and stage); not with split backward (zb1p) or weight stashing.
+    per micro-batch and stage, or a list of one budget per stage); not with split backward (zb1p) or
+    weight stashing.
     ``remat_plans``: the stages' schedules, planned by the caller (before tensor parallelism shards the
     chain: the estimate runs on the whole model).
     ``tp``: tensor parallelism inside the stages (:class:`.tensor_parallel.TPLayout`; the chain
@@ -130,7 +131,8 @@ class PipelineRuntime:
                  example_input: torch.Tensor, device: torch.device | str | None = None,
                  ranks: Sequence[int] | None = None, timeout_s: float = 300.0, p2p_mode: str = "auto",
                  record_events: bool = True, forward_context: Callable[[], ContextManager] | None = None,
-                 remat: str = "none", remat_budget: int | str | None = None, remat_precision: str = "fp32",
+                 remat: str = "none", remat_budget: int | str | list[int] | None = None,
+                 remat_precision: str = "fp32",
                  example_target: torch.Tensor | None = None, tp: TPLayout | None = None,
                  specs: Sequence[TensorSpec] | None = None,
                  backward_context: Callable[[], ContextManager] | None = None,

@@ -36,7 +36,7 @@ Ways to run a replica's forward and backward:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -290,20 +290,35 @@ def stage_graphs(chain: nn.Module, bounds: list[int], example_input: torch.Tenso
     return out
 
 
+def remat_budgets(remat: Any) -> int | str | list[int] | None:
+    """The budget(s) a plan's ``memory.remat`` gives the stages' solvers: ``stage_budgets`` (one per stage,
+    bytes) when set, else ``budget`` (every stage's), else None."""
+    from scaletrain.techniques.remat.schedule import parse_bytes_list
+
+    if getattr(remat, "stage_budgets", ""):
+        return parse_bytes_list(remat.stage_budgets)
+    return remat.budget or None
+
+
 def stage_remat(chain: nn.Module, bounds: list[int], example_input: torch.Tensor, method: str,
-                budget: int | str | None = None, *, target: torch.Tensor | None = None, loss_fn: Any = None,
-                precision: str = "fp32") -> list[Any]:
+                budget: int | str | Sequence[int | str] | None = None, *, target: torch.Tensor | None = None,
+                loss_fn: Any = None, precision: str = "fp32") -> list[Any]:
     """One rematerialization schedule per stage (:func:`scaletrain.techniques.remat.solve`) over
     :func:`stage_graphs`. ``budget`` (bytes or a size string; None: the method's default, e.g.
     √n segments for ``periodic``) bounds the peak of *one* micro-batch's forward + backward of
-    a stage."""
+    a stage; a list gives each stage its own (``memory.remat.stage_budgets``: a stage with more slack
+    keeps more and recomputes less)."""
     from scaletrain.techniques.remat import parse_bytes, solve
 
+    graphs = stage_graphs(chain, bounds, example_input, target=target, loss_fn=loss_fn, precision=precision)
+    per = list(budget) if isinstance(budget, (list, tuple)) else [budget] * len(graphs)
+    if len(per) != len(graphs):
+        raise UserError(f"memory.remat.stage_budgets has {len(per)} entries for {len(graphs)} pipeline stages; "
+                        f"allowed: one size per stage (pp x virtual), comma-separated")
     out = []
-    for s, g in enumerate(stage_graphs(chain, bounds, example_input, target=target, loss_fn=loss_fn,
-                                       precision=precision)):
+    for s, g in enumerate(graphs):
         try:
-            out.append(solve(g, parse_bytes(budget), method))
+            out.append(solve(g, parse_bytes(per[s]), method))
         except UserError as e:
             raise UserError(f"rematerialization of pipeline stage {s} (blocks {bounds[s]}..{bounds[s + 1] - 1}): "
                             f"{e}") from None

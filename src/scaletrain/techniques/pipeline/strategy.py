@@ -83,6 +83,7 @@ from .apply import default_virtual, example_input, pipeline_runtime
 from .runtime import PipelineRuntime
 
 from .simulate import simulate
+from .stage import remat_budgets
 from .state import PipelineState
 from .tensor_parallel import tp_comm_counter
 
@@ -186,7 +187,7 @@ class PipelineStrategy(PipelineState, Strategy):
                                   loss_fn=ctx.loss_fn, seq_len=seq, virtual=v, device=ctx.device,
                                   timeout_s=ctx.timeout_s, balance=p.balance,
                                   forward_context=_forward_context(ctx, model, p),
-                                  remat=p.remat.method, remat_budget=p.remat.budget or None,
+                                  remat=p.remat.method, remat_budget=remat_budgets(p.remat),
                                   remat_precision=ctx.precision, tp=p.tp, sequence_parallel=p.sp,
                                   loss_scale=_loss_scale(ctx), stage_aux=_stage_aux(model), ep=p.ep)
         except ConfigError:

@@ -71,6 +71,20 @@ def parse_bytes(value: "int | float | str | None") -> int | None:
     return int(n * _UNITS[unit])
 
 
+def parse_bytes_list(value: str) -> list[int]:
+    """Comma-separated sizes (``memory.remat.stage_budgets``: '900MiB,1.2GiB'), each as :func:`parse_bytes`
+    reads it; '' gives []. An empty entry is a UserError (a stage without its budget)."""
+    if not value.strip():
+        return []
+    out = []
+    for k, part in enumerate(value.split(",")):
+        n = parse_bytes(part)
+        if n is None:
+            raise UserError(f"entry {k} of {value!r} is empty: give one size per pipeline stage, comma-separated")
+        out.append(n)
+    return out
+
+
 def fmt_bytes(n: float) -> str:
     """``n`` bytes as '123456789 B (0.115 GiB)', 3 significant digits for messages."""
     return f"{int(n)} B ({n / GiB:.3g} GiB)"
