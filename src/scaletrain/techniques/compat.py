@@ -227,10 +227,6 @@ RULES: list[Rule] = [
          "FSDP inside the stages reduce-scatters each stage's gradients once, at the step's update, but Chimera "
          "sums a stage's two replicas' gradients mid-step", "parallel.zero=3 with gpipe, 1f1b, interleaved or zb1p; "
          "zero=0 or 1 with chimera", "replicas sum mid-step"),
-    Rule("pp-zero3-tp", lambda p, f: p.pp > 1 and p.zero == 3 and p.tp > 1,
-         lambda p, f: f"parallel.zero=3 with parallel.pp={p.pp} and parallel.tp={p.tp}",
-         "FSDP over the dp dimension of the pipeline's (dp, pp, tp) mesh is not composed yet",
-         "parallel.zero=1 with pp and tp (Megatron's 3-D), or zero=3 with pp alone", "not composed yet"),
     Rule("pp-zero-async", lambda p, f: p.pp > 1 and p.zero in (1, 3) and p.schedule in ASYNC,
          lambda p, f: f"parallel.zero={p.zero} with parallel.schedule={p.schedule}",
          "the asynchronous schedules update inside the stream, between the reduce-scatter and all-gather "

@@ -55,7 +55,7 @@ Supported: every schedule, fp32, bf16 and fp16 (synchronous schedules);
 stage (:func:`.stage.stage_remat`; the budget is per stage and micro-batch) with the unsplit
 synchronous schedules. Refused with a one-line :class:`~scaletrain.errors.ConfigError` naming
 the key (the compatibility table, :mod:`scaletrain.techniques.compat`): ZeRO-2, ZeRO-3 with Chimera,
-the asynchronous schedules or TP, gradient compression, context parallelism, expert parallelism beyond
+the asynchronous schedules, gradient compression, context parallelism, expert parallelism beyond
 zero=0 with the synchronous unreplicated schedules, rematerialization with zb1p or the asynchronous
 schedules, offloading inside the stages.
 
@@ -292,10 +292,12 @@ class PipelineStrategy(PipelineState, Strategy):
         from .fsdp import StageFSDP
 
         rt = self.runtime
-        # the runtime's layout: pipeline rank r of replica d is global rank r * dp + d (pp outermost)
-        mesh = init_device_mesh(rt.device.type, (rt.pp, rt.dp), mesh_dim_names=("pp", "dp"))
+        if rt.tp is not None:  # the (dp, pp, tp) mesh the stages' TP shards live on: FSDP over its dp dimension
+            dp_mesh = rt.tp.mesh["dp"]  # (torchtitan's 3-D: TP first, then fully_shard on the dp sub-mesh)
+        else:  # the runtime's layout: pipeline rank r of replica d is global rank r * dp + d (pp outermost)
+            dp_mesh = init_device_mesh(rt.device.type, (rt.pp, rt.dp), mesh_dim_names=("pp", "dp"))["dp"]
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        self.zero = StageFSDP(self.model, rt, mesh["dp"], param_dtype=half)
+        self.zero = StageFSDP(self.model, rt, dp_mesh, param_dtype=half)
         rt.plan.zero_sync = self.zero
         self._proxy_entry = {id(e.proxy): e for e in self.zero.entries}
         self._param_entry = {id(e.param): e for e in self.zero.entries}

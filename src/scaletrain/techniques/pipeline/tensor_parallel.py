@@ -196,14 +196,14 @@ def shard_full(model: nn.Module, name: str, like: torch.Tensor, full: torch.Tens
     DTensor with ``like``'s placements when ``like`` is one."""
     if not isinstance(like, DTensor):
         return full
+    from torch.distributed.tensor import distribute_tensor
+
     perm = _qkv_perm(model, name)
     if perm is not None:
         full = full[perm]
-    mesh = like.device_mesh
-    for dim, pl in enumerate(like.placements):
-        if pl.is_shard():
-            full = full.chunk(mesh.size(dim), dim=pl.dim)[mesh.get_local_rank(dim)]
-    return DTensor.from_local(full.to(like.device).contiguous(), mesh, like.placements, run_check=False,
+    # no communication (src_data_rank=None); DTensor's own split, so FSDP's strided dp x tp rows come out right
+    mine = distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
+    return DTensor.from_local(mine.contiguous(), like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
 
 
@@ -211,7 +211,12 @@ def gather_full(model: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`shard_full` (collective over the TP group when ``t`` is a DTensor)."""
     if not isinstance(t, DTensor):
         return t
-    full = t.full_tensor()
+    return unpermute(model, name, t.full_tensor())
+
+
+def unpermute(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+    """A gathered whole tensor of parameter ``name`` in the single-process layout (the fused QKV's rows
+    put back in order; other tensors as they are)."""
     perm = _qkv_perm(model, name)
     return full[torch.argsort(perm)] if perm is not None else full
 
