@@ -1,11 +1,12 @@
-"""Pipelines composed with tensor parallelism and ZeRO-3 / a mixture of experts, against one process.
+"""Pipelines composed with tensor parallelism, ZeRO-3 and a mixture of experts, against one process.
 
 * no processes: the compatibility table runs pp × tp × zero=3 and pp × tp on the MoE model;
-* gloo, 8 processes (slow): ``parallel.dp=2 parallel.pp=2 parallel.tp=2 parallel.zero=3`` (1f1b) — FSDP2 over
-  the dp dimension of the (dp, pp, tp) mesh on stages whose parameters are TP DTensors — gives one process's
-  losses, clipped gradient norm, final parameters (gathered to the single-process layout) and SGD momentum
-  (fp32, 1e-5 / 1e-4), and its collectives equal the runtime's prediction to the byte;
-* gloo, 4 processes (slow): ``parallel.pp=2 parallel.tp=2`` on gpt2-moe (1f1b): the same parity.
+* gloo, 8 processes (slow), gpt2-moe (a dense layer, then a MoE layer), 1f1b, ``parallel.dp=2 parallel.pp=2
+  parallel.tp=2``: with ``parallel.zero=3`` (FSDP2 over the dp dimension of the (dp, pp, tp) mesh on stages whose
+  parameters are TP DTensors) and without ZeRO (the MoE layer's replicated DTensors stepped beside the
+  attention's sharded ones), each gives one process's losses, clipped gradient norm, final parameters
+  (gathered to the single-process layout) and SGD momentum (fp32, 1e-5 / 1e-4), and every rank's collectives
+  equal the runtime's prediction and the planner's cost face to the byte.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def _run(flags: list[str]) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, flags: list[str]) -> dict:
-    return _run(flags)
+def _worker(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
+    return [_run(flags) for flags in runs]
 
 
 def _check(results: list[dict], one: dict, how: str, flags: list[str]) -> None:
@@ -83,7 +84,7 @@ def _check(results: list[dict], one: dict, how: str, flags: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------- no processes
-@pytest.mark.parametrize("extra, world", [(ZERO3, 8)])
+@pytest.mark.parametrize("extra, world", [(ZERO3, 8), (MOE, 4)])
 def test_table_runs_the_compositions(extra, world):
     from scaletrain import models
     from scaletrain.techniques import compat
@@ -95,8 +96,12 @@ def test_table_runs_the_compositions(extra, world):
 
 # --------------------------------------------------------------------------- processes
 @pytest.mark.slow
-def test_dp2_pp2_tp2_zero3_equals_one_process():
-    one = _run(TINY + ["train.micro_batch=1"])
-    results = run_distributed(_worker, 8, TINY + PIPE + ZERO3, timeout_s=400)
-    _check(results, one, "pipeline 1f1b over 2 stages x 2 dp x 2 tp, 4 micro-batches", TINY + PIPE + ZERO3)
-
+def test_dp2_pp2_tp2_moe_with_zero3_and_without_equals_one_process():
+    """One start of 8 processes, two runs on gpt2-moe (a dense layer, then a MoE layer): FSDP2 over the dp
+    dimension of the (dp, pp, tp) mesh on TP-sharded stages; then the same layout without ZeRO, where the stage
+    optimizer steps the MoE layer's replicated DTensors beside the attention's sharded ones."""
+    one = _run(TINY + MOE + ["train.micro_batch=1"])
+    runs = [TINY + PIPE + ZERO3 + MOE, TINY + PIPE + MOE + ["parallel.dp=2"]]
+    results = run_distributed(_worker, 8, runs, timeout_s=400)
+    for i, flags in enumerate(runs):
+        _check([r[i] for r in results], one, "pipeline 1f1b over 2 stages x 2 dp x 2 tp, 4 micro-batches", flags)

@@ -237,11 +237,6 @@ RULES: list[Rule] = [
          "context parallelism inside pipeline stages is not composed yet (its ring attention would run per stage "
          "and micro-batch over a group the pipeline's layout does not build)", "parallel.tp with pp",
          "not composed yet"),
-    Rule("pp-tp-moe", lambda p, f: p.pp > 1 and p.tp > 1 and f.moe,
-         lambda p, f: f"parallel.pp={p.pp} with parallel.tp={p.tp} on a mixture-of-experts model",
-         "the stages' tensor-parallel layout keeps a MoE layer's parameters as plain tensors beside the DTensors, "
-         "and the stage optimizer steps them together (without pipelines ZeRO's flat local shards do)",
-         "parallel.tp without pp, or parallel.pp (and parallel.ep) without tp", "plain tensors beside DTensors"),
     Rule("pp-ep", lambda p, f: p.pp > 1 and p.ep > 1 and (p.zero not in (0, 1) or p.tp > 1 or p.schedule == "chimera"
                                                           or p.schedule in ASYNC or p.remat.active),
          lambda p, f: f"parallel.ep={p.ep} with parallel.pp={p.pp}, zero={p.zero}, tp={p.tp}, "
