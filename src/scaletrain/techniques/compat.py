@@ -49,6 +49,8 @@ class Facts:
     """Micro-batches per step as resolved (pipeline); 0 = not known yet."""
     sweep: bool = False
     """Trained by ``scaletrain sweep`` (spilled shards on shared devices, :mod:`scaletrain.sweep`)."""
+    shared: bool = True
+    """Two Chain blocks use one parameter (GPT-2's tied embedding: the first and the last block)."""
     rezero: bool = False
     """ReZero residuals without the blocks' LayerNorms (:attr:`scaletrain.models.gpt2.GPT2Config.rezero`)."""
 
@@ -61,8 +63,15 @@ class Facts:
         cfg = getattr(model, "config", None)
         hf = type(model).__module__.startswith("transformers")
         moe = any(type(m).__name__ == "MoEFeedForward" for m in model.modules())
+        shared = False
         try:
-            n_blocks, chain = len(to_chain(model)), True
+            blocks = to_chain(model).blocks
+            n_blocks, chain = len(blocks), True
+            seen: set[int] = set()
+            for blk in blocks:
+                ids = {id(p) for p in blk.parameters()}
+                shared = shared or bool(ids & seen)
+                seen |= ids
         except Exception:  # noqa: BLE001 - not cut into blocks: the table refuses what needs it
             n_blocks, chain = 0, False
         from scaletrain.techniques.tensor_parallel.hf_llama import is_hf_llama
@@ -84,7 +93,7 @@ class Facts:
                    vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
                    n_experts=int(getattr(cfg, "n_experts", 0) or 0), n_blocks=n_blocks, chain=chain,
                    input_spec=spec, seq_len=seq_len, eval_every=eval_every,
-                   microbatches=microbatches, rezero=bool(getattr(cfg, "rezero", False)))
+                   microbatches=microbatches, rezero=bool(getattr(cfg, "rezero", False)), shared=shared)
 
 
 @dataclass(frozen=True)
@@ -222,11 +231,12 @@ RULES: list[Rule] = [
          "Megatron-LM refuse it with pipelines too)",
          "parallel.zero=1 with pipelines (Megatron's distributed optimizer), 3 (FSDP inside the stages), or 0",
          "use zero=1 or 3"),
-    Rule("pp-zero3-chimera", lambda p, f: p.pp > 1 and p.zero == 3 and p.schedule == "chimera",
-         "parallel.zero=3 with parallel.schedule=chimera",
-         "FSDP inside the stages reduce-scatters each stage's gradients once, at the step's update, but Chimera "
-         "sums a stage's two replicas' gradients mid-step", "parallel.zero=3 with gpipe, 1f1b, interleaved or zb1p; "
-         "zero=0 or 1 with chimera", "replicas sum mid-step"),
+    Rule("pp-zero3-chimera", lambda p, f: p.pp > 1 and p.zero == 3 and p.schedule == "chimera" and f.shared,
+         "parallel.zero=3 with parallel.schedule=chimera on a model with tied parameters",
+         "Chimera's down and up pipelines put the first and the last stage on one rank, so a parameter they "
+         "share (GPT-2's tied embedding) would sit in two FSDP units of that rank, and FSDP2 shards each "
+         "parameter in exactly one", "parallel.zero=0 or 1 with chimera; zero=3 with gpipe, 1f1b, interleaved "
+         "or zb1p, or with chimera on a model without tied parameters", "tied weight in 2 units"),
     Rule("pp-zero-async", lambda p, f: p.pp > 1 and p.zero in (1, 3) and p.schedule in ASYNC,
          lambda p, f: f"parallel.zero={p.zero} with parallel.schedule={p.schedule}",
          "the asynchronous schedules update inside the stream, between the reduce-scatter and all-gather "

@@ -33,6 +33,12 @@ the same row layout (``Shard(0)``, torch.chunk rows), so after both reduce-scatt
 all-reduces the two *sharded* gradients between the holders of the same dp index — the sum of the
 reduce-scattered gradients is the reduce-scatter of the sum.
 
+Chimera (two pipelines, each stage on two ranks): each replica is sharded over its own rank's dp group and
+reduce-scattered at the update like any stage; the schedule's mid-step GRAD_SYNC is deferred to then, and the
+two replicas' shards are summed between their ranks (:meth:`.grads.ParamPlan.reduce`). A parameter two local
+stages share (GPT-2's tied embedding, whose first and last stages Chimera puts on one rank) cannot be in two
+FSDP units: refused (compat ``pp-zero3-chimera``).
+
 With tensor parallelism (``parallel.tp`` > 1, :mod:`.tensor_parallel`) the stages' parameters are already
 TP DTensors on the ``tp`` dimension of the (dp, pp, tp) mesh; ``fully_shard`` on its ``dp`` sub-mesh makes
 them DTensors over (dp, tp) — torchtitan's 3-D: TP first, then FSDP per stage. FSDP then shards (and pads)

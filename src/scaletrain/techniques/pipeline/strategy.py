@@ -54,7 +54,7 @@ Supported: every schedule, fp32, bf16 and fp16 (synchronous schedules);
 ``memory.remat.method`` / ``memory.remat.budget`` run a rematerialization schedule inside every
 stage (:func:`.stage.stage_remat`; the budget is per stage and micro-batch) with the unsplit
 synchronous schedules. Refused with a one-line :class:`~scaletrain.errors.ConfigError` naming
-the key (the compatibility table, :mod:`scaletrain.techniques.compat`): ZeRO-2, ZeRO-3 with Chimera,
+the key (the compatibility table, :mod:`scaletrain.techniques.compat`): ZeRO-2, ZeRO-3 with Chimera on tied parameters,
 the asynchronous schedules, gradient compression, context parallelism, expert parallelism beyond
 zero=0 with the synchronous unreplicated schedules, rematerialization with zb1p or the asynchronous
 schedules, offloading inside the stages.
