@@ -7,7 +7,8 @@
   parameters are TP DTensors) and without ZeRO (the MoE layer's replicated DTensors stepped beside the
   attention's sharded ones), each gives one process's losses, clipped gradient norm, final parameters
   (gathered to the single-process layout) and SGD momentum (fp32, 1e-5 / 1e-4), and every rank's collectives
-  equal the runtime's prediction and the planner's cost face to the byte;
+  equal the runtime's prediction and the planner's cost face to the byte; the ZeRO-3 layout resumes a one-process
+  checkpoint to its losses;
 * gloo, 4 processes (slow): ``parallel.dp=2 parallel.pp=2 parallel.schedule=chimera parallel.zero=3`` on the
   ``mlp`` model (each stage's two replicas FSDP2-sharded, their shards summed at the update): the same parity.
 """
@@ -38,10 +39,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
 
 
-def _run(flags: list[str]) -> dict:
+def _run(flags: list[str], out_dir: str | None = None, resume: str | None = None) -> dict:
+    """Train; ``out_dir``: write a checkpoint each step there; ``resume``: first load the step-1 checkpoint
+    under it (single-process layout, sharded back onto this layout) and report only the losses after it."""
+    from pathlib import Path
+
+    from scaletrain.train import checkpoint as ckpt
     from scaletrain.train.trainer import Trainer
 
-    t = Trainer(load_config(None, flags), None, log=_quiet)
+    t = Trainer(load_config(None, flags + (["train.checkpoint_every=1"] if out_dir else [])), out_dir, log=_quiet)
+    if resume:
+        t.load_state_dict(ckpt.load(ckpt.at_step(Path(resume) / "checkpoints", 1)))
+        losses = t.fit().losses
+        t.close()
+        return {"resumed": losses}
     res = t.fit()
     out = {"losses": res.losses, "norm": t._grad_norm, "comm": t.comm_bytes}
     if t.parallel.name == "pipeline":
@@ -53,8 +64,8 @@ def _run(flags: list[str]) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
-    return [_run(flags) for flags in runs]
+def _worker(rank: int, world: int, runs: list[list[str]], resume: str | None = None) -> list[dict]:
+    return [_run(flags) for flags in runs] + ([_run(runs[0], resume=resume)] if resume else [])
 
 
 def _check(results: list[dict], one: dict, how: str, flags: list[str]) -> None:
@@ -100,15 +111,20 @@ def test_table_runs_the_compositions(extra, world):
 
 # --------------------------------------------------------------------------- processes
 @pytest.mark.slow
-def test_dp2_pp2_tp2_moe_with_zero3_and_without_equals_one_process():
+def test_dp2_pp2_tp2_moe_with_zero3_and_without_equals_one_process(tmp_path):
     """One start of 8 processes, two runs on gpt2-moe (a dense layer, then a MoE layer): FSDP2 over the dp
     dimension of the (dp, pp, tp) mesh on TP-sharded stages; then the same layout without ZeRO, where the stage
-    optimizer steps the MoE layer's replicated DTensors beside the attention's sharded ones."""
-    one = _run(TINY + MOE + ["train.micro_batch=1"])
+    optimizer steps the MoE layer's replicated DTensors beside the attention's sharded ones. Then the ZeRO-3 layout
+    resumes the one-process step-1 checkpoint (model and momentum sharded back over dp x tp, the fused QKV rows
+    permuted) and continues with its losses."""
+    one_dir = tmp_path / "one"
+    one = _run(TINY + MOE + ["train.micro_batch=1"], str(one_dir))
     runs = [TINY + PIPE + ZERO3 + MOE, TINY + PIPE + MOE + ["parallel.dp=2"]]
-    results = run_distributed(_worker, 8, runs, timeout_s=400)
+    results = run_distributed(_worker, 8, runs, str(one_dir), timeout_s=400)
     for i, flags in enumerate(runs):
         _check([r[i] for r in results], one, "pipeline 1f1b over 2 stages x 2 dp x 2 tp, 4 micro-batches", flags)
+    for rank, r in enumerate(results):
+        assert r[-1]["resumed"] == pytest.approx(one["losses"][1:], rel=1e-5), rank
 
 
 CHIMERA = ["model.name=mlp", "data.name=digits", "train.global_batch=8", "train.eval_batches=1", "train.log_every=1",
