@@ -158,3 +158,16 @@ def test_dp2_pp2_chimera_zero3_equals_one_process():
                        "parallel.zero=3"]
     results = run_distributed(_worker, 4, [flags], timeout_s=300)
     _check([r[0] for r in results], one, "pipeline chimera over 2 stages x 2 dp", flags)
+
+
+@pytest.mark.slow
+def test_dp2_pp2_ep2_chimera_equals_one_process():
+    """Expert parallelism in Chimera's two pipelines (gpt2-moe, zero 0 then 1): both replicas of a stage route
+    through the same EP group in the same action order, and a stage's two replicas hold the same expert slice,
+    so their gradients sum at GRAD_SYNC like any other (one start of 4 processes, two runs)."""
+    one = _run(TINY + MOE + ["train.micro_batch=1"])
+    pipe = ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=chimera", "parallel.microbatches=4"]
+    runs = [TINY + MOE + pipe, TINY + MOE + pipe + ["parallel.zero=1"]]
+    results = run_distributed(_worker, 4, runs, timeout_s=300)
+    for i, flags in enumerate(runs):
+        _check([r[i] for r in results], one, "pipeline chimera over 2 stages x 2 dp", flags)

@@ -409,8 +409,9 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
 
     total = ring_ar(plan.pp * dp, 8.0)  # the window's mean loss (float64)
     shared = [p for p in mine if len(holders[id(p)]) > 1]
-    if shared:
-        total += ring_ar(len(holders[id(shared[0])]), nbytes(shared))
+    if shared:  # (Chimera's replicas: an expert tensor is this rank's 1/ep slice of it)
+        sliced = [p for p in shared if id(p) in expert_param_ids(chain)] if plan.ep > 1 else []
+        total += ring_ar(len(holders[id(shared[0])]), nbytes(shared) - (1 - 1 / plan.ep) * nbytes(sliced))
     if plan.zero == 3:  # FSDP2 in the stages: one all-gather (compute dtype) and one fp32 reduce-scatter per step
         pb = 2 if plan.precision in ("bf16", "fp16") else 4
         total += (dp - 1) * _padded_shard_elements(mine, dp, _tp_shape(model, t)) * (pb + 4)

@@ -56,7 +56,7 @@ stage (:func:`.stage.stage_remat`; the budget is per stage and micro-batch) with
 synchronous schedules. Refused with a one-line :class:`~scaletrain.errors.ConfigError` naming
 the key (the compatibility table, :mod:`scaletrain.techniques.compat`): ZeRO-2, ZeRO-3 with Chimera on tied parameters,
 the asynchronous schedules, gradient compression, context parallelism, expert parallelism beyond
-zero=0 with the synchronous unreplicated schedules, rematerialization with zb1p or the asynchronous
+zero=0 or 1 with the synchronous schedules, rematerialization with zb1p or the asynchronous
 schedules, offloading inside the stages.
 
 A mixture of experts: each stage adds its own MoE layers' load-balancing loss (``model.aux_loss(part)``)
