@@ -9,8 +9,9 @@
   (gathered to the single-process layout) and SGD momentum (fp32, 1e-5 / 1e-4), and every rank's collectives
   equal the runtime's prediction and the planner's cost face to the byte; the ZeRO-3 layout resumes a one-process
   checkpoint to its losses;
-* gloo, 4 processes (slow): ``parallel.dp=2 parallel.pp=2 parallel.schedule=chimera parallel.zero=3`` on the
-  ``mlp`` model (each stage's two replicas FSDP2-sharded, their shards summed at the update): the same parity.
+* gloo, 4 processes (slow), Chimera at dp=2: ``parallel.zero=3`` on the untied ``mlp`` model (each stage's two
+  replicas FSDP2-sharded, their shards summed at the update), and ``parallel.ep=2`` on gpt2-moe with zero 0 and 1:
+  the same parity.
 """
 
 from __future__ import annotations
@@ -150,24 +151,15 @@ def test_table_refuses_chimera_zero3_with_tied_parameters_only():
 
 
 @pytest.mark.slow
-def test_dp2_pp2_chimera_zero3_equals_one_process():
-    """Chimera's two replicas of a stage, each FSDP2-sharded over dp: their reduce-scattered shards summed at
-    the update (GRAD_SYNC deferred) give one process's losses, clipped norm, parameters and momentum."""
-    one = _run(CHIMERA + ["train.micro_batch=1"])
-    flags = CHIMERA + ["parallel.pp=2", "parallel.dp=2", "parallel.schedule=chimera", "parallel.microbatches=4",
-                       "parallel.zero=3"]
-    results = run_distributed(_worker, 4, [flags], timeout_s=300)
-    _check([r[0] for r in results], one, "pipeline chimera over 2 stages x 2 dp", flags)
-
-
-@pytest.mark.slow
-def test_dp2_pp2_ep2_chimera_equals_one_process():
-    """Expert parallelism in Chimera's two pipelines (gpt2-moe, zero 0 then 1): both replicas of a stage route
-    through the same EP group in the same action order, and a stage's two replicas hold the same expert slice,
-    so their gradients sum at GRAD_SYNC like any other (one start of 4 processes, two runs)."""
-    one = _run(TINY + MOE + ["train.micro_batch=1"])
-    pipe = ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=chimera", "parallel.microbatches=4"]
-    runs = [TINY + MOE + pipe, TINY + MOE + pipe + ["parallel.zero=1"]]
+def test_dp2_pp2_chimera_with_zero3_and_with_ep_equals_one_process():
+    """One start of 4 processes, Chimera (each stage on two ranks) at dp=2, three runs: on ``mlp`` with ZeRO-3 — each
+    replica FSDP2-sharded over its dp group, the two replicas' reduce-scattered shards summed at the update
+    (GRAD_SYNC deferred); on gpt2-moe with ep=2, zero 0 then 1 — both replicas of a stage route through the same
+    EP group in the same action order and hold the same expert slice, so GRAD_SYNC sums them like any tensor."""
+    pipe = ["parallel.pp=2", "parallel.dp=2", "parallel.schedule=chimera", "parallel.microbatches=4"]
+    ep = TINY + MOE + pipe + ["parallel.ep=2"]
+    runs = [CHIMERA + pipe + ["parallel.zero=3"], ep, ep + ["parallel.zero=1"]]
+    ones = [_run(CHIMERA + ["train.micro_batch=1"]), _run(TINY + MOE + ["train.micro_batch=1"])]
     results = run_distributed(_worker, 4, runs, timeout_s=300)
     for i, flags in enumerate(runs):
-        _check([r[i] for r in results], one, "pipeline chimera over 2 stages x 2 dp", flags)
+        _check([r[i] for r in results], ones[min(i, 1)], "pipeline chimera over 2 stages x 2 dp", flags)
