@@ -10,8 +10,8 @@
   equal the runtime's prediction and the planner's cost face to the byte; the ZeRO-3 layout resumes a one-process
   checkpoint to its losses;
 * gloo, 4 processes (slow), Chimera at dp=2: ``parallel.zero=3`` on the untied ``mlp`` model (each stage's two
-  replicas FSDP2-sharded, their shards summed at the update), and ``parallel.ep=2`` on gpt2-moe with zero 0 and 1:
-  the same parity.
+  replicas FSDP2-sharded, their shards summed at the update), and ``parallel.ep=2`` on gpt2-moe with zero 0 and 1;
+  1f1b with ``parallel.ep=2`` and a remat schedule recomputing the MoE layer: the same parity.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def _check(results: list[dict], one: dict, how: str, flags: list[str]) -> None:
         if p.tp > 1:
             assert m["comm_bytes_intra_layer"] == pytest.approx(m["predicted_comm_bytes_intra_layer"], rel=1e-9)
         assert r["comm"] == pytest.approx(m["predicted_comm_bytes"], rel=1e-12), (rank, r["comm"], m)
-        pipe = rank // p.tp % p.pp  # global rank (d·pp + pipeline rank)·tp + t
+        # TP: global rank (d·pp + pipeline rank)·tp + t; else pipeline rank · dp + d
+        pipe = rank // p.tp % p.pp if p.tp > 1 else rank // max(p.dp, 1)
         assert r["comm"] == pytest.approx(costs[pipe].comm_bytes, rel=1e-12), (rank, r["comm"], costs[pipe])
 
 
@@ -151,15 +152,22 @@ def test_table_refuses_chimera_zero3_with_tied_parameters_only():
 
 
 @pytest.mark.slow
-def test_dp2_pp2_chimera_with_zero3_and_with_ep_equals_one_process():
-    """One start of 4 processes, Chimera (each stage on two ranks) at dp=2, three runs: on ``mlp`` with ZeRO-3 — each
-    replica FSDP2-sharded over its dp group, the two replicas' reduce-scattered shards summed at the update
-    (GRAD_SYNC deferred); on gpt2-moe with ep=2, zero 0 then 1 — both replicas of a stage route through the same
-    EP group in the same action order and hold the same expert slice, so GRAD_SYNC sums them like any tensor."""
-    pipe = ["parallel.pp=2", "parallel.dp=2", "parallel.schedule=chimera", "parallel.microbatches=4"]
-    ep = TINY + MOE + pipe + ["parallel.ep=2"]
-    runs = [CHIMERA + pipe + ["parallel.zero=3"], ep, ep + ["parallel.zero=1"]]
+def test_dp2_pp2_chimera_zero3_and_ep_with_chimera_or_remat_equal_one_process():
+    """One start of 4 processes at pp=2 x dp=2, four runs: Chimera (each stage on two ranks) on ``mlp`` with ZeRO-3 —
+    each replica FSDP2-sharded over its dp group, the two replicas' reduce-scattered shards summed at the update
+    (GRAD_SYNC deferred); Chimera on gpt2-moe with ep=2, zero 0 then 1 — both replicas of a stage route through the
+    same EP group in the same action order and hold the same expert slice, so GRAD_SYNC sums them like any tensor;
+    1f1b with ep=2 and a remat schedule that recomputes the MoE layer — its replayed all-to-alls meet in the
+    same action order on the EP group (and are priced: traffic = prediction = cost face)."""
+    pipe = ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=4"]
+    chimera = pipe + ["parallel.schedule=chimera"]
+    ep = TINY + MOE + chimera + ["parallel.ep=2"]
+    remat = TINY + MOE + pipe + ["parallel.ep=2", "parallel.schedule=1f1b", "memory.remat.method=optimal",
+                                 "memory.remat.budget=100000"]  # stage 1: "(0) 1", the MoE layer recomputed
+    runs = [CHIMERA + chimera + ["parallel.zero=3"], ep, ep + ["parallel.zero=1"], remat]
     ones = [_run(CHIMERA + ["train.micro_batch=1"]), _run(TINY + MOE + ["train.micro_batch=1"])]
     results = run_distributed(_worker, 4, runs, timeout_s=300)
     for i, flags in enumerate(runs):
-        _check([r[i] for r in results], ones[min(i, 1)], "pipeline chimera over 2 stages x 2 dp", flags)
+        how = f"pipeline {'1f1b' if flags is remat else 'chimera'} over 2 stages x 2 dp"
+        _check([r[i] for r in results], ones[min(i, 1)], how, flags)
+

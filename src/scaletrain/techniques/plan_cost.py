@@ -443,7 +443,7 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
         from scaletrain.techniques.pipeline.experts import moe_layers_per_block, rank_ep_bytes
 
         total += rank_ep_bytes(cfg, sched, bounds, moe_layers_per_block(chain.blocks), rank, b, seq, plan.ep,
-                               plan.precision)
+                               plan.precision, remat)
     if t > 1:
         from scaletrain.techniques.pipeline.tensor_parallel import rank_tp_bytes
 

@@ -473,7 +473,7 @@ class PipelineStrategy(PipelineState, Strategy):
             x = rt.specs[0].shape
             total += rank_ep_bytes(self.model.config, self.sched, list(rt.bounds),
                                    moe_layers_per_block(rt.chain.blocks), rt.pp_rank, x[0], x[1], plan.ep,
-                                   self._precision)
+                                   self._precision, [rt.remat_schedules.get(s) for s in range(rt.n_stages)])
         if self._scaled:  # fp16: the loss scaler's found-inf all-reduce (one fp32) over the world
             total += ring_ar(self.world, 4.0)
         return {"predicted_comm_bytes": total}
