@@ -11,7 +11,8 @@
   checkpoint to its losses;
 * gloo, 4 processes (slow), Chimera at dp=2: ``parallel.zero=3`` on the untied ``mlp`` model (each stage's two
   replicas FSDP2-sharded, their shards summed at the update), and ``parallel.ep=2`` on gpt2-moe with zero 0 and 1;
-  1f1b with ``parallel.ep=2`` and a remat schedule recomputing the MoE layer: the same parity.
+  1f1b with ``parallel.ep=2`` and a remat schedule recomputing the MoE layer: the same parity; PipeDream with
+  ``parallel.ep=2`` = PipeDream without EP.
 """
 
 from __future__ import annotations
@@ -152,22 +153,30 @@ def test_table_refuses_chimera_zero3_with_tied_parameters_only():
 
 
 @pytest.mark.slow
-def test_dp2_pp2_chimera_zero3_and_ep_with_chimera_or_remat_equal_one_process():
+def test_dp2_pp2_chimera_zero3_and_ep_with_chimera_remat_or_pipedream():
     """One start of 4 processes at pp=2 x dp=2, four runs: Chimera (each stage on two ranks) on ``mlp`` with ZeRO-3 —
     each replica FSDP2-sharded over its dp group, the two replicas' reduce-scattered shards summed at the update
     (GRAD_SYNC deferred); Chimera on gpt2-moe with ep=2, zero 0 then 1 — both replicas of a stage route through the
     same EP group in the same action order and hold the same expert slice, so GRAD_SYNC sums them like any tensor;
     1f1b with ep=2 and a remat schedule that recomputes the MoE layer — its replayed all-to-alls meet in the
-    same action order on the EP group (and are priced: traffic = prediction = cost face)."""
+    same action order on the EP group (and are priced: traffic = prediction = cost face); and PipeDream's stream
+    with ep=2 gives the stream's losses and parameters without EP (its updates inside the stream meet no EP
+    collective: expert gradients are summed over their expert-data-parallel group like any other)."""
     pipe = ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=4"]
     chimera = pipe + ["parallel.schedule=chimera"]
     ep = TINY + MOE + chimera + ["parallel.ep=2"]
     remat = TINY + MOE + pipe + ["parallel.ep=2", "parallel.schedule=1f1b", "memory.remat.method=optimal",
                                  "memory.remat.budget=100000"]  # stage 1: "(0) 1", the MoE layer recomputed
-    runs = [CHIMERA + chimera + ["parallel.zero=3"], ep, ep + ["parallel.zero=1"], remat]
+    stream = TINY + MOE + pipe + ["parallel.schedule=pipedream"]  # weight stashing: not one process's losses
+    runs = [CHIMERA + chimera + ["parallel.zero=3"], ep, ep + ["parallel.zero=1"], remat, stream,
+            stream + ["parallel.ep=2"]]
     ones = [_run(CHIMERA + ["train.micro_batch=1"]), _run(TINY + MOE + ["train.micro_batch=1"])]
     results = run_distributed(_worker, 4, runs, timeout_s=300)
-    for i, flags in enumerate(runs):
+    for i, flags in enumerate(runs[:4]):
         how = f"pipeline {'1f1b' if flags is remat else 'chimera'} over 2 stages x 2 dp"
         _check([r[i] for r in results], ones[min(i, 1)], how, flags)
+    for rank, r in enumerate(results):  # the asynchronous stream (an update per micro-batch) with ep=2 = without
+        a, b = r[4], r[5]
+        assert b["losses"] == pytest.approx(a["losses"], rel=1e-5) and b["norm"] == pytest.approx(a["norm"], rel=1e-5)
+        assert max(_rel(b["model"][k], v) for k, v in a["model"].items()) <= 1e-5, rank
 

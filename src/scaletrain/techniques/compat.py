@@ -247,14 +247,13 @@ RULES: list[Rule] = [
          "context parallelism inside pipeline stages is not composed yet (its ring attention would run per stage "
          "and micro-batch over a group the pipeline's layout does not build)", "parallel.tp with pp",
          "not composed yet"),
-    Rule("pp-ep", lambda p, f: p.pp > 1 and p.ep > 1 and (p.zero not in (0, 1) or p.tp > 1 or p.schedule in ASYNC),
+    Rule("pp-ep", lambda p, f: p.pp > 1 and p.ep > 1 and (p.zero not in (0, 1) or p.tp > 1),
          lambda p, f: f"parallel.ep={p.ep} with parallel.pp={p.pp}, zero={p.zero}, tp={p.tp}, "
                       f"schedule={p.schedule}, remat={p.remat.method if p.remat.active else 'none'}",
          "expert parallelism inside the stages is composed with the plain all-reduce and ZeRO-1's sharded "
-         "optimizer only; FSDP's shards, TP's (dp, pp, tp) mesh and the asynchronous "
-         "updates are not composed with it yet",
-         "ep with pp and zero=0 or 1, tp=1, schedule gpipe, 1f1b, interleaved, zb1p or chimera",
-         "zero 0/1, sync only"),
+         "optimizer only; FSDP's shards and TP's (dp, pp, tp) mesh are not composed with it yet",
+         "ep with pp, zero=0 or 1 and tp=1",
+         "zero 0/1, tp=1"),
     Rule("pp-virtual", lambda p, f: p.pp > 1 and p.virtual > 1 and p.schedule != "interleaved",
          lambda p, f: f"parallel.virtual={p.virtual} with parallel.schedule={p.schedule}",
          "virtual stages only apply to the interleaved schedule", "parallel.virtual=0 or 1", "interleaved only"),
