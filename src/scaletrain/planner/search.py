@@ -8,7 +8,7 @@ Pruning, cheapest first, each rejected region kept with its reason (compat rules
    (the compatibility table's rule), dp·tp·cp·pp = world, pp ≤ l + 2 blocks (any pp: the runtime's
    partitioner splits the embedding, the l layers and the head unevenly, :mod:`.stages`), cp by the
    table's cp-seq / cp-dropout / pp-cp rules, HSDP's group G a divisor of dp (plain data parallelism
-   only: compat hsdp-mp), pp × ZeRO-3 without TP (compat pp-zero3-tp), dp divides the global batch
+   only: compat hsdp-mp), pp × ZeRO-2 (compat pp-zero2), dp divides the global batch
    and dp·b divides it too (micro-batch b: every divisor, no fixed cap);
 2. **memory lower bound** — a (tp, pp) pair whose model states alone, sharded as far as any ZeRO
    stage the runtime allows there, exceed the device is dropped before any time is priced;
@@ -227,7 +227,7 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
         if pp > 1 and 2 == fx.get("zero"):
             rule(Plan(tp=tp, pp=pp, zero=2), region)
         if pp > 1 and 3 in zeros and not rule(Plan(tp=tp, pp=pp, zero=3), f"{region} zero=3"):
-            zeros.remove(3)  # pp x ZeRO-3 runs with tp=1 only (compat pp-zero3-tp)
+            zeros.remove(3)  # pp x ZeRO-3 where the table refuses it (e.g. a MoE with ep)
         # HSDP: ZeRO within groups of G of the dp ranks, replicated across them (plain data parallelism only)
         groups = [0] + [g for g in _divisors(dp) if 1 < g < dp]
         if "hsdp" in fx:

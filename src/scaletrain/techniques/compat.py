@@ -50,6 +50,8 @@ class Facts:
     """Micro-batches per step as resolved (pipeline); 0 = not known yet."""
     sweep: bool = False
     """Trained by ``scaletrain sweep`` (spilled shards on shared devices, :mod:`scaletrain.sweep`)."""
+    shared: bool = True
+    """Two Chain blocks use one parameter (GPT-2's tied embedding: the first and the last block)."""
     rezero: bool = False
     """ReZero residuals without the blocks' LayerNorms (:attr:`scaletrain.models.gpt2.GPT2Config.rezero`)."""
 
@@ -64,8 +66,15 @@ class Facts:
         family = spec_of(model)  # what the model is, as its folder under models/ declares it
         hf = is_transformers(model)
         moe = bool(moe_layers(model))
+        shared = False
         try:
-            n_blocks, chain = len(to_chain(model)), True
+            blocks = to_chain(model).blocks
+            n_blocks, chain = len(blocks), True
+            seen: set[int] = set()
+            for blk in blocks:
+                ids = {id(p) for p in blk.parameters()}
+                shared = shared or bool(ids & seen)
+                seen |= ids
         except Exception:  # noqa: BLE001 - not cut into blocks: the table refuses what needs it
             n_blocks, chain = 0, False
         gpt2 = family is not None and family.decoder
@@ -84,7 +93,7 @@ class Facts:
                    vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
                    n_experts=int(getattr(cfg, "n_experts", 0) or 0), n_blocks=n_blocks, chain=chain,
                    input_spec=spec, seq_len=seq_len, eval_every=eval_every,
-                   microbatches=microbatches, rezero=bool(getattr(cfg, "rezero", False)))
+                   microbatches=microbatches, rezero=bool(getattr(cfg, "rezero", False)), shared=shared)
 
 
 @dataclass(frozen=True)
@@ -222,15 +231,12 @@ RULES: list[Rule] = [
          "Megatron-LM refuse it with pipelines too)",
          "parallel.zero=1 with pipelines (Megatron's distributed optimizer), 3 (FSDP inside the stages), or 0",
          "use zero=1 or 3"),
-    Rule("pp-zero3-chimera", lambda p, f: p.pp > 1 and p.zero == 3 and p.schedule == "chimera",
-         "parallel.zero=3 with parallel.schedule=chimera",
-         "FSDP inside the stages reduce-scatters each stage's gradients once, at the step's update, but Chimera "
-         "sums a stage's two replicas' gradients mid-step", "parallel.zero=3 with gpipe, 1f1b, interleaved or zb1p; "
-         "zero=0 or 1 with chimera", "replicas sum mid-step"),
-    Rule("pp-zero3-tp", lambda p, f: p.pp > 1 and p.zero == 3 and p.tp > 1,
-         lambda p, f: f"parallel.zero=3 with parallel.pp={p.pp} and parallel.tp={p.tp}",
-         "FSDP over the dp dimension of the pipeline's (dp, pp, tp) mesh is not composed yet",
-         "parallel.zero=1 with pp and tp (Megatron's 3-D), or zero=3 with pp alone", "not composed yet"),
+    Rule("pp-zero3-chimera", lambda p, f: p.pp > 1 and p.zero == 3 and p.schedule == "chimera" and f.shared,
+         "parallel.zero=3 with parallel.schedule=chimera on a model with tied parameters",
+         "Chimera's down and up pipelines put the first and the last stage on one rank, so a parameter they "
+         "share (GPT-2's tied embedding) would sit in two FSDP units of that rank, and FSDP2 shards each "
+         "parameter in exactly one", "parallel.zero=0 or 1 with chimera; zero=3 with gpipe, 1f1b, interleaved "
+         "or zb1p, or with chimera on a model without tied parameters", "tied weight in 2 units"),
     Rule("pp-zero-async", lambda p, f: p.pp > 1 and p.zero in (1, 3) and p.schedule in ASYNC,
          lambda p, f: f"parallel.zero={p.zero} with parallel.schedule={p.schedule}",
          "the asynchronous schedules update inside the stream, between the reduce-scatter and all-gather "
@@ -241,20 +247,13 @@ RULES: list[Rule] = [
          "context parallelism inside pipeline stages is not composed yet (its ring attention would run per stage "
          "and micro-batch over a group the pipeline's layout does not build)", "parallel.tp with pp",
          "not composed yet"),
-    Rule("pp-tp-moe", lambda p, f: p.pp > 1 and p.tp > 1 and f.moe,
-         lambda p, f: f"parallel.pp={p.pp} with parallel.tp={p.tp} on a mixture-of-experts model",
-         "the stages' tensor-parallel layout keeps a MoE layer's parameters as plain tensors beside the DTensors, "
-         "and the stage optimizer steps them together (without pipelines ZeRO's flat local shards do)",
-         "parallel.tp without pp, or parallel.pp (and parallel.ep) without tp", "plain tensors beside DTensors"),
-    Rule("pp-ep", lambda p, f: p.pp > 1 and p.ep > 1 and (p.zero not in (0, 1) or p.tp > 1 or p.schedule == "chimera"
-                                                          or p.schedule in ASYNC or p.remat.active),
+    Rule("pp-ep", lambda p, f: p.pp > 1 and p.ep > 1 and (p.zero not in (0, 1) or p.tp > 1),
          lambda p, f: f"parallel.ep={p.ep} with parallel.pp={p.pp}, zero={p.zero}, tp={p.tp}, "
                       f"schedule={p.schedule}, remat={p.remat.method if p.remat.active else 'none'}",
          "expert parallelism inside the stages is composed with the plain all-reduce and ZeRO-1's sharded "
-         "optimizer only; FSDP's shards, TP's (dp, pp, tp) mesh, Chimera's replica sums, the asynchronous "
-         "updates and recomputed all-to-alls are not composed with it yet",
-         "ep with pp and zero=0 or 1, tp=1, schedule gpipe, 1f1b, interleaved or zb1p, no remat",
-         "zero 0/1, sync only"),
+         "optimizer only; FSDP's shards and TP's (dp, pp, tp) mesh are not composed with it yet",
+         "ep with pp, zero=0 or 1 and tp=1",
+         "zero 0/1, tp=1"),
     Rule("pp-virtual", lambda p, f: p.pp > 1 and p.virtual > 1 and p.schedule != "interleaved",
          lambda p, f: f"parallel.virtual={p.virtual} with parallel.schedule={p.schedule}",
          "virtual stages only apply to the interleaved schedule", "parallel.virtual=0 or 1", "interleaved only"),

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -329,10 +329,21 @@ def _shard_experts(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module) -
             mem["act_bytes"][s] -= 2.0 * w * (1.0 - 1.0 / plan.ep)
 
 
-def _padded_shard_elements(params: list, N: int) -> int:
-    """Elements of one rank's FSDP2 shards of ``params`` (dim 0 padded to a multiple of N)."""
-    return sum(-(-(p.shape[0] if p.dim() else 1) // N) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1))
-               for p in params)
+def _padded_shard_elements(params: list, N: int, shape: Callable[[Any], tuple] | None = None) -> int:
+    """Elements of one rank's FSDP2 shards of ``params`` (dim 0 padded to a multiple of N). ``shape(p)``: the
+    tensor FSDP shards (the TP-local shape under tensor parallelism; default the whole ``p.shape``)."""
+    total = 0
+    for p in params:
+        shp = tuple(shape(p) if shape is not None else p.shape)
+        rows = shp[0] if shp else 1
+        total += -(-rows // N) * (math.prod(shp) // max(rows, 1))
+    return total
+
+
+def _tp_shape(chain: nn.Module, t: int) -> Callable[[Any], tuple]:
+    """``p`` -> its TP-local shape (:func:`_tp_local_shape`) for the parameters of ``chain``."""
+    names = {id(p): n for n, p in chain.named_parameters()}
+    return lambda p: _tp_local_shape(names.get(id(p), ""), tuple(p.shape), t)
 
 
 def _stage_params(chain: nn.Module, bounds: list[int], s: int) -> list:
@@ -348,7 +359,7 @@ def _shard_stages(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, N:
     half = plan.precision in ("bf16", "fp16")
     for s in range(len(bounds) - 1):
         w = mem["weight_bytes"][s]  # fp32, the whole stage
-        shard = 4.0 * _padded_shard_elements(_stage_params(chain, bounds, s), N)
+        shard = 4.0 * _padded_shard_elements(_stage_params(chain, bounds, s), N, _tp_shape(chain, plan.tp))
         mem["state_bytes"][s] /= N
         mem["weight_bytes"][s] = shard + (w / 2 if half else w)
         mem["grad_bytes"][s] = w
@@ -427,16 +438,18 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
 
     def nbytes(ps: list) -> float:
         if plan.zero == 3:  # the tied gradient is summed over its holders as this rank's FSDP2 shard (dp rank 0's)
-            return float(sum(math.prod(shard_rows(p.shape[0], dp, 0)[2:] + tuple(p.shape[1:])) * 4 for p in ps))
+            shp = [_tp_local_shape(names[id(p)], tuple(p.shape), t) for p in ps]
+            return float(sum(math.prod(shard_rows(x[0], dp, 0)[2:] + x[1:]) * 4 for x in shp))
         return float(sum(math.prod(_tp_local_shape(names[id(p)], tuple(p.shape), t)) * 4 for p in ps))
 
     total = ring_ar(plan.pp * dp, 8.0)  # the window's mean loss (float64)
     shared = [p for p in mine if len(holders[id(p)]) > 1]
-    if shared:
-        total += ring_ar(len(holders[id(shared[0])]), nbytes(shared))
+    if shared:  # (Chimera's replicas: an expert tensor is this rank's 1/ep slice of it)
+        sliced = [p for p in shared if id(p) in expert_param_ids(chain)] if plan.ep > 1 else []
+        total += ring_ar(len(holders[id(shared[0])]), nbytes(shared) - (1 - 1 / plan.ep) * nbytes(sliced))
     if plan.zero == 3:  # FSDP2 in the stages: one all-gather (compute dtype) and one fp32 reduce-scatter per step
         pb = 2 if plan.precision in ("bf16", "fp16") else 4
-        total += (dp - 1) * _padded_shard_elements(mine, dp) * (pb + 4)
+        total += (dp - 1) * _padded_shard_elements(mine, dp, _tp_shape(model, t)) * (pb + 4)
     elif plan.zero == 1:
         from scaletrain.techniques.data_parallel.zero import bucket_segments
 
@@ -465,7 +478,7 @@ def _pipeline_traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int],
         from scaletrain.techniques.pipeline.experts import moe_layers_per_block, rank_ep_bytes
 
         total += rank_ep_bytes(cfg, sched, bounds, moe_layers_per_block(chain.blocks), rank, b, seq, plan.ep,
-                               plan.precision)
+                               plan.precision, remat)
     if t > 1:
         from scaletrain.techniques.pipeline.tensor_parallel import rank_tp_bytes
 

@@ -76,7 +76,7 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
     bounds = stage_bounds(model, example, pp=pp, schedule=schedule, microbatches=microbatches, virtual=v,
                           loss_fn=loss_fn, balance=balance)
     extra: dict = {}
-    if tp > 1 and remat != "none":  # planned on the whole model, before TP shards it
+    if (tp > 1 or ep > 1) and remat != "none":  # planned on the whole model, before TP shards it / EP slices experts
         from .stage import stage_remat
 
         y = torch.zeros(example.shape, dtype=torch.long, device="meta") if seq_len else None

@@ -81,22 +81,27 @@ def moe_layers_per_block(blocks: Any) -> list[int]:
 
 
 def rank_ep_bytes(cfg: Any, sched: Any, bounds: list[int], moe_per_block: list[int], rank: int, micro_batch: int,
-                  seq: int, ep: int, precision: str = "fp32") -> float:
+                  seq: int, ep: int, precision: str = "fp32", remat: list | None = None) -> float:
     """Wire bytes of the all-to-alls one pipeline rank's stages run per step: per micro-batch and MoE
     layer the dispatch and combine all-to-alls and their transposes in the backward
     (:func:`scaletrain.techniques.experts.ep_comm_bytes_per_step`; no statistics all-reduce: each rank's
     load-balancing loss is its own). Under 16-bit autocast the experts' output — the combine
-    all-to-all and its gradient — is 16-bit; the dispatched tokens stay fp32 (LayerNorm's output)."""
+    all-to-all and its gradient — is 16-bit; the dispatched tokens stay fp32 (LayerNorm's output).
+    ``remat``: each stage's rematerialization schedule (or None): a recomputed MoE layer replays its
+    forward's two all-to-alls (half of a layer's four, the same 16-bit share)."""
     from scaletrain.techniques.experts import ep_comm_bytes_per_step
+    from scaletrain.techniques.remat.tree import recompute_counts, tree_of
 
     total = 0.0
     for st in sorted({a.stage for a in sched.actions[rank] if a.kind == "F"}):
-        n = sum(moe_per_block[bounds[st]:bounds[st + 1]])
-        if not n:
+        moe = moe_per_block[bounds[st]:bounds[st + 1]]
+        if not sum(moe):
             continue
         forwards = sum(1 for a in sched.actions[rank] if a.kind == "F" and a.stage == st)
-        e = ep_comm_bytes_per_step(n, micro_batch * seq, cfg.n_embd, cfg.n_experts, cfg.top_k, cfg.capacity_factor,
-                                   ep, act_bytes=4, shared_aux=False)
+        layer = ep_comm_bytes_per_step(1, micro_batch * seq, cfg.n_embd, cfg.n_experts, cfg.top_k,
+                                       cfg.capacity_factor, ep, act_bytes=4, shared_aux=False)["wire_bytes"]
         half = (4 + 2) / 8 if precision in ("bf16", "fp16") else 1.0  # two of the four all-to-alls 16-bit
-        total += forwards * e["wire_bytes"] * half
+        sch = remat[st] if remat else None
+        rec = recompute_counts(tree_of(sch), len(moe)) if sch is not None else [0] * len(moe)
+        total += forwards * layer * half * (sum(moe) + sum(n * r for n, r in zip(moe, rec)) / 2)
     return total

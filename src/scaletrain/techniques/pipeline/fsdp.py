@@ -33,6 +33,18 @@ the same row layout (``Shard(0)``, torch.chunk rows), so after both reduce-scatt
 all-reduces the two *sharded* gradients between the holders of the same dp index — the sum of the
 reduce-scattered gradients is the reduce-scatter of the sum.
 
+Chimera (two pipelines, each stage on two ranks): each replica is sharded over its own rank's dp group and
+reduce-scattered at the update like any stage; the schedule's mid-step GRAD_SYNC is deferred to then, and the
+two replicas' shards are summed between their ranks (:meth:`.grads.ParamPlan.reduce`). A parameter two local
+stages share (GPT-2's tied embedding, whose first and last stages Chimera puts on one rank) cannot be in two
+FSDP units: refused (compat ``pp-zero3-chimera``).
+
+With tensor parallelism (``parallel.tp`` > 1, :mod:`.tensor_parallel`) the stages' parameters are already
+TP DTensors on the ``tp`` dimension of the (dp, pp, tp) mesh; ``fully_shard`` on its ``dp`` sub-mesh makes
+them DTensors over (dp, tp) — torchtitan's 3-D: TP first, then FSDP per stage. FSDP then shards (and pads)
+dim 0 of each TP-local tensor; a TP-replicated parameter's shard lives on every TP rank (counted 1/tp in the
+norm), and the tied ``wte``'s shards of one (dp, tp) index are summed between the first and last stage.
+
 The rest of the face is :class:`~scaletrain.techniques.data_parallel.fsdp.FSDPSync`'s: the optimizer
 updates proxies sharing storage with the local shards, the norm counts every element once (a tied
 shard held by two pipeline ranks counts 1/2 on each), state dicts go through DTensor.
@@ -40,6 +52,7 @@ shard held by two pipeline ranks counts 1/2 on each), state dicts go through DTe
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -67,6 +80,13 @@ class StageFSDP(FSDPSync):
         self.reduce_dtype = torch.float32
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         refs = [(mod, name, p) for mod in model.modules() for name, p in mod._parameters.items() if p is not None]
+        from .tensor_parallel import is_replicated, local
+
+        T = rt.tp.tp if rt.tp is not None else 1
+        # under TP (a (dp, pp, tp) mesh): a TP-replicated parameter's shard is held by every TP rank (counted 1/T
+        # in the norm), and FSDP pads the dim 0 of the TP-local tensor
+        tp_reps = {id(p): T if T > 1 and is_replicated(p) else 1 for _, _, p in refs}
+        tp_shapes = {id(p): tuple(local(p).shape) for _, _, p in refs}
         seen: dict[int, int] = {}
         for rep in rt.replicas.values():
             for p in {id(p): p for p in rep.module.parameters()}.values():
@@ -102,11 +122,16 @@ class StageFSDP(FSDPSync):
             if id(p) in new:
                 mod._parameters[name] = new[id(p)]
         rt.plan.rebind(new)
+        old = {id(q): p_id for p_id, q in new.items()}  # sharded parameter -> the one it replaced
         holders = {id(t): len(rt.plan.holders[i]) for i, t in enumerate(rt.plan.tensors)}
         self.entries: list[FSDPEntry] = []
+        self.tp_shapes: dict[int, tuple[int, ...]] = {}
+        """Each sharded parameter's TP-local shape (its whole shape without TP): what FSDP shards over dp."""
         for name, p in model.named_parameters():
-            if isinstance(p, DTensor) and p.requires_grad:
-                self.entries.append(FSDPEntry(name, p, holders.get(id(p), 1), nn.Parameter(_local(p))))
+            if isinstance(p, DTensor) and p.requires_grad and id(p) in old:
+                reps = holders.get(id(p), 1) * tp_reps[old[id(p)]]
+                self.entries.append(FSDPEntry(name, p, reps, nn.Parameter(_local(p))))
+                self.tp_shapes[id(p)] = tp_shapes[old[id(p)]]
         self.replicate = 1
 
     # -------------------------------------------------------------- the step
@@ -153,8 +178,8 @@ class StageFSDP(FSDPSync):
         all-gather or reduce-scatter moves per rank, summed over every group."""
         total = 0
         for e in self.entries:
-            shape = tuple(e.param.shape)
+            shape = self.tp_shapes[id(e.param)]
             rows = shape[0] if shape else 1
-            rest = e.param.numel() // max(rows, 1)
+            rest = math.prod(shape) // max(rows, 1)
             total += -(-rows // self.dp) * rest
         return total

@@ -9,7 +9,9 @@ so training stays exact:
   pipeline ranks and all-reduces the embedding gradient there; we do the same for any parameter
   shared across ranks, grouped by holder set, in one canonical order on every rank;
 * Chimera's two replicas of each stage (ranks s and P−1−s): summed at the schedule's
-  ``GRAD_SYNC`` of the stage that first uses them.
+  ``GRAD_SYNC`` of the stage that first uses them — under ZeRO-3 at the update instead, after each
+  replica's reduce-scatter over dp (the sum of the two shards is the shard of the sum), as the tied
+  weights are.
 
 Then every local gradient is averaged over the data-parallel replicas of the same pipeline rank.
 Layout: pipeline rank r of replica d is global rank ``ranks[r·dp + d]`` (pp outermost). Under
@@ -98,6 +100,8 @@ class ParamPlan:
         """The parameters this rank counts in the global gradient norm (first holder)."""
         pair = {s: tuple(sorted({sched.rank_of(s, p) for p in range(sched.n_pipes)})) for s in range(S)}
         self.gradsync: dict[int, list[torch.Tensor]] = {}
+        self.pairs = pair
+        """Chimera: the two pipeline ranks holding each stage."""
         tied: dict[tuple[int, ...], list[torch.Tensor]] = {}
         for i in mine:
             h = self.holders[i]
@@ -183,6 +187,8 @@ class ParamPlan:
     def grad_sync(self, stage: int, peer_pp_rank: int) -> None:
         """Chimera's GRAD_SYNC: sum the gradients of ``stage``'s parameters with its other replica."""
         ts = self.gradsync.get(stage, [])
+        if ts and self.zero_sync is not None and self.zero_sync.stage == 3:
+            return  # ZeRO-3: summed as shards at the update (:meth:`reduce`)
         if ts:
             g = self.group([self.global_rank(self.pp_rank), self.global_rank(peer_pp_rank)])
             flat_collective(_materialise(ts), lambda f: self.transport.all_reduce(
@@ -201,7 +207,11 @@ class ParamPlan:
             g = self.group([self.global_rank(r) for r in h])
             flat_collective(_materialise(ts), lambda f: self.transport.all_reduce(
                 f, g, f"shared-parameter gradient all-reduce over pipeline ranks {list(h)}"))
-        if fsdp:
+        if fsdp:  # Chimera's GRAD_SYNC, deferred: each replica's reduce-scattered shard summed with its twin's
+            for stage, ts in sorted(self.gradsync.items()):
+                g = self.group([self.global_rank(r) for r in self.pairs[stage]])
+                flat_collective(_materialise(ts), lambda f: self.transport.all_reduce(
+                    f, g, f"GRAD_SYNC of stage {stage}'s shards over pipeline ranks {list(self.pairs[stage])}"))
             return
         if self.zero_sync is not None:  # ZeRO-1: reduce-scatter into the owned rows (GradSync)
             self.zero_sync.reduce()

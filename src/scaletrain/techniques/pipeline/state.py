@@ -64,6 +64,10 @@ class PipelineState:
         if isinstance(e.param, DTensor) and self.zero.stage != 3:  # ZeRO-3: gathered whole already
             return DTensor.from_local(local, e.param.device_mesh, e.param.placements, run_check=False,
                                       shape=e.param.shape, stride=e.param.stride())
+        if self.runtime.tp is not None:  # ZeRO-3 over TP shards: whole, in the TP layout (fused QKV rows permuted)
+            from .tensor_parallel import unpermute
+
+            return unpermute(self.model, self._names[id(e.param)], local)
         return local
 
     # ------------------------------------------------------------------ state

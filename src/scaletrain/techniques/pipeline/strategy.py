@@ -54,9 +54,9 @@ Supported: every schedule, fp32, bf16 and fp16 (synchronous schedules);
 ``memory.remat.method`` / ``memory.remat.budget`` run a rematerialization schedule inside every
 stage (:func:`.stage.stage_remat`; the budget is per stage and micro-batch) with the unsplit
 synchronous schedules. Refused with a one-line :class:`~scaletrain.errors.ConfigError` naming
-the key (the compatibility table, :mod:`scaletrain.techniques.compat`): ZeRO-2, ZeRO-3 with Chimera,
-the asynchronous schedules or TP, gradient compression, context parallelism, expert parallelism beyond
-zero=0 with the synchronous unreplicated schedules, rematerialization with zb1p or the asynchronous
+the key (the compatibility table, :mod:`scaletrain.techniques.compat`): ZeRO-2, ZeRO-3 with Chimera on tied parameters,
+the asynchronous schedules, gradient compression, context parallelism, expert parallelism beyond
+zero=0 or 1 with the synchronous schedules, rematerialization with zb1p or the asynchronous
 schedules, offloading inside the stages.
 
 A mixture of experts: each stage adds its own MoE layers' load-balancing loss (``model.aux_loss(part)``)
@@ -293,10 +293,12 @@ class PipelineStrategy(PipelineState, Strategy):
         from .fsdp import StageFSDP
 
         rt = self.runtime
-        # the runtime's layout: pipeline rank r of replica d is global rank r * dp + d (pp outermost)
-        mesh = init_device_mesh(rt.device.type, (rt.pp, rt.dp), mesh_dim_names=("pp", "dp"))
+        if rt.tp is not None:  # the (dp, pp, tp) mesh the stages' TP shards live on: FSDP over its dp dimension
+            dp_mesh = rt.tp.mesh["dp"]  # (torchtitan's 3-D: TP first, then fully_shard on the dp sub-mesh)
+        else:  # the runtime's layout: pipeline rank r of replica d is global rank r * dp + d (pp outermost)
+            dp_mesh = init_device_mesh(rt.device.type, (rt.pp, rt.dp), mesh_dim_names=("pp", "dp"))["dp"]
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        self.zero = StageFSDP(self.model, rt, mesh["dp"], param_dtype=half)
+        self.zero = StageFSDP(self.model, rt, dp_mesh, param_dtype=half)
         rt.plan.zero_sync = self.zero
         self._proxy_entry = {id(e.proxy): e for e in self.zero.entries}
         self._param_entry = {id(e.param): e for e in self.zero.entries}
@@ -472,7 +474,7 @@ class PipelineStrategy(PipelineState, Strategy):
             x = rt.specs[0].shape
             total += rank_ep_bytes(self.model.config, self.sched, list(rt.bounds),
                                    moe_layers_per_block(rt.chain.blocks), rt.pp_rank, x[0], x[1], plan.ep,
-                                   self._precision)
+                                   self._precision, [rt.remat_schedules.get(s) for s in range(rt.n_stages)])
         if self._scaled:  # fp16: the loss scaler's found-inf all-reduce (one fp32) over the world
             total += ring_ar(self.world, 4.0)
         return {"predicted_comm_bytes": total}

@@ -75,7 +75,31 @@ def setup(model: nn.Module, *, dp: int, pp: int, tp: int, device_type: str = "cp
     mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     tp_mesh = mesh["tp"]
     apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
+    replicate_moe(model, tp_mesh)
     return TPLayout(tp, tp_mesh.get_local_rank(), tp_mesh.get_group(), layouts(dp, pp, tp), mesh)
+
+
+def is_moe_block(block: nn.Module) -> bool:
+    """A block holding a mixture-of-experts MLP (its TP collectives are the attention's only)."""
+    return any(type(m).__name__ == "MoEFeedForward" for m in block.modules())
+
+
+def replicate_moe(model: nn.Module, tp_mesh: Any) -> None:
+    """Make the parameters of every mixture-of-experts MLP replicated DTensors over ``tp_mesh``.
+
+    Why: TP leaves a MoE layer whole on every TP rank (replicated input, output and gradients, no
+    collective) as plain tensors; a stage's optimizer and its gradient bookkeeping then meet plain
+    tensors beside the DTensors of the same stage (the foreach kernels refuse the mix). Wrapped like
+    the LayerNorms (:func:`~scaletrain.techniques.tensor_parallel.megatron.replicate_module`: plain
+    inputs become Replicate DTensors, outputs local tensors), the router and the experts compute the
+    same values and gradients as before, and the routing between them stays on plain tensors.
+    No collective beyond the initial broadcast (every rank already holds the same weights)."""
+    from scaletrain.techniques.tensor_parallel.megatron import replicate_module
+
+    for moe in [m for m in model.modules() if type(m).__name__ == "MoEFeedForward"]:
+        for mod in moe.modules():
+            if any(not isinstance(p, DTensor) for p in mod.parameters(recurse=False)):
+                replicate_module(mod, tp_mesh)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -131,7 +155,9 @@ def stage_tp_bytes(cfg: Any, t: int, micro_batch: int, seq: int, kinds: list[str
                    precision: str = "fp32") -> float:
     """Wire bytes of one stage replica's DTensor collectives over ``forwards`` micro-batches (ring
     model, as :func:`scaletrain.techniques.tensor_parallel.tp_comm_bytes_per_step`, counted per block;
-    f = (t-1)/t, A = b·s·h·act_bytes). ``kinds``: the stage's blocks, each "embed", "layer" or "head".
+    f = (t-1)/t, A = b·s·h·act_bytes). ``kinds``: the stage's blocks, each "embed", "layer", "moe" (a
+    layer whose MLP is a mixture of experts, run whole on every TP rank: its attention's half of a layer's
+    collectives) or "head".
     Without SP: the embedding all-reduces A in the forward, a transformer block 2 A in the forward and
     2 A in the backward (inputs of c_attn and c_fc), the head A in the backward (lm_head's input) —
     2 f each. With SP every one becomes a reduce-scatter / all-gather pair (f A each, twice as many
@@ -153,10 +179,11 @@ def stage_tp_bytes(cfg: Any, t: int, micro_batch: int, seq: int, kinds: list[str
     loss = 2 * f * 3 * micro_batch * seq * 4
     half = 0.5 if precision in ("bf16", "fp16") and not sequence_parallel else 1.0  # forward outputs of matmuls
     cost = {"embed": 2 * f * A + ar(cfg.n_positions * h), "layer": (4 * half + 4) * f * A + ar(4 * h),
-            "head": 2 * f * A + ar(2 * h) + loss}
+            "moe": (2 * half + 2) * f * A + ar(4 * h), "head": 2 * f * A + ar(2 * h) + loss}
     fwd = tp_forward_bytes_per_block(cfg, t, micro_batch, seq, sequence_parallel=sequence_parallel,
                                      act_bytes=act_bytes)
-    replay = {"embed": fwd[0], "layer": (fwd[1] if len(fwd) > 2 else 0.0) * half, "head": fwd[-1]}
+    layer = (fwd[1] if len(fwd) > 2 else 0.0) * half
+    replay = {"embed": fwd[0], "layer": layer, "moe": layer / 2, "head": fwd[-1]}
     per = sum(cost[k] for k in kinds) + sum(n * replay[k] for k, n in zip(kinds, recomputes or []))
     return forwards * per
 
@@ -173,7 +200,8 @@ def predicted_tp_bytes(model: nn.Module, runtime: Any, micro_batch: int, seq: in
     total = 0.0
     for (pipe, stage), rep in runtime.replicas.items():
         forwards = sum(1 for a in acts if a.kind == "F" and a.stage == stage and a.pipe == pipe)
-        kinds = ["embed" if blk is model.embed else "head" if blk is model.head else "layer" for blk in rep.module]
+        kinds = ["embed" if blk is model.embed else "head" if blk is model.head else
+                 "moe" if is_moe_block(blk) else "layer" for blk in rep.module]
         sched = runtime.remat_schedules.get(stage)
         rec = recompute_counts(tree_of(sched), len(kinds)) if sched is not None else None
         total += stage_tp_bytes(model.config, runtime.tp.tp, micro_batch, seq, kinds, forwards=forwards,
@@ -196,14 +224,14 @@ def shard_full(model: nn.Module, name: str, like: torch.Tensor, full: torch.Tens
     DTensor with ``like``'s placements when ``like`` is one."""
     if not isinstance(like, DTensor):
         return full
+    from torch.distributed.tensor import distribute_tensor
+
     perm = _qkv_perm(model, name)
     if perm is not None:
         full = full[perm]
-    mesh = like.device_mesh
-    for dim, pl in enumerate(like.placements):
-        if pl.is_shard():
-            full = full.chunk(mesh.size(dim), dim=pl.dim)[mesh.get_local_rank(dim)]
-    return DTensor.from_local(full.to(like.device).contiguous(), mesh, like.placements, run_check=False,
+    # no communication (src_data_rank=None); DTensor's own split, so FSDP's strided dp x tp rows come out right
+    mine = distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
+    return DTensor.from_local(mine.contiguous(), like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
 
 
@@ -211,7 +239,12 @@ def gather_full(model: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`shard_full` (collective over the TP group when ``t`` is a DTensor)."""
     if not isinstance(t, DTensor):
         return t
-    full = t.full_tensor()
+    return unpermute(model, name, t.full_tensor())
+
+
+def unpermute(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+    """A gathered whole tensor of parameter ``name`` in the single-process layout (the fused QKV's rows
+    put back in order; other tensors as they are)."""
     perm = _qkv_perm(model, name)
     return full[torch.argsort(perm)] if perm is not None else full
 
@@ -286,8 +319,9 @@ def rank_tp_bytes(plan: Any, cfg: Any, bounds: list[int], b: int, seq: int, sche
 
     total = 0.0
     for st in sorted({a.stage for a in sched.actions[rank] if a.kind == "F"}):
-        kinds = ["embed" if i == 0 else "head" if i == bounds[-1] - 1 else "layer"
-                 for i in range(bounds[st], bounds[st + 1])]
+        every = getattr(cfg, "moe_every", 0) if getattr(cfg, "n_experts", 0) else 0  # block i is layer i - 1
+        kinds = ["embed" if i == 0 else "head" if i == bounds[-1] - 1 else "moe" if every and i % every == 0
+                 else "layer" for i in range(bounds[st], bounds[st + 1])]
         forwards = sum(1 for a in sched.actions[rank] if a.kind == "F" and a.stage == st)
         rec = recompute_counts(tree_of(remat[st]), len(kinds)) if remat else None
         total += stage_tp_bytes(cfg, plan.tp, b, seq, kinds, forwards=forwards, recomputes=rec,
