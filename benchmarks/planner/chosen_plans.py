@@ -216,7 +216,8 @@ def table(data: dict[str, Any]) -> str:
 
     lines = ["| model | path | chosen plan | peak predicted / measured (error) | traffic predicted / measured | wall s |",
              "|---|---|---|---|---|---|"]
-    for name, rec in data["models"].items():
+    for name in sorted(data["models"], key=lambda n: list(MODELS).index(n) if n in MODELS else len(MODELS)):
+        rec = data["models"][name]
         for path in ("plan_file", "auto"):
             if path in rec:
                 lines.append("| " + " | ".join([f"`{name}`", "plan --out + train --plan" if path == "plan_file"
@@ -252,7 +253,7 @@ def main(argv: list[str]) -> int:
             if name != OBJECT and not args.no_auto:
                 rec["auto"] = auto_run(name, spec, d)
             rec["load_1min_after"] = os.getloadavg()[0]
-            data["models"][name] = rec
+            data["models"][name] = {**data["models"].get(name, {}), **rec}  # --no-auto keeps the earlier auto run
             print(json.dumps({name: {k: {a: b for a, b in v.items() if "breakdown" not in a and a != "plan_toml"}
                                      if isinstance(v, dict) else v for k, v in rec.items()}}), flush=True)
             data.update(machine=machine(), steps=STEPS, world=WORLD)
