@@ -93,3 +93,24 @@ def test_tp_remat_traffic_replays_the_recomputed_forwards():
                                seq=64, counts=local_param_counts(model, tp=2, ep=1), grad_clip=True, world=2,
                                recomputes=[1] * n)["predicted_comm_bytes"]
     assert remat > plain and remat == runtime
+
+
+def test_zero1_traffic_counts_the_padding_rows():
+    """ZeRO-1/2 shard every tensor by rows padded to dp whole chunks, and the padding travels: hf:bert's
+    odd vocabulary (embedding rows, decoder bias) adds 129 elements at dp=2. The ledger measured
+    3,505,680 bytes per step on rank 0 (2 processes, micro-batch 4, seq 64; benchmarks/planner/chosen_plans.py)."""
+    import math
+
+    from scaletrain.plan import Plan
+    from scaletrain.planner.api import target
+    from scaletrain.techniques.data_parallel.cost import comm_bytes_per_step
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    model = target("hf:bert").model
+    rows = [(p.shape[0] if p.ndim else 1, p.numel()) for p in model.parameters()]
+    assert any(r % 2 for r, _ in rows)  # something to pad
+    padded = sum(math.ceil(r / 2) * 2 * (n // r) for r, n in rows)
+    assert padded > sum(n for _, n in rows)
+    got = plan_costs(Plan(dp=2, zero=1, micro_batch=4), model, world=2, global_batch=8, seq=64, micro_batch=4)
+    norm = 2 * (2 - 1) / 2 * 8  # the fp64 gradient-norm all-reduce
+    assert got[0].comm_bytes == comm_bytes_per_step(padded, 1, 2) + norm == 3505680

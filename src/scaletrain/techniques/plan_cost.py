@@ -375,6 +375,8 @@ def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, 
         from scaletrain.techniques.cost import MeshShape, local_param_counts, mesh_predictions
 
         counts = local_param_counts(model, tp=plan.tp, ep=plan.ep)
+        if plan.zero in (1, 2) and plan.tp == plan.cp == 1 and not counts["expert"] and not plan.hsdp:
+            counts = {"dense": _zero_padded_elements(model, plan.dp), "expert": 0}
         if plan.zero == 0 and plan.tp == plan.cp == plan.ep == 1:  # torch DDP: one all-reduce of the gradients
             from scaletrain.techniques.data_parallel.cost import comm_bytes_per_step
 
@@ -393,6 +395,24 @@ def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, 
         return [mesh_predictions(cfg, mp, stage=plan.zero, micro_batch=b, accum=M, seq=seq, counts=counts,
                                  grad_clip=True, world=world, recomputes=recomputes, kept=kept)["predicted_comm_bytes"]]
     return [_pipeline_traffic(plan, model, cfg, bounds, b, seq, M, r, remat) for r in range(plan.pp)]
+
+
+def _zero_padded_elements(model: nn.Module, dp: int) -> int:
+    """Elements ZeRO-1/2's reduce-scatter and all-gather move per rank group: :class:`.data_parallel.zero.GradSync`
+    shards every tensor by rows (``shard_rows``) and pads it to ``dp`` whole chunks, so a tensor with a row
+    count not divisible by ``dp`` (an odd vocabulary: hf:bert's embedding and decoder bias) carries its
+    padding rows on the wire (hf:bert, dp=2: 129 elements, 258 bytes per collective)."""
+    from scaletrain.techniques.data_parallel.sharded import shard_rows
+
+    seen: set[int] = set()
+    n = 0
+    for p in model.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        rows = p.shape[0] if p.ndim else 1
+        n += dp * shard_rows(rows, dp, 0)[0] * (p.numel() // max(rows, 1))
+    return n
 
 
 def _tp_local_shape(name: str, shape: tuple[int, ...], t: int) -> tuple[int, ...]:
