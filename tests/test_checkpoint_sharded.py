@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -181,11 +179,36 @@ def test_checkpoint_info_and_streamed_export(one_process_run, tmp_path, capsys):
         assert err.count("\n") == 1 and err.startswith("scaletrain: error:"), err
 
 
-def _cli(out: Path, *extra: str) -> list[float]:
-    r = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", "--nproc-per-node", "4", "--out", str(out),
-                        *[a for a in extra if a.startswith("--")], *TINY,
-                        *[a for a in extra if not a.startswith("--")]], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-4000:]
+def _written_then_resumed(rank: int, world: int, root: str) -> None:
+    """On one 4-process group: tp=2 x pp=2 (the step-2 checkpoint saved in the background while step 3
+    trains), then ZeRO-3 resumed from that step-2 checkpoint (one start of the processes, not two);
+    rank 0 logs both runs' losses to their metrics.jsonl."""
+    import torch.distributed as dist
+
+    from scaletrain.train.trainer import Trainer
+
+    def fit(out: Path, *extra: str, resume: bool = False) -> None:
+        t = Trainer(load_config(None, TINY + list(extra)), out, resume=resume, log=lambda s: None)
+        try:
+            t.fit()
+        finally:
+            t.close()
+
+    root_ = Path(root)
+    fit(root_ / "tp2pp2", "parallel.tp=2", "parallel.pp=2", "train.checkpoint_async=true")
+    step2 = root_ / "tp2pp2" / "checkpoints" / "step_00000002"
+    if rank == 0:
+        for name in ("zero3", "one"):
+            (root_ / name / "checkpoints").mkdir(parents=True)
+            shutil.copytree(step2, root_ / name / "checkpoints" / step2.name)
+            shutil.copy(root_ / "tp2pp2" / "config.toml", root_ / name / "config.toml")
+    dist.barrier()
+    # as `--resume` would run it: the run's config.toml with the new layout
+    fit(root_ / "zero3", "parallel.tp=1", "parallel.pp=1", "parallel.zero=3", "train.checkpoint_async=true",
+        resume=True)
+
+
+def _logged_losses(out: Path) -> list[float]:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return [x["loss"] for x in rows if "loss" in x]
 
@@ -202,16 +225,16 @@ def _spread(path: Path) -> tuple[float, int]:
 def test_tp2_pp2_checkpoint_resumes_at_zero3_and_in_one_process(tmp_path):
     """The done-when: written at tp=2 x pp=2 (4 processes; the step-2 checkpoint in the background
     while step 3 trains), resumed from step 2 at ZeRO-3 on 4 processes and in one process: the
-    uninterrupted run's losses (1e-6); each rank wrote ~1/4."""
-    full = _cli(tmp_path / "tp2pp2", "parallel.tp=2", "parallel.pp=2", "train.checkpoint_async=true")
-    step2 = tmp_path / "tp2pp2" / "checkpoints" / "step_00000002"
-    share, whole = _spread(step2)
+    uninterrupted run's losses (1e-6); each rank wrote ~1/4. The two 4-process runs share one start
+    of the processes (the CLI's ``--nproc-per-node`` launch is proved in tests/test_data_parallel.py)."""
+    from scaletrain.testing import run_distributed
+
+    run_distributed(_written_then_resumed, 4, str(tmp_path), timeout_s=300)
+    full = _logged_losses(tmp_path / "tp2pp2")
+    assert len(full) == 4
+    share, whole = _spread(tmp_path / "tp2pp2" / "checkpoints" / "step_00000002")
     assert share < 0.27 and whole <= 4, (share, whole)  # pp x tp: a stage's TP shards only
-    for name in ("zero3", "one"):
-        (tmp_path / name / "checkpoints").mkdir(parents=True)
-        shutil.copytree(step2, tmp_path / name / "checkpoints" / step2.name)
-        shutil.copy(tmp_path / "tp2pp2" / "config.toml", tmp_path / name / "config.toml")
-    z3 = _cli(tmp_path / "zero3", "--resume", "parallel.tp=1", "parallel.pp=1", "parallel.zero=3")
+    z3 = _logged_losses(tmp_path / "zero3")
     assert z3 == pytest.approx(full[2:], rel=1e-6, abs=1e-6)
     share, whole = _spread(tmp_path / "zero3" / "checkpoints" / "step_00000004")
     assert share < 0.26 and whole <= 4, (share, whole)  # ZeRO-3: every tensor's rows over 4 ranks

@@ -87,12 +87,157 @@ def tiny(tmp_path_factory) -> dict:
     return ref
 
 
+# The layouts below train in ONE 4-process group, one Trainer after another (each launch of
+# ``scaletrain train --nproc-per-node 4`` pays ~10-30 s of torchrun and torch start-up on 2 cores for ~2 s
+# of training); the CLI launch itself is proved once, by the resume test after them.
+GROUP = {
+    "tp_sp_zero2_remat": ["parallel.tp=2", "parallel.dp=2", "parallel.zero=2", "parallel.sequence_parallel=true",
+                          "memory.remat.method=periodic", "memory.remat.selective=attention"],
+    "tp_zero3": ["parallel.tp=2", "parallel.dp=2", "parallel.zero=3"],
+    "tp2_cp2": ["parallel.tp=2", "parallel.cp=2"],
+    "cp4_accumulation": ["parallel.cp=4", "train.micro_batch=4"],  # eval: 1 global batch
+    "moe_ep2_tp2": MOE + ["parallel.ep=2", "parallel.tp=2"],
+    "moe_ep2_dp4_zero2": MOE + ["parallel.ep=2", "parallel.zero=2"],
+    "moe_ep2_resumed": MOE + ["parallel.ep=2"],  # resumes the one-process step-3 checkpoint (see the fixture)
+}
+
+
+def _group_worker(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> dict:
+    """Each run on this rank: ("ok", its log lines and layout) or ("error", the traceback)."""
+    import traceback
+
+    from scaletrain.train.trainer import Trainer
+
+    out = {}
+    for name, extra in runs.items():
+        lines: list[str] = []
+        try:
+            t = Trainer(load_config(None, TINY + extra), Path(root) / name, resume=name.endswith("resumed"),
+                        log=lines.append)
+            try:
+                lines.append(t.parallel.describe())  # the layout the CLI prints in its first line
+                t.fit()
+            finally:
+                t.close()
+            out[name] = ("ok", lines)
+        except Exception:  # noqa: BLE001 - reported by the run's own test
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> dict:
+    """The one-process MoE run, with a checkpoint after every step."""
+    out = tmp_path_factory.mktemp("one_moe")
+    ref = one_process(MOE + ["train.checkpoint_every=1", "train.keep_checkpoints=10"], out)
+    ref["checkpoints"] = ckpt.list_checkpoints(out / "checkpoints")
+    return ref
+
+
+@pytest.fixture(scope="module")
+def group(moe, tmp_path_factory) -> dict:
+    """Every layout of :data:`GROUP` on one 4-process group: name -> (metrics rows, final checkpoint,
+    rank 0's log)."""
+    from scaletrain.testing import run_distributed
+
+    root = tmp_path_factory.mktemp("group")
+    (root / "moe_ep2_resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copy(moe["checkpoints"][2], root / "moe_ep2_resumed" / "checkpoints")
+    ranks = run_distributed(_group_worker, 4, str(root), GROUP, timeout_s=600)
+    runs = {}
+    for name in GROUP:
+        failed = [f"rank {r}: {out[name][1]}" for r, out in enumerate(ranks) if out[name][0] != "ok"]
+        if failed:
+            runs[name] = "\n".join(failed)
+            continue
+        value = ranks[0][name][1]
+        rows = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = rows, ckpt.load(ckpt.latest(root / name / "checkpoints")), "\n".join(value)
+    return runs
+
+
+def run_of(group: dict, name: str) -> tuple[list[dict], dict, str]:
+    """One layout's outputs, or the test fails with that run's traceback."""
+    if isinstance(group[name], str):
+        pytest.fail(f"{name} failed:\n{group[name]}")
+    return group[name]
+
+
+@pytest.mark.slow
+def test_tp_sp_zero2_with_remat_and_selective_recompute(tiny, group):
+    """Megatron's recompute on a TP x DP mesh: the blocks under nested checkpoints (periodic: two
+    segments) and the attention core recomputed selectively inside them, with sequence parallelism and
+    ZeRO-2 — the one-process losses and parameters, and the traffic predicted to the byte (the
+    recomputed blocks replay their forward collectives in the backward)."""
+    rows, state, stdout = run_of(group, "tp_sp_zero2_remat")
+    assert "remat: periodic" in stdout and "selective" in stdout, stdout
+    check_parity(rows, state, tiny)
+    check_costs(rows)
+
+
+@pytest.mark.slow
+def test_tp_zero3_fsdp_2d(tiny, group):
+    """torchtitan's 2-D: tensor parallelism over pairs, FSDP2 (ZeRO-3) over the data-parallel pairs of
+    the same mesh — one-process losses and parameters, traffic and per-rank model states predicted
+    (ZeRO-3's 3 Psi on the TP-local parameters plus the TP collectives)."""
+    rows, state, stdout = run_of(group, "tp_zero3")
+    assert "tp=2 x dp=2, zero=3" in stdout, stdout
+    check_parity(rows, state, tiny)
+    check_costs(rows)
+
+
+@pytest.mark.slow
+def test_tp2_cp2(tiny, group):
+    """Tensor x context parallelism: ring attention over this rank's heads and sequence chunks (the
+    ring carries 1/tp of the keys and values) — one-process losses and parameters, traffic predicted."""
+    rows, state, stdout = run_of(group, "tp2_cp2")
+    assert "tp=2 x cp=2 x dp=1, zero=0" in stdout, stdout
+    check_parity(rows, state, tiny)
+    check_costs(rows)
+
+
+@pytest.mark.slow
+def test_moe_ep2_tp2(moe, group):
+    """Expert x tensor parallelism on ``gpt2-moe``: attention split over the TP pairs, each MoE layer
+    whole on every TP rank with its experts split over the EP pairs (all-to-alls within each TP index)
+    — one-process losses and parameters, traffic and model states predicted."""
+    rows, state, stdout = run_of(group, "moe_ep2_tp2")
+    assert "tp=2 x ep=2 x dp=2, zero=0" in stdout, stdout
+    check_parity(rows, state, moe)
+    check_costs(rows)
+
+
+@pytest.mark.slow
+def test_cp4_with_accumulation(tiny, group):
+    """`parallel.cp=4`: every rank holds 8 of the 32 tokens; 2 micro-batches per step."""
+    rows, state, stdout = run_of(group, "cp4_accumulation")
+    assert "cp=4 x dp=1, zero=0" in stdout, stdout
+    check_parity(rows, state, tiny)
+    check_costs(rows)
+
+
+@pytest.mark.slow
+def test_moe_ep2_dp4_zero2_and_resume(moe, group):
+    """`model.name=gpt2-moe parallel.ep=2`: 2 of the 4 experts per rank, dp=4, gradients sharded
+    (ZeRO-2); then, with zero=0, the last step again from the one-process step-3 checkpoint (the
+    experts' weights and momentum sliced back, the full momentum gathered again)."""
+    rows, state, stdout = run_of(group, "moe_ep2_dp4_zero2")
+    assert "ep=2 x dp=4, zero=2" in stdout, stdout
+    check_parity(rows, state, moe)
+    check_costs(rows)
+    rows, state, stdout = run_of(group, "moe_ep2_resumed")
+    assert "resumed from" in stdout, stdout
+    check_parity(rows, state, moe, first_step=4)
+    check_momentum(state, ckpt.load(moe["checkpoints"][-1])["optimizer"])
+
+
 @pytest.mark.slow
 def test_tp_sp_dp_zero1_resumes_a_one_process_checkpoint(tiny, tmp_path):
-    """The issue's `parallel.tp=2 parallel.dp=2 parallel.zero=1` (with sequence parallelism),
-    continuing the one-process run from its step-1 checkpoint: model and SGD momentum are sharded
-    back (TP shards, fused-QKV permutation, ZeRO rows), steps 2-4 equal the one-process ones, and
-    the final checkpoint — model and momentum — is the one-process layout again."""
+    """The issue's `scaletrain train --nproc-per-node 4 parallel.tp=2 parallel.dp=2 parallel.zero=1`
+    (with sequence parallelism) through the CLI and its launcher, continuing the one-process run
+    from its step-1 checkpoint: model and SGD momentum are sharded back (TP shards, fused-QKV
+    permutation, ZeRO rows), steps 2-4 equal the one-process ones, and the final checkpoint — model
+    and momentum — is the one-process layout again."""
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
     shutil.copy(tiny["checkpoints"][0], out / "checkpoints")
@@ -112,81 +257,6 @@ def check_momentum(state: dict, ref_opt: dict) -> None:
     for i, st in ref_opt["state"].items():
         buf = state["optimizer"]["state"][i]["momentum_buffer"]
         assert float((buf - st["momentum_buffer"]).norm() / st["momentum_buffer"].norm()) <= 1e-5, i
-
-
-@pytest.mark.slow
-def test_tp_sp_zero2_with_remat_and_selective_recompute(tiny, tmp_path):
-    """Megatron's recompute on a TP x DP mesh: the blocks under nested checkpoints (periodic: two
-    segments) and the attention core recomputed selectively inside them, with sequence parallelism and
-    ZeRO-2 — the one-process losses and parameters, and the traffic predicted to the byte (the
-    recomputed blocks replay their forward collectives in the backward)."""
-    rows, state, stdout = cli(tmp_path / "run", "parallel.tp=2", "parallel.dp=2", "parallel.zero=2",
-                              "parallel.sequence_parallel=true", "memory.remat.method=periodic",
-                              "memory.remat.selective=attention")
-    assert "remat: periodic" in stdout and "selective" in stdout, stdout
-    check_parity(rows, state, tiny)
-    check_costs(rows)
-
-
-@pytest.mark.slow
-def test_tp_zero3_fsdp_2d(tiny, tmp_path):
-    """torchtitan's 2-D: tensor parallelism over pairs, FSDP2 (ZeRO-3) over the data-parallel pairs of
-    the same mesh — one-process losses and parameters, traffic and per-rank model states predicted
-    (ZeRO-3's 3 Psi on the TP-local parameters plus the TP collectives)."""
-    rows, state, stdout = cli(tmp_path / "run", "parallel.tp=2", "parallel.dp=2", "parallel.zero=3")
-    assert "tp=2 x dp=2, zero=3" in stdout, stdout
-    check_parity(rows, state, tiny)
-    check_costs(rows)
-
-
-@pytest.mark.slow
-def test_tp2_cp2(tiny, tmp_path):
-    """Tensor x context parallelism: ring attention over this rank's heads and sequence chunks (the
-    ring carries 1/tp of the keys and values) — one-process losses and parameters, traffic predicted."""
-    rows, state, stdout = cli(tmp_path / "run", "parallel.tp=2", "parallel.cp=2")
-    assert "tp=2 x cp=2 x dp=1, zero=0" in stdout, stdout
-    check_parity(rows, state, tiny)
-    check_costs(rows)
-
-
-@pytest.mark.slow
-def test_moe_ep2_tp2(tmp_path):
-    """Expert x tensor parallelism on ``gpt2-moe``: attention split over the TP pairs, each MoE layer
-    whole on every TP rank with its experts split over the EP pairs (all-to-alls within each TP index)
-    — one-process losses and parameters, traffic and model states predicted."""
-    ref = one_process(MOE)
-    rows, state, stdout = cli(tmp_path / "run", *MOE, "parallel.ep=2", "parallel.tp=2")
-    assert "tp=2 x ep=2 x dp=2, zero=0" in stdout, stdout
-    check_parity(rows, state, ref)
-    check_costs(rows)
-
-
-@pytest.mark.slow
-def test_cp4_with_accumulation(tiny, tmp_path):
-    """`parallel.cp=4`: every rank holds 8 of the 32 tokens; 2 micro-batches per step."""
-    rows, state, stdout = cli(tmp_path / "run", "parallel.cp=4", "train.micro_batch=4")  # eval: 1 global batch
-    assert "cp=4 x dp=1, zero=0" in stdout
-    check_parity(rows, state, tiny)
-    check_costs(rows)
-
-
-@pytest.mark.slow
-def test_moe_ep2_dp4_zero2_and_resume(tmp_path):
-    """`model.name=gpt2-moe parallel.ep=2`: 2 of the 4 experts per rank, dp=4, gradients sharded
-    (ZeRO-2); then, with zero=0, the last step again from the one-process step-3 checkpoint (the
-    experts' weights and momentum sliced back, the full momentum gathered again)."""
-    ref = one_process(MOE + ["train.checkpoint_every=1", "train.keep_checkpoints=10"], tmp_path / "one")
-    rows, state, stdout = cli(tmp_path / "run", *MOE, "parallel.ep=2", "parallel.zero=2")
-    assert "ep=2 x dp=4, zero=2" in stdout
-    check_parity(rows, state, ref)
-    check_costs(rows)
-    checkpoints = ckpt.list_checkpoints(tmp_path / "one" / "checkpoints")
-    out = tmp_path / "resumed"
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copy(checkpoints[2], out / "checkpoints")
-    rows, state, stdout = cli(out, "--resume", *MOE, "parallel.ep=2")
-    check_parity(rows, state, ref, first_step=4)
-    check_momentum(state, ckpt.load(checkpoints[-1])["optimizer"])
 
 
 def test_one_process_loss_includes_the_moe_auxiliary_loss():

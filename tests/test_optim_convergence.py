@@ -22,6 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from scaletrain.techniques.optim.recipes import RECIPES, recipe
+from scaletrain.testing import start_method
 from scaletrain.train.config import load_config
 from scaletrain.train.trainer import Trainer
 
@@ -50,7 +51,7 @@ def _vals(runs: dict[str, list[str]]) -> dict[str, float]:
     """The runs in two one-thread processes: on 2 cores that is ~1.5x faster than one process with
     two threads (a model this small barely uses the second thread) and degrades gracefully when
     the machine is shared (two spinning intra-op threads do not)."""
-    with ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("spawn")) as ex:
+    with ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context(start_method())) as ex:
         futures = {name: ex.submit(_val_one_thread, extra) for name, extra in runs.items()}
         return {name: f.result() for name, f in futures.items()}
 
