@@ -46,14 +46,19 @@ def _predict(extra: list[str], world: int):
 
 @pytest.mark.slow
 def test_data_parallel_plans_predicted():
-    runs = [["parallel.zero=0", "memory.remat.method=periodic"], ["parallel.zero=0"], ["parallel.zero=2"],
-            ["parallel.zero=3"]]
+    runs = [["parallel.zero=0", "memory.remat.method=periodic"], ["parallel.zero=0"],
+            ["parallel.zero=0", "train.micro_batch=4"], ["parallel.zero=2"], ["parallel.zero=3"]]
+    # torch DDP (plan_cost._bucket_views): +7.1 % here without accumulation, +4.9 % with it (-0.05 % and -5.1 %
+    # before its bucket rules); on the measured benchmark's models the same rules took DDP from -7.5..-15.4 % to
+    # within 1.7 % (benchmarks/planner/README.md, quiet run of 2026-11-28): the simulator's one backward piece
+    # per stage cannot tell when each bucket's first gradient arrives, so both stay under MARGIN
+    margins = [MARGIN] * len(runs)
     res = run_distributed(_run, 2, runs)
     for i, extra in enumerate(runs):
         (cost,) = _predict(extra, 2)
         comm, tracked = res[0][i]
         assert comm == cost.comm_bytes, (extra, comm, cost.comm_bytes)
-        assert tracked["tracked_peak_bytes_max"] == pytest.approx(cost.peak_bytes, rel=MARGIN), (extra, tracked, cost)
+        assert tracked["tracked_peak_bytes_max"] == pytest.approx(cost.peak_bytes, rel=margins[i]), (extra, tracked, cost)
 
 
 @pytest.mark.slow
