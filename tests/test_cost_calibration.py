@@ -136,3 +136,42 @@ def test_time_blocks_measures_every_block_and_the_loss():
     f, b = time_blocks(to_chain(model), x, torch.zeros(4, dtype=torch.long), _loss, repeats=1)
     assert len(f) == len(b) == len(to_chain(model).blocks) + 1 and all(t > 0 for t in f)
     assert all(p.grad is None for p in model.parameters())  # nothing left behind
+
+
+def test_time_blocks_charges_each_block_its_own_pass():
+    """In place (inside whole forward and backward passes), the clock between boundaries and the gradient
+    hooks give each block its own seconds: a block sleeping 60 ms in its backward, another in its forward."""
+    import time
+
+    import torch
+
+    from scaletrain.chain import Chain
+    from scaletrain.measure.block_times import time_blocks
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(0.06)
+            return g
+
+    class Slow(torch.nn.Module):
+        def __init__(self, where: str):
+            super().__init__()
+            self.lin, self.where = torch.nn.Linear(4, 4), where
+
+        def forward(self, x):
+            if self.where == "fwd":
+                time.sleep(0.06)
+            y = self.lin(x)
+            return SlowBackward.apply(y) if self.where == "bwd" else y
+
+    chain = Chain([Slow("none"), Slow("bwd"), Slow("fwd"), Slow("none")])
+    f, b = time_blocks(chain, torch.randn(2, 4), torch.zeros(2, dtype=torch.long),
+                       lambda z, y: torch.nn.functional.cross_entropy(z, y), repeats=1)
+    assert len(f) == len(b) == 5
+    assert b[1] >= 0.06 and f[2] >= 0.06
+    assert max(b[0], b[2], b[3], b[4]) < 0.06 and max(f[0], f[1], f[3], f[4]) < 0.06

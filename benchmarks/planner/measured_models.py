@@ -113,7 +113,7 @@ def price(name: str, plan: Plan, plat: Any, spec: dict[str, Any]) -> dict[str, A
     from scaletrain.planner.traced import price as traced_price
     from scaletrain.techniques.plan_cost import heaviest, plan_costs
 
-    tgt, seq = target(name), spec["seq"]
+    tgt, seq = target(name, plat), spec["seq"]
     if isinstance(tgt, Shape):
         from scaletrain import models
 

@@ -7,15 +7,15 @@ thread (2026-11-28, vgg-mini, micro-batch 32), a convolution's backward ran 2.7x
 2x2 max-pool 7x, while a ReLU ran 10x *faster* than the tanh-GELU rate that sets the memory-bound
 roofline. Per operator kind the error has either sign, so no efficiency figure fixes it. Where the
 model can run on this machine — the CPU processes ``plan=auto`` plans for — the honest source is the
-blocks themselves: each distinct block (equal :func:`~scaletrain.measure.blocks._signature`: measured
-once) is run forward and backward on real tensors at each micro-batch the search may choose, and its
-median seconds become the table's entries (:attr:`scaletrain.platform.Platform.measured_blocks`),
-which :mod:`scaletrain.techniques.time_cost` uses in place of the roofline for that block.
+blocks themselves: the model is run forward and backward on real tensors at each micro-batch the
+search may choose, every block timed in place (:func:`time_blocks`), and the median seconds become the
+table's entries (:attr:`scaletrain.platform.Platform.measured_blocks`), which
+:mod:`scaletrain.techniques.time_cost` uses in place of the roofline for that block.
 
 Timing rule (the one :mod:`scaletrain.planner.local` uses for every figure it measures): all ranks
-measure at once (the caller's barrier), one warm-up, then the median of ``repeats`` samples. A block's
-backward is timed with its parameters' gradients freshly allocated (a step's first micro-batch, or a
-step of one micro-batch). Units: seconds.
+measure at once (the caller's barrier), one warm-up, then the median of ``repeats`` samples. The
+parameters' gradients are freshly allocated in every pass (a step's first micro-batch, or a step of one
+micro-batch). Units: seconds.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any, Callable
 
 import torch
 
-from scaletrain.measure.blocks import _signature
 
 
 def model_key(model: Any, chain: Any = None) -> str:
@@ -38,6 +37,12 @@ def model_key(model: Any, chain: Any = None) -> str:
 
     n = sum(p.numel() for p in model.parameters())
     return f"{type(model).__name__}/{n}/{len(to_chain(chain if chain is not None else model).blocks)}"
+
+
+def tp_key(key: str, tp: int, sp: bool) -> str:
+    """The measured table's key of a model's blocks timed sharded ``tp`` ways (``sp``: with sequence
+    parallelism), their in-layer collectives included (:func:`scaletrain.planner.local.block_table`)."""
+    return f"{key}/tp{tp}" + ("/sp" if sp else "")
 
 
 def lookup(table: tuple, key: str, precision: str, seq: int,
@@ -68,48 +73,66 @@ def _cast(precision: str) -> Any:
     return torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def _time_block(fn: Callable[[torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter], h: torch.Tensor,
-                x_grad: bool, precision: str, repeats: int) -> tuple[float, float, torch.Tensor]:
-    """(median forward s, median backward s, output) of one block on input ``h``."""
-    fwd, bwd = [], []
-    y = h
-    for i in range(repeats + 1):  # the first round is the warm-up
-        x = h.detach()
-        if x_grad:
-            x.requires_grad_(True)
-        t0 = time.perf_counter()
-        with _cast(precision):
-            y = fn(x)
-        t1 = time.perf_counter()
-        if y.requires_grad:
-            torch.autograd.backward(y, torch.ones_like(y))
-        t2 = time.perf_counter()
-        for p in params:
-            p.grad = None
-        if i:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return statistics.median(fwd), statistics.median(bwd), y.detach()
+def _one_step(blocks: list, loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: list,
+              precision: str) -> tuple[list[float], list[float]]:
+    """One forward and backward of the whole chain, timed at every block boundary: (forward seconds per
+    block and the loss, backward seconds per block and the loss).
+
+    Forward: the clock is read between blocks. Backward: a hook on each boundary activation reads the
+    clock when its gradient is ready, so block i's backward is the span from its output's gradient to its
+    input's (the first block's ends when ``backward`` returns; its parameters' gradients included)."""
+    marks: list[float] = []
+    ready: dict[int, float] = {}
+    h = x
+    t = [time.perf_counter()]
+    with _cast(precision):
+        for i, fn in enumerate(blocks + [loss]):
+            h = fn(h)
+            t.append(time.perf_counter())
+            if i < len(blocks) and h.requires_grad:
+                h.register_hook(lambda g, i=i: ready.__setitem__(i, time.perf_counter()) or None)
+    fwd = [b - a for a, b in zip(t, t[1:])]
+    t0 = time.perf_counter()
+    if h.requires_grad:
+        h.backward()
+    end = time.perf_counter()
+    for p in params:
+        p.grad = None
+    # boundary i (the output of block i) has its gradient at ready[i]; block i's backward runs from
+    # ready[i] to ready[i - 1]; the loss's from the start to ready[last]
+    n = len(blocks)
+    marks = [ready.get(i, end) for i in range(n)]  # a boundary without gradient: nothing ran before it
+    bwd = [(marks[i - 1] if i else end) - marks[i] for i in range(n)] + [marks[n - 1] - t0 if n else end - t0]
+    return fwd, [max(b, 0.0) for b in bwd]
 
 
 def time_blocks(chain: Any, example_input: torch.Tensor, target: torch.Tensor, loss_fn: Callable,
                 precision: str = "fp32", repeats: int = 3) -> tuple[list[float], list[float]]:
     """(forward, backward) seconds of every block of ``chain`` on one real micro-batch, then of the
-    loss (last entry) — the entries of :func:`scaletrain.measure.census.census`, measured."""
+    loss (last entry) — the entries of :func:`scaletrain.measure.census.census`, measured.
+
+    Each block is timed *in place*, inside whole forward and backward passes of the chain (one warm-up,
+    then the median of ``repeats`` passes per block), not run alone over and over: alone, a block finds
+    its input, weights and saved tensors in the cache it just filled, which a step never does. Measured
+    here (2026-11-28, vgg-mini, micro-batch 32, 1 thread, 5 interleaved rounds): the blocks timed alone
+    summed to 0.5-0.8x the whole pass's forward and backward, every round; in place they sum to it."""
     from scaletrain.chain import to_chain
 
     chain = to_chain(chain)
-    fwd: list[float] = []
-    bwd: list[float] = []
-    seen: dict[tuple, tuple[float, float, torch.Tensor]] = {}
-    h = example_input
-    for i, block in enumerate(chain.blocks):
-        x_grad = i > 0 and h.is_floating_point()
-        sig = _signature(block, h, x_grad)
-        if sig not in seen:
-            seen[sig] = _time_block(block, list(block.parameters()), h, x_grad, precision, repeats)
-        f, b, h = seen[sig]
-        fwd.append(f)
-        bwd.append(b)
-    f, b, _ = _time_block(lambda z: loss_fn(z, target), [], h, True, precision, repeats)
-    return fwd + [f], bwd + [b]
+    blocks = list(chain.blocks)
+    params = list(dict.fromkeys(chain.parameters()))
+    saved = {p: p.grad for p in params}
+    for p in params:
+        p.grad = None
+    runs = []
+    try:
+        for i in range(repeats + 1):  # the first pass is the warm-up
+            step = _one_step(blocks, lambda z: loss_fn(z, target), example_input, params, precision)
+            if i:
+                runs.append(step)
+    finally:
+        for p, g in saved.items():
+            p.grad = g
+    fwd = [statistics.median(r[0][j] for r in runs) for j in range(len(blocks) + 1)]
+    bwd = [statistics.median(r[1][j] for r in runs) for j in range(len(blocks) + 1)]
+    return fwd, bwd

@@ -15,15 +15,23 @@ from typing import Any
 from scaletrain.errors import UserError
 
 
-def target(model: Any, **overrides: Any) -> Any:
+def target(model: Any, platform: Any = None, **overrides: Any) -> Any:
     """What the planner prices: the decoder :class:`~.shape.Shape` on paper, or any other model (a name or
-    an ``nn.Module``) built on the meta device and traced (:class:`.traced.Traced`)."""
+    an ``nn.Module``) built on the meta device and traced (:class:`.traced.Traced`). A decoder shape is
+    traced too when ``platform`` carries this model's measured blocks
+    (:attr:`~scaletrain.platform.Platform.measured_blocks`: ``plan=auto`` on this machine's CPU processes),
+    so a model timed on the machine it will run on is priced by those times whatever its family."""
     from scaletrain.planner.shape import Shape, analytic
-
-    if analytic(model):
-        return Shape.of(model, **overrides)
     from scaletrain.planner.traced import Traced
 
+    if analytic(model):
+        if platform is not None and platform.measured_blocks:
+            from scaletrain.measure.block_times import model_key
+
+            traced = Traced.of(model, **overrides)
+            if any(row[0] == model_key(traced.model) for row in platform.measured_blocks):
+                return traced
+        return Shape.of(model, **overrides)
     return Traced.of(model, **overrides)
 
 

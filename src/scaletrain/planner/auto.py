@@ -199,24 +199,24 @@ def _plan_on_rank0(cfg: Any, world: int, fixed: dict[str, Any], plat: Any, devic
     from scaletrain.planner.cost import Options
     from scaletrain.planner.search import search
     from scaletrain.planner.api import target
-    from scaletrain.planner.shape import analytic
-    from scaletrain.planner.traced import search as traced_search
+    from scaletrain.planner.traced import Traced, search as traced_search
     from scaletrain.techniques import compat
     from scaletrain.techniques.plan_cost import heaviest, plan_costs
 
     t0 = time.perf_counter()
     name, over = cfg.model.name, dict(cfg.model.overrides)
     try:
-        shape = target(name, **over)
+        shape = target(name, plat, **over)
     except UserError as e:
         raise ConfigError(f"plan=auto: {e}") from None
     seq, gb = cfg.data.seq_len, cfg.train.global_batch
     user = Plan.from_config(cfg)
     opts = Options(reserve_bytes=0.5 * 2**30)  # CPU: the interpreter and torch, no CUDA context
-    find = search if analytic(name) else traced_search  # decoder shapes on paper, any other model by its trace
+    traced = isinstance(shape, Traced)  # decoder shapes on paper unless their blocks were measured here
+    find = traced_search if traced else search
     res = find(shape, plat, nodes=1, gpus_per_node=world, global_batch=gb, seq=seq, fixed=fixed,
                precision=cfg.train.precision, optimizer=cfg.optim.name, options=opts, device=device.type)
-    model = shape.model if not analytic(name) else models.get(name, device="meta", **over)
+    model = shape.model if traced else models.get(name, device="meta", **over)
     for i, c in enumerate(res.ranked):
         plan = c.plan.with_(bucket_mb=user.bucket_mb, fsdp_group=user.fsdp_group, balance=user.balance)
         m = plan.microbatches if plan.pp > 1 else gb // (plan.dp * plan.micro_batch)

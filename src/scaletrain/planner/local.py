@@ -217,22 +217,72 @@ def block_table(name: str, overrides: dict, precision: str, micro_batches: tuple
     tensors (:func:`scaletrain.measure.block_times.time_blocks`) at each of ``micro_batches``, smallest
     first, every rank at once (a barrier before each size). Sizes left once ``budget_s`` seconds have
     gone are not measured (the cost model scales from the largest measured one; every rank stops at the
-    same size: rank 0's clock decides). Units: seconds."""
+    same size: rank 0's clock decides). Units: seconds.
+
+    With more than one process and a model whose family has a tensor-parallel split, the blocks are
+    timed a second time sharded over all the processes (``parallel.tp`` = world, and with sequence
+    parallelism where the family offers it) under key
+    :func:`~scaletrain.measure.block_times.tp_key`: a TP block on this CPU is not its
+    roofline's share of the whole block plus an α–β all-reduce — measured here (2026-11-28, gpt2-mini,
+    2 gloo processes) its DTensor dispatch and the in-layer all-reduces, each waiting for the slower
+    rank, made tp=2 steps 1.7-2.4x the plain ones the roofline split predicted faster. Those rows carry
+    the in-layer collectives' time; the cost model then prices no separate TP collective time."""
     from scaletrain import models
     from scaletrain.chain import to_chain
-    from scaletrain.measure.block_times import model_key, time_blocks
+    from scaletrain.measure.block_times import model_key, tp_key
+
+    model = models.get(name, **overrides)
+    key = model_key(model, to_chain(model))
+    t0 = time.perf_counter()
+    rows = _timed_rows(model, key, precision, micro_batches, seq, repeats, lambda: time.perf_counter() - t0 < budget_s)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for sp in _tp_layouts(model, world, seq):
+        torch.manual_seed(0)
+        sharded = models.get(name, **overrides)
+        t1 = time.perf_counter()
+        rows += _timed_rows(sharded, tp_key(key, world, sp), precision, micro_batches, seq, repeats,
+                            lambda: time.perf_counter() - t1 < budget_s / 4, tp=(world, sp))
+    return tuple(rows)
+
+
+def _tp_layouts(model: torch.nn.Module, world: int, seq: int) -> list[bool]:
+    """The sequence-parallel flags of the TP layouts :func:`block_table` times at tp = ``world``: none with
+    one process, or when the family has no split, or the table refuses tp = ``world`` for this model."""
+    from scaletrain.plan import Plan
+    from scaletrain.techniques import compat
+    from scaletrain.techniques.tensor_parallel import costed
+
+    if world < 2 or not costed(model):
+        return []
+    facts = compat.Facts.of(model, world=world, device="cpu", seq_len=seq)
+    return [sp for sp in (False, True) if not compat.violations(Plan(tp=world, sp=sp), facts)]
+
+
+def _timed_rows(model: torch.nn.Module, key: str, precision: str, micro_batches: tuple[int, ...], seq: int,
+                repeats: int, go_on: Callable[[], bool], tp: tuple[int, bool] | None = None) -> list:
+    """The rows of :func:`block_table` for one layout (``tp``: (degree, sequence parallel) to shard
+    ``model`` over every process first)."""
+    import contextlib
+
+    from scaletrain.chain import to_chain
+    from scaletrain.measure.block_times import time_blocks
     from scaletrain.models.adapters import adapt
     from scaletrain.techniques.plan_cost import _loss
 
-    model = models.get(name, **overrides)
     a = adapt(model)
     lm = a.task == "lm"
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    if tp is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from scaletrain.techniques.tensor_parallel import apply_tensor_parallel, loss_context
+
+        apply_tensor_parallel(model, init_device_mesh("cpu", (tp[0],)), sequence_parallel=tp[1])
+        context = lambda: loss_context(model)  # noqa: E731 - the vocabulary-parallel loss, forward and backward
     chain = to_chain(model)
-    key = model_key(model, chain)
     rows = []
-    t0 = time.perf_counter()
     for b in sorted(set(micro_batches)):
-        go = torch.tensor([1 if time.perf_counter() - t0 < budget_s else 0])
+        go = torch.tensor([1 if go_on() else 0])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(go, 0)
         if not go.item():
@@ -242,9 +292,10 @@ def block_table(name: str, overrides: dict, precision: str, micro_batches: tuple
              else torch.zeros(tuple(spec.shape), dtype=spec.dtype))
         y = torch.zeros(tuple(x.shape) if lm else (b,), dtype=torch.long)
         _barrier()
-        f, g = time_blocks(chain, x, y, _loss, precision, repeats)
+        with context():
+            f, g = time_blocks(chain, x, y, _loss, precision, repeats)
         rows.append((key, precision, int(seq if lm else 0), int(b), tuple(f), tuple(g)))
-    return tuple(rows)
+    return rows
 
 
 def optimizer_rate(name: str = "adamw", n_params: int = 1 << 21, repeats: int = 5) -> float:
@@ -344,7 +395,7 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
     ``model``: (model name, overrides) whose operators set the fixed cost per kernel; ``optimizer``:
     the run's, whose step sets ``optimizer_bytes_per_s``; ``micro_batches`` (with ``seq``, the run's
     sequence length, 0 for a model without one): the sizes at which the model's blocks are timed
-    (:attr:`Platform.measured_blocks`, traced models only; :func:`block_table`).
+    (:attr:`Platform.measured_blocks`; :func:`block_table`).
     Returns each rank's own measurement (rank 0's is the one ``plan=auto`` uses)."""
     t0 = time.perf_counter()
     f32, mm = matmul_table(torch.float32)
@@ -378,7 +429,7 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
         fixed = model_kernel_overhead if analytic(model[0]) else traced_kernel_overhead
         try:
             plat = plat.with_(kernel_overhead_s=fixed(model[0], model[1], plat, precision))
-            if micro_batches and not analytic(model[0]):
+            if micro_batches:  # every model, decoder shapes included: plan=auto prices them by their trace
                 plat = plat.with_(measured_blocks=block_table(model[0], model[1], precision, micro_batches, seq))
         except UserError:  # a model the cost model cannot price: the planner says so later, in its own words
             pass

@@ -90,15 +90,22 @@ def attention_seconds(ops: BlockOps, plat: Platform, *, tp: int = 1, cp: int = 1
 
 
 def _measured(plat: Platform, model: nn.Module, chain: Any, plan: Any, ops: list[BlockOps], fwd: list[float],
-              bwd: list[float], *, seq: int, b: int) -> tuple[list[float], list[float]] | None:
+              bwd: list[float], *, seq: int, b: int) -> tuple[list[float], list[float], bool] | None:
     """The blocks' seconds measured on this machine (:attr:`Platform.measured_blocks`, the measured source of
-    the per-block table) when it has this model, else None (the roofline's stand). Measured whole; under
-    tp / cp each block keeps the roofline's ratio of its split time to its whole time."""
+    the per-block table) when it has this model, else None (the roofline's stand); the flag says whether
+    they were measured in the plan's tensor-parallel layout, in-layer collectives included (then no TP
+    collective time is added). Without such rows, under tp / cp each block keeps the roofline's ratio of
+    its split time to its whole time."""
     if not plat.measured_blocks:
         return None
-    from scaletrain.measure.block_times import lookup, model_key
+    from scaletrain.measure.block_times import lookup, model_key, tp_key
 
-    got = lookup(plat.measured_blocks, model_key(model, chain), plan.precision, seq, b)
+    key = model_key(model, chain)
+    if plan.tp > 1 and plan.cp == 1:
+        got = lookup(plat.measured_blocks, tp_key(key, plan.tp, plan.sp), plan.precision, seq, b)
+        if got is not None and len(got[0]) == len(fwd):
+            return got[0], got[1], True
+    got = lookup(plat.measured_blocks, key, plan.precision, seq, b)
     if got is None or len(got[0]) != len(fwd):
         return None
     mf, mb = got
@@ -106,7 +113,7 @@ def _measured(plat: Platform, model: nn.Module, chain: Any, plan: Any, ops: list
         wf, wb = block_seconds(ops, plat)
         mf = [m * (s / w if w > 0 else 1.0) for m, s, w in zip(mf, fwd, wf)]
         mb = [m * (s / w if w > 0 else 1.0) for m, s, w in zip(mb, bwd, wb)]
-    return mf, mb
+    return mf, mb, False
 
 
 def recompute_counts(plan: Any, bounds: list[int], remat: list | None) -> list[int]:
@@ -211,8 +218,9 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
     ops = census(chain, example, target, loss_fn, plan.precision)
     fwd, bwd = block_seconds(ops, plat, tp=plan.tp, sp=plan.sp, cp=plan.cp)
     measured = _measured(plat, model, chain, plan, ops, fwd, bwd, seq=seq, b=b)
+    tp_inside = False  # the TP collectives' time is inside blocks measured in the plan's layout
     if measured is not None:
-        fwd, bwd = measured
+        fwd, bwd, tp_inside = measured
     k = compute_factor(plan, plat.compile_factor, plat.device_type)  # train.compile: the measured compiled/eager factor (1 when not measured)
     fwd, bwd = [x * k for x in fwd], [x * k for x in bwd]
     rec = recompute_counts(plan, bounds, remat)
@@ -249,6 +257,9 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
                     bounds=bounds, rank=r, remat=remat, rank_param_bytes=parts[r]["params"], n_blocks=n_blocks[r],
                     tp_steps=sum(passes[r][s] * tp_ring_steps(bounds, s, rec, plan.tp, plan.sp) for s in stages_of[r]))
               for r in range(P)]
+    if tp_inside:
+        for c in comm_s:
+            c.pop("tp", None)
     # the collectives inside the layers run in the passes: each stage pass carries its share, half each way
     inner = [sum(c.get(k, 0.0) for k in ("tp", "cp", "ep")) for c in comm_s]
     share = [inner[r] / max(sum(passes[r].values()), 1) for r in range(P)]

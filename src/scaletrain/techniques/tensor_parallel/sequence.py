@@ -66,7 +66,7 @@ def keep_sequence_shard_for_backward(module: nn.Module, tp_mesh: DeviceMesh, seq
         local = x._local_tensor
         if not local.is_contiguous() or local.storage_offset() != 0 or local.shape[seq_dim] % t:
             return
-        key, device, full_shape = local.untyped_storage().data_ptr(), local.device, tuple(local.shape)
+        key, device, full_shape = _plain(local).untyped_storage().data_ptr(), local.device, tuple(local.shape)
         # Hooks already active (memory tracker, activation compression) keep applying: chain them.
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
@@ -77,7 +77,7 @@ def keep_sequence_shard_for_backward(module: nn.Module, tp_mesh: DeviceMesh, seq
         def pack(v: torch.Tensor) -> Any:
             is_d = isinstance(v, DTensor)
             lv = v._local_tensor if is_d else v
-            if lv.device != device or lv.untyped_storage().data_ptr() != key:
+            if lv.device != device or _plain(lv).untyped_storage().data_ptr() != key:
                 return (outer_unpack, outer_pack(v) if outer_pack is not None else v)
             if "packed" not in cache:
                 sh = cache.pop("shard")
@@ -99,3 +99,12 @@ def keep_sequence_shard_for_backward(module: nn.Module, tp_mesh: DeviceMesh, seq
     module.register_forward_hook(post)
 
 
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` uses: DTensor's all-gather hands some shapes back as a functional
+    collective's ``AsyncCollectiveTensor`` wrapper (seen at micro-batch 1, gathering dim 1 of [1, s/t, h]),
+    whose own storage cannot be read; its ``elem`` holds the gathered data."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.elem if isinstance(t, AsyncCollectiveTensor) else t
