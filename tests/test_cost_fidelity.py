@@ -43,6 +43,23 @@ def test_all_reduce_across_many_nodes_pays_the_tree_latency():
     assert zero1 == pytest.approx(2 * 63 * 1e-5, rel=1e-6)
 
 
+def test_zero_rings_pay_a_latency_step_per_rank_across_nodes():
+    # NCCL's ring reduce-scatter / all-gather (nccl src/graph/tuning.cc): ranks - 1 steps, nodes - 1 of them
+    # across nodes, every other rank an NVLink step; DDP's all-reduce keeps the tree's 2(k - 1) + 2*ceil(log2 nodes)
+    from scaletrain.cost import collective_steps
+
+    assert collective_steps(512, 8) == (448, 63) and collective_steps(8, 8) == (7, 0)
+    assert collective_steps(1, 8) == (0, 0)
+    assert collective_steps(512, 8, all_reduce=True) == (14, 12)
+    plat = P.Platform(name="t", intra_node_bytes_per_s=1e30, inter_node_bytes_per_s=1e30, intra_node_latency_s=1e-5,
+                      inter_node_latency_s=2e-5, devices_per_node=8)
+    # ZeRO-3 over 512 ranks, one block, one micro-batch: 3 collectives of 448 NVLink + 63 network steps each
+    assert _dp_time(plat, 1e6, 3, 512, 1, 1, 2, blocks=1)[0] == pytest.approx(3 * (448e-5 + 63 * 2e-5), rel=1e-6)
+    # within one node nothing changes: 7 NVLink steps per collective
+    assert _dp_time(plat, 1e6, 3, 8, 1, 1, 2, blocks=1)[0] == pytest.approx(3 * 7e-5, rel=1e-6)
+    assert _dp_time(plat, 1e6, 0, 512, 1, 1, 4, bucket_bytes=1e9)[0] == pytest.approx(14e-5 + 12 * 2e-5, rel=1e-6)
+
+
 def test_eager_fp32_norm_and_rotary_move_their_counted_bytes():
     # torchtitan's RMSNorm and rotary in eager fp32: 36 and 20 bytes per element in the forward instead of
     # a fused kernel's 2 + 2; on a 1 TB/s device at full efficiency with no per-kernel cost, the forward

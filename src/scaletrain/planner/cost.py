@@ -70,7 +70,7 @@ from scaletrain.plan import Plan
 from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
-from scaletrain.cost import (all_reduce_steps, collective_seconds, exposed_seconds, optimizer_seconds,
+from scaletrain.cost import (collective_seconds, collective_steps, exposed_seconds, optimizer_seconds,
                              prefetch_windows, roofline_seconds, zero_comm_factor)
 from scaletrain.planner.context import ring_layer_times
 from scaletrain.planner import stage_remat
@@ -431,8 +431,9 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     (ring convention over dp; ``elem`` bytes per value: DDP's and ZeRO-1/2's gradients in the parameters'
     dtype, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
     hierarchical rings — the group's k ranks inside a node over NVLink, then dp/k nodes over each rank's
-    own InfiniBand NIC (tp innermost, dp next) — plus α per ring step of every collective issued (DDP's
-    all-reduces across nodes: the fewer of the ring's and NCCL's double binary tree's steps): DDP and
+    own InfiniBand NIC (tp innermost, dp next) — plus α per latency step of every collective issued, as
+    NCCL's tuning model counts them (:func:`scaletrain.cost.collective_steps`: DDP's all-reduces NCCL's
+    tree; ZeRO's reduce-scatters and all-gathers rings, a step per rank, nodes − 1 of them across): DDP and
     ZeRO-1/2 one per ``bucket_bytes`` bucket (ZeRO-2's reduce-scatters per micro-batch), ZeRO-3 (FSDP2)
     two all-gathers and a reduce-scatter per block and micro-batch. ``hsdp`` G: ZeRO within groups of G
     consecutive dp ranks, then the cost face's all-reduces of the G-th shards across the dp/G groups
@@ -459,12 +460,15 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     halves = {0: 2 * buckets, 1: 2 * buckets, 2: (m + 1) * buckets, 3: 3 * m * blocks}[zero]
     # ring bytes of the all-reduce-equivalent inside the node (k ranks) and across (dp/k), scaled to ZeRO's
     factor = zero_comm_factor(plat, zero, m)  # the backend's reduce-scatters / all-gathers against the ring
-    intra = collective_seconds(2 * (k - 1) / k * S * scale, halves * (k - 1), bi, plat.intra_node_latency_s) * factor
+    # latency steps as NCCL counts them (collective_steps): DDP's all-reduces NCCL's tree, 2(k − 1) NVLink
+    # steps and 2⌈log2 nodes⌉ across; ZeRO's reduce-scatters and all-gathers rings through every rank,
+    # dp − nodes NVLink steps and nodes − 1 across
+    issued = buckets if zero == 0 else halves
+    step_intra, step_inter = collective_steps(dp, k, all_reduce=zero == 0)
+    intra = collective_seconds(2 * (k - 1) / k * S * scale, issued * step_intra, bi, plat.intra_node_latency_s) * factor
     if zero == 3:  # FSDP2's own work per collective (copy-in/out, hooks), measured where known (local)
         intra += halves * plat.fsdp_collective_overhead_s
-    # DDP's all-reduces across nodes: ring or NCCL's tree, the fewer steps (all_reduce_steps); the rest: rings
-    steps = buckets * all_reduce_steps(nodes) if zero == 0 else halves * (nodes - 1)
-    inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, steps, bo,
+    inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, issued * step_inter, bo,
                                plat.inter_node_latency_s) * factor if nodes > 1 else 0.0
     return intra + inter, intra
 
