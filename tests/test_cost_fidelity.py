@@ -144,3 +144,18 @@ def test_flash_attention_backward_is_five_halves_of_its_forward():
     assert flash["bwd"] - 2 * flash["fwd"] == pytest.approx(0.5 * flash["attn_core"], rel=1e-12)
     mat = layer_times(shape, plat, opts=Options(attention="materialized"), **kw)
     assert mat["bwd"] == pytest.approx(2 * mat["fwd"], rel=1e-12)
+
+
+def test_a_stacks_own_loss_and_optimizer_bytes_replace_the_runtimes():
+    # Megatron-LM 2021 runs its loss over fp32 logits (52 B per logit) and its fp16 optimizer (60 B per
+    # parameter): on a 1 TB/s device at full efficiency, the head and the optimizer move by exactly those bytes
+    shape = Shape(layers=2, hidden=256, heads=4, vocab=1024, positions=128)
+    plat = P.Platform(name="t", device_mem_bytes_per_s=1e12, mem_efficiency=((0.0, 1.0),), flops_bf16=1e15)
+    plan = Plan(dp=1, micro_batch=2, precision="bf16", params_dtype="bf16")
+    base = plan_cost(shape, plan, plat, global_batch=2, seq=128)
+    own = plan_cost(shape, plan, plat, global_batch=2, seq=128,
+                    options=Options(loss_bytes_per_logit=52, optimizer_bytes_per_param=60))
+    logits = 128 * 2 * 1024
+    assert own.blocks_s["head"] - base.blocks_s["head"] == pytest.approx((52 - 2 * (2 + 8)) * logits / 1e12, rel=1e-9)
+    assert own.phases_s["optimizer"] == pytest.approx(60 * shape.params() / 1e12, rel=1e-9)
+    assert base.phases_s["optimizer"] == pytest.approx(92 * shape.params() / 1e12, rel=1e-9)

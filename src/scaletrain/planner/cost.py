@@ -132,6 +132,15 @@ class Options:
     code: the norm 36 (cast 2 + 4, ``pow`` 4 + 4, ``mean`` 4, scale 4 + 4, cast back 4 + 2, weight 2 + 2)
     instead of a fused norm's 2 + 2; rotary 20 (cast 2 + 4, complex multiply 4 + 4, cast back 4 + 2)
     instead of 2 + 2. The backward stays 2 x the forward (module docstring)."""
+    loss_bytes_per_logit: float = 0.0
+    """Bytes the loss's memory-bound kernels move per logit of one micro-batch, forward and backward together.
+    0 = scaletrain's runtime: the 16-bit logits cast to fp32 and the loss and its gradient over them,
+    2·(e + 8). Megatron-LM 2021 counted from its code: 52 (``benchmarks/planner/megatron_table1.py``)."""
+    optimizer_bytes_per_param: float = 0.0
+    """Bytes the optimizer step moves per (sharded) parameter, where the priced stack runs its own kernels.
+    0 = scaletrain's runtime: :func:`~scaletrain.techniques.optim.registry.optimizer_step_bytes` (torch's
+    foreach AdamW and gradient clipping, 92 for Adam). Megatron-LM 2021 counted from its code: 60
+    (``benchmarks/planner/megatron_table1.py``)."""
     autocast_residual_fp32: bool = True
     """Under autocast over fp32 parameters (scaletrain's runtime: precision bf16/fp16 with params_dtype
     fp32) the embedding's output, and so the residual stream, is fp32. PyTorch's autocast op reference
@@ -321,7 +330,9 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     layer += weight_traffic
     # the logits (tied head, vocabulary-parallel) and the loss in fp32 on the last stage
     sbV = seq * b * shape.vocab / tp
-    head = 3 * _mm(plat, plan.precision, seq * b, shape.vocab / tp, shape.hidden) + 2 * plat.memory_bound_seconds(sbV * (e + 8))
+    loss = (plat.memory_bound_seconds(sbV * opts.loss_bytes_per_logit) if opts.loss_bytes_per_logit
+            else 2 * plat.memory_bound_seconds(sbV * (e + 8)))
+    head = 3 * _mm(plat, plan.precision, seq * b, shape.vocab / tp, shape.hidden) + loss
     embed = 3 * plat.memory_bound_seconds(seq * b * shape.hidden * e * 2) + lt["tp_stage"]
     # each rank's layers by the runtime's split (parallel.balance; uneven when pp does not divide l)
     split = (stage_split(shape.layers, pp, v, embed_layers=embed / (lt["fwd"] + lt["bwd"]),
@@ -386,7 +397,8 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     opt_params = n_rank / ((plan.hsdp or dp) * cp if plan.zero >= 1 else 1)
     offloaded = offload_kind(plan) == "optimizer"
     # the update's bytes per (sharded) parameter (optimizer_step_bytes) — on the device unless offloaded
-    optimizer = 0.0 if offloaded else optimizer_seconds(plat, opt_params * optimizer_step_bytes(plan.optimizer, k))
+    step_bytes = opts.optimizer_bytes_per_param or optimizer_step_bytes(plan.optimizer, k)
+    optimizer = 0.0 if offloaded else optimizer_seconds(plat, opt_params * step_bytes)
     host = offload_time(shape, plan, plat, n_rank=n_rank, opt_params=opt_params, m=m, tp=tp,
                         backward_s=L * lt["bwd"], compute_s=pipeline) if offloaded else {"s": 0.0, "host_bytes": 0.0}
     step = pipeline + dp_exposed + optimizer + host["s"]
