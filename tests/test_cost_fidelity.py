@@ -58,6 +58,14 @@ def test_zero_rings_pay_a_latency_step_per_rank_across_nodes():
     # within one node nothing changes: 7 NVLink steps per collective
     assert _dp_time(plat, 1e6, 3, 8, 1, 1, 2, blocks=1)[0] == pytest.approx(3 * 7e-5, rel=1e-6)
     assert _dp_time(plat, 1e6, 0, 512, 1, 1, 4, bucket_bytes=1e9)[0] == pytest.approx(14e-5 + 12 * 2e-5, rel=1e-6)
+    # the traced cost (estimate, plan=auto) counts the same steps: ZeRO-1 over 512 pipeline-replica ranks, one
+    # bucket, a reduce-scatter and an all-gather
+    from scaletrain.techniques.time_cost import _comm
+
+    plan = Plan(dp=512, pp=2, zero=1, microbatches=4, schedule="1f1b", bucket_mb=1e3)
+    out = _comm(plan, None, None, plat, b=1, seq=16, M=4, world=1024, total=1e6, bounds=[0, 1, 2], rank=0,
+                remat=None, rank_param_bytes=1e6, n_blocks=1, tp_steps=0)
+    assert out["dp"] == pytest.approx(2 * (448e-5 + 63 * 2e-5), rel=1e-6)
 
 
 def test_eager_fp32_norm_and_rotary_move_their_counted_bytes():
