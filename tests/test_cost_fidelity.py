@@ -43,6 +43,31 @@ def test_all_reduce_across_many_nodes_pays_the_tree_latency():
     assert zero1 == pytest.approx(2 * 63 * 1e-5, rel=1e-6)
 
 
+def test_zero_rings_pay_a_latency_step_per_rank_across_nodes():
+    # NCCL's ring reduce-scatter / all-gather (nccl src/graph/tuning.cc): ranks - 1 steps, nodes - 1 of them
+    # across nodes, every other rank an NVLink step; DDP's all-reduce keeps the tree's 2(k - 1) + 2*ceil(log2 nodes)
+    from scaletrain.cost import collective_steps
+
+    assert collective_steps(512, 8) == (448, 63) and collective_steps(8, 8) == (7, 0)
+    assert collective_steps(1, 8) == (0, 0)
+    assert collective_steps(512, 8, all_reduce=True) == (14, 12)
+    plat = P.Platform(name="t", intra_node_bytes_per_s=1e30, inter_node_bytes_per_s=1e30, intra_node_latency_s=1e-5,
+                      inter_node_latency_s=2e-5, devices_per_node=8)
+    # ZeRO-3 over 512 ranks, one block, one micro-batch: 3 collectives of 448 NVLink + 63 network steps each
+    assert _dp_time(plat, 1e6, 3, 512, 1, 1, 2, blocks=1)[0] == pytest.approx(3 * (448e-5 + 63 * 2e-5), rel=1e-6)
+    # within one node nothing changes: 7 NVLink steps per collective
+    assert _dp_time(plat, 1e6, 3, 8, 1, 1, 2, blocks=1)[0] == pytest.approx(3 * 7e-5, rel=1e-6)
+    assert _dp_time(plat, 1e6, 0, 512, 1, 1, 4, bucket_bytes=1e9)[0] == pytest.approx(14e-5 + 12 * 2e-5, rel=1e-6)
+    # the traced cost (estimate, plan=auto) counts the same steps: ZeRO-1 over 512 pipeline-replica ranks, one
+    # bucket, a reduce-scatter and an all-gather
+    from scaletrain.techniques.time_cost import _comm
+
+    plan = Plan(dp=512, pp=2, zero=1, microbatches=4, schedule="1f1b", bucket_mb=1e3)
+    out = _comm(plan, None, None, plat, b=1, seq=16, M=4, world=1024, total=1e6, bounds=[0, 1, 2], rank=0,
+                remat=None, rank_param_bytes=1e6, n_blocks=1, tp_steps=0)
+    assert out["dp"] == pytest.approx(2 * (448e-5 + 63 * 2e-5), rel=1e-6)
+
+
 def test_eager_fp32_norm_and_rotary_move_their_counted_bytes():
     # torchtitan's RMSNorm and rotary in eager fp32: 36 and 20 bytes per element in the forward instead of
     # a fused kernel's 2 + 2; on a 1 TB/s device at full efficiency with no per-kernel cost, the forward
@@ -127,3 +152,18 @@ def test_flash_attention_backward_is_five_halves_of_its_forward():
     assert flash["bwd"] - 2 * flash["fwd"] == pytest.approx(0.5 * flash["attn_core"], rel=1e-12)
     mat = layer_times(shape, plat, opts=Options(attention="materialized"), **kw)
     assert mat["bwd"] == pytest.approx(2 * mat["fwd"], rel=1e-12)
+
+
+def test_a_stacks_own_loss_and_optimizer_bytes_replace_the_runtimes():
+    # Megatron-LM 2021 runs its loss over fp32 logits (52 B per logit) and its fp16 optimizer (60 B per
+    # parameter): on a 1 TB/s device at full efficiency, the head and the optimizer move by exactly those bytes
+    shape = Shape(layers=2, hidden=256, heads=4, vocab=1024, positions=128)
+    plat = P.Platform(name="t", device_mem_bytes_per_s=1e12, mem_efficiency=((0.0, 1.0),), flops_bf16=1e15)
+    plan = Plan(dp=1, micro_batch=2, precision="bf16", params_dtype="bf16")
+    base = plan_cost(shape, plan, plat, global_batch=2, seq=128)
+    own = plan_cost(shape, plan, plat, global_batch=2, seq=128,
+                    options=Options(loss_bytes_per_logit=52, optimizer_bytes_per_param=60))
+    logits = 128 * 2 * 1024
+    assert own.blocks_s["head"] - base.blocks_s["head"] == pytest.approx((52 - 2 * (2 + 8)) * logits / 1e12, rel=1e-9)
+    assert own.phases_s["optimizer"] == pytest.approx(60 * shape.params() / 1e12, rel=1e-9)
+    assert base.phases_s["optimizer"] == pytest.approx(92 * shape.params() / 1e12, rel=1e-9)

@@ -6,7 +6,9 @@ and virtual stages are the published run script's (NVIDIA/Megatron-LM ``examples
 MBS and ``--num-layers-per-virtual-pipeline-stage``). V = 51,200, s = 2048, A100 80 GB (a100-80g
 preset), full recomputation, dropout 0.1. Megatron 2021 specifics are passed as options, not fitted:
 materialised softmax + dropout (no flash attention), scatter/gather p2p, fp16 parameters (params_dtype
-bf16, no autocast copies). The published TFLOP/s never enters a prediction: it is only compared.
+bf16, no autocast copies), Megatron's fp32 vocabulary-parallel loss and fp16 optimizer
+(``MEGATRON_2021_LOSS_BYTES``, ``MEGATRON_2021_OPTIMIZER_BYTES``). The
+published TFLOP/s never enters a prediction: it is only compared.
 
 Writes ``benchmarks/results/planner_megatron_table1.json``; run from the repository root:
 ``PYTHONPATH=src python benchmarks/planner/megatron_table1.py``.
@@ -37,7 +39,24 @@ ROWS = [
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163),
 ]
 SEQ, VOCAB = 2048, 51200
-MEGATRON = Options(attention="materialized", p2p_scatter=True, stage_split="uniform")
+MEGATRON_2021_LOSS_BYTES = 52.0
+"""Bytes per logit of Megatron-LM 2021's loss, counted from its code (NVIDIA/Megatron-LM at de7dc40:
+``megatron/model/gpt_model.py`` ``post_language_model_processing`` calls ``vocab_parallel_cross_entropy(
+output.float(), labels)`` unless ``--fp16-lm-cross-entropy``; ``megatron/mpu/cross_entropy.py``
+``_VocabParallelCrossEntropy``). Forward: the cast to fp32 (read 2, write 4), the row max (read 4), the
+max subtracted (4 + 4), ``torch.exp(..., out=)`` (4 + 4), the row sum (4) and the softmax kept for the
+backward by ``exp_logits.div_`` (4 + 4): 38. Backward: ``grad_input.mul_(grad_output)`` (4 + 4) and the
+cast back to fp16 (4 + 2): 14."""
+MEGATRON_2021_OPTIMIZER_BYTES = 60.0
+"""Bytes per parameter of Megatron-LM 2021's fp16 optimizer step, counted from its code (de7dc40:
+``megatron/optimizer/optimizer.py`` ``Float16OptimizerWithFloat16Params.step``, ``clip_grads.py``, apex
+``FusedAdam``): the fp16 gradient copied to the fp32 main gradient (read 2, write 4), unscaled and checked
+for inf by ``torch._amp_foreach_non_finite_check_and_unscale_`` (4 + 4), its L2 norm (``multi_tensor_l2norm``,
+read 4) and scale (``multi_tensor_scale``, 4 + 4, run when the norm exceeds ``--clip-grad 1.0``, as early
+in training, where these 500-iteration runs are), FusedAdam (read p, g, m, v; write p, m, v: 28), and the
+fp32 main parameter copied to the fp16 one (4 + 2). The registry's 92 is torch's eight foreach kernels."""
+MEGATRON = Options(attention="materialized", p2p_scatter=True, stage_split="uniform",
+                   loss_bytes_per_logit=MEGATRON_2021_LOSS_BYTES, optimizer_bytes_per_param=MEGATRON_2021_OPTIMIZER_BYTES)
 # The run script's ``--DDP-impl`` per row (``examples/sc21/run_table_1.sh`` at de7dc40, Aug 2021): PyTorch's
 # DDP (gradient buckets overlapped with the backward) for 1.7B-18B, Megatron's ``local`` DDP for the rest.
 # ``local`` all-reduces after the whole forward-backward (``megatron/training.py`` ``train_step``:
@@ -46,7 +65,8 @@ MEGATRON = Options(attention="materialized", p2p_scatter=True, stage_split="unif
 # (``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``), as the planner prices 16-bit parameters.
 LOCAL_DDP = {39.1, 76.1, 145.6, 310.1, 529.6, 1008.0}
 MEGATRON_LOCAL_DDP = Options(attention="materialized", p2p_scatter=True, dp_overlap=False,
-                             stage_split="uniform")
+                             stage_split="uniform", loss_bytes_per_logit=MEGATRON_2021_LOSS_BYTES,
+                             optimizer_bytes_per_param=MEGATRON_2021_OPTIMIZER_BYTES)
 ONE_BUCKET_MB = 1e7
 """A bucket larger than any rank's gradients: local DDP's one all-reduce per step."""
 

@@ -85,6 +85,26 @@ def all_reduce_steps(ranks: int) -> int:
     return min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
 
 
+def collective_steps(ranks: int, per_node: int, *, all_reduce: bool = False) -> tuple[int, int]:
+    """Latency steps (intra-node, inter-node) of one NCCL collective over ``ranks`` ranks, ``per_node`` of
+    them in each node, as NCCL's own tuning model counts them (NVIDIA/nccl ``src/graph/tuning.cc``,
+    ``ncclTopoTuneModel``): a ring runs nsteps = ranks − 1 steps (reduce-scatter, all-gather), of which
+    nInterSteps = nodes − 1 cross a node and the other nsteps − nInterSteps are NVLink hops — every rank
+    of every node is a hop, not one per node, so a ring's latency grows with the ranks (Jeaugey, "Massively
+    Scale Your Deep Learning Training with NCCL 2.4", NVIDIA, 2019: "ring latency scales linearly with the
+    number of GPUs"). An all-reduce also has NCCL's tree, 2·((per_node − 1) intra + log2(nodes) inter)
+    steps, never more than the ring's 2(ranks − 1) (of which 2(nodes − 1) inter), so that is its count
+    (:func:`all_reduce_steps` across nodes). Reduce-scatter and all-gather run only as rings (NCCL's tree
+    is an all-reduce algorithm)."""
+    if ranks <= 1:
+        return 0, 0
+    k = max(1, min(per_node, ranks))
+    nodes = math.ceil(ranks / k)
+    if all_reduce:
+        return 2 * (k - 1), all_reduce_steps(nodes)
+    return ranks - nodes, nodes - 1
+
+
 def exposed_seconds(comm_s: Sequence[float], window_s: Sequence[float], slowdown: float = 0.0) -> float:
     """The one overlap rule: collectives on one stream beside compute, cut into windows. ``comm_s[k]``
     seconds of collectives must finish before the compute after window ``k`` (``window_s[k]`` seconds)

@@ -70,7 +70,7 @@ from scaletrain.plan import Plan
 from scaletrain.planner import memory as mem
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import GiB, Platform
-from scaletrain.cost import (all_reduce_steps, collective_seconds, exposed_seconds, optimizer_seconds,
+from scaletrain.cost import (collective_seconds, collective_steps, exposed_seconds, optimizer_seconds,
                              prefetch_windows, roofline_seconds, zero_comm_factor)
 from scaletrain.planner.context import ring_layer_times
 from scaletrain.planner import stage_remat
@@ -132,6 +132,15 @@ class Options:
     code: the norm 36 (cast 2 + 4, ``pow`` 4 + 4, ``mean`` 4, scale 4 + 4, cast back 4 + 2, weight 2 + 2)
     instead of a fused norm's 2 + 2; rotary 20 (cast 2 + 4, complex multiply 4 + 4, cast back 4 + 2)
     instead of 2 + 2. The backward stays 2 x the forward (module docstring)."""
+    loss_bytes_per_logit: float = 0.0
+    """Bytes the loss's memory-bound kernels move per logit of one micro-batch, forward and backward together.
+    0 = scaletrain's runtime: the 16-bit logits cast to fp32 and the loss and its gradient over them,
+    2·(e + 8). Megatron-LM 2021 counted from its code: 52 (``benchmarks/planner/megatron_table1.py``)."""
+    optimizer_bytes_per_param: float = 0.0
+    """Bytes the optimizer step moves per (sharded) parameter, where the priced stack runs its own kernels.
+    0 = scaletrain's runtime: :func:`~scaletrain.techniques.optim.registry.optimizer_step_bytes` (torch's
+    foreach AdamW and gradient clipping, 92 for Adam). Megatron-LM 2021 counted from its code: 60
+    (``benchmarks/planner/megatron_table1.py``)."""
     autocast_residual_fp32: bool = True
     """Under autocast over fp32 parameters (scaletrain's runtime: precision bf16/fp16 with params_dtype
     fp32) the embedding's output, and so the residual stream, is fp32. PyTorch's autocast op reference
@@ -321,7 +330,9 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     layer += weight_traffic
     # the logits (tied head, vocabulary-parallel) and the loss in fp32 on the last stage
     sbV = seq * b * shape.vocab / tp
-    head = 3 * _mm(plat, plan.precision, seq * b, shape.vocab / tp, shape.hidden) + 2 * plat.memory_bound_seconds(sbV * (e + 8))
+    loss = (plat.memory_bound_seconds(sbV * opts.loss_bytes_per_logit) if opts.loss_bytes_per_logit
+            else 2 * plat.memory_bound_seconds(sbV * (e + 8)))
+    head = 3 * _mm(plat, plan.precision, seq * b, shape.vocab / tp, shape.hidden) + loss
     embed = 3 * plat.memory_bound_seconds(seq * b * shape.hidden * e * 2) + lt["tp_stage"]
     # each rank's layers by the runtime's split (parallel.balance; uneven when pp does not divide l)
     split = (stage_split(shape.layers, pp, v, embed_layers=embed / (lt["fwd"] + lt["bwd"]),
@@ -386,7 +397,8 @@ def plan_cost(shape: Shape, plan: Plan, plat: Platform, *, global_batch: int, se
     opt_params = n_rank / ((plan.hsdp or dp) * cp if plan.zero >= 1 else 1)
     offloaded = offload_kind(plan) == "optimizer"
     # the update's bytes per (sharded) parameter (optimizer_step_bytes) — on the device unless offloaded
-    optimizer = 0.0 if offloaded else optimizer_seconds(plat, opt_params * optimizer_step_bytes(plan.optimizer, k))
+    step_bytes = opts.optimizer_bytes_per_param or optimizer_step_bytes(plan.optimizer, k)
+    optimizer = 0.0 if offloaded else optimizer_seconds(plat, opt_params * step_bytes)
     host = offload_time(shape, plan, plat, n_rank=n_rank, opt_params=opt_params, m=m, tp=tp,
                         backward_s=L * lt["bwd"], compute_s=pipeline) if offloaded else {"s": 0.0, "host_bytes": 0.0}
     step = pipeline + dp_exposed + optimizer + host["s"]
@@ -431,8 +443,9 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     (ring convention over dp; ``elem`` bytes per value: DDP's and ZeRO-1/2's gradients in the parameters'
     dtype, the 16-bit gathers and reductions of FSDP2's mixed-precision policy for ZeRO-3), timed as
     hierarchical rings — the group's k ranks inside a node over NVLink, then dp/k nodes over each rank's
-    own InfiniBand NIC (tp innermost, dp next) — plus α per ring step of every collective issued (DDP's
-    all-reduces across nodes: the fewer of the ring's and NCCL's double binary tree's steps): DDP and
+    own InfiniBand NIC (tp innermost, dp next) — plus α per latency step of every collective issued, as
+    NCCL's tuning model counts them (:func:`scaletrain.cost.collective_steps`: DDP's all-reduces NCCL's
+    tree; ZeRO's reduce-scatters and all-gathers rings, a step per rank, nodes − 1 of them across): DDP and
     ZeRO-1/2 one per ``bucket_bytes`` bucket (ZeRO-2's reduce-scatters per micro-batch), ZeRO-3 (FSDP2)
     two all-gathers and a reduce-scatter per block and micro-batch. ``hsdp`` G: ZeRO within groups of G
     consecutive dp ranks, then the cost face's all-reduces of the G-th shards across the dp/G groups
@@ -459,12 +472,15 @@ def _dp_time(plat: Platform, n_params: float, zero: int, dp: int, tp: int, m: in
     halves = {0: 2 * buckets, 1: 2 * buckets, 2: (m + 1) * buckets, 3: 3 * m * blocks}[zero]
     # ring bytes of the all-reduce-equivalent inside the node (k ranks) and across (dp/k), scaled to ZeRO's
     factor = zero_comm_factor(plat, zero, m)  # the backend's reduce-scatters / all-gathers against the ring
-    intra = collective_seconds(2 * (k - 1) / k * S * scale, halves * (k - 1), bi, plat.intra_node_latency_s) * factor
+    # latency steps as NCCL counts them (collective_steps): DDP's all-reduces NCCL's tree, 2(k − 1) NVLink
+    # steps and 2⌈log2 nodes⌉ across; ZeRO's reduce-scatters and all-gathers rings through every rank,
+    # dp − nodes NVLink steps and nodes − 1 across
+    issued = buckets if zero == 0 else halves
+    step_intra, step_inter = collective_steps(dp, k, all_reduce=zero == 0)
+    intra = collective_seconds(2 * (k - 1) / k * S * scale, issued * step_intra, bi, plat.intra_node_latency_s) * factor
     if zero == 3:  # FSDP2's own work per collective (copy-in/out, hooks), measured where known (local)
         intra += halves * plat.fsdp_collective_overhead_s
-    # DDP's all-reduces across nodes: ring or NCCL's tree, the fewer steps (all_reduce_steps); the rest: rings
-    steps = buckets * all_reduce_steps(nodes) if zero == 0 else halves * (nodes - 1)
-    inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, steps, bo,
+    inter = collective_seconds(2 * (nodes - 1) / nodes * S / k * scale, issued * step_inter, bo,
                                plat.inter_node_latency_s) * factor if nodes > 1 else 0.0
     return intra + inter, intra
 

@@ -55,7 +55,7 @@ from typing import Any
 
 from torch import nn
 
-from scaletrain.cost import (collective_seconds, exposed_seconds, optimizer_seconds, prefetch_windows,
+from scaletrain.cost import (collective_seconds, collective_steps, exposed_seconds, optimizer_seconds, prefetch_windows,
                             roofline_seconds, zero_comm_factor)
 from scaletrain.errors import UserError
 from scaletrain.measure.census import BlockOps, Op
@@ -195,7 +195,12 @@ def _comm(plan: Any, model: nn.Module, cfg: Any, plat: Platform, *, b: int, seq:
         buckets = max(1, math.ceil(rank_param_bytes / (plan.bucket_mb * 2**20)))
         halves = {0: 2 * buckets, 1: 2 * buckets, 2: (M + 1) * buckets, 3: 3 * n_blocks * M}[plan.zero]
         G = D if pp == 1 else dp
-        out["dp"] = collective_seconds(kinds["dp"], halves * (G - 1), *link(plat, t * (cp if pp == 1 else 1), G)) \
+        stride = t * (cp if pp == 1 else 1)
+        # latency as NCCL counts it (scaletrain.cost.collective_steps): DDP's all-reduce per bucket (two halves)
+        intra, inter = collective_steps(G, max(1, plat.devices_per_node // stride), all_reduce=plan.zero == 0)
+        issued = halves // 2 if plan.zero == 0 else halves
+        out["dp"] = (collective_seconds(kinds["dp"], 0, link(plat, stride, G)[0], 0.0)
+                     + issued * (intra * plat.intra_node_latency_s + inter * plat.inter_node_latency_s)) \
             * zero_comm_factor(plat, plan.zero, M)
         if plan.zero == 3:  # FSDP2's own work per collective (copy-in/out, hooks), measured where known
             out["dp"] += halves * plat.fsdp_collective_overhead_s
