@@ -298,17 +298,20 @@ def _timed_rows(model: torch.nn.Module, key: str, precision: str, micro_batches:
     return rows
 
 
-def optimizer_rate(name: str = "adamw", n_params: int = 1 << 21, repeats: int = 5) -> float:
+def optimizer_rate(name: str = "adamw", n_params: int = 1 << 21, repeats: int = 5,
+                   shapes: list[tuple[int, ...]] | None = None) -> float:
     """Bytes/s of the optimizer step as the trainer runs it (:func:`~scaletrain.techniques.optim.registry.
-    build_optimizer`, torch's foreach kernels, after clipping the gradients' norm) over ``n_params``
-    parameters in 256 x 256 tensors, the bytes counted as the cost model counts them
-    (:func:`~scaletrain.techniques.optim.registry.optimizer_step_bytes`). Its kernels are plain streaming
-    arithmetic, several times faster per byte on a CPU than the tanh-GELU and LayerNorm that set the
-    memory-bound rate (measured here: AdamW on gpt2-mini's 4.9 M parameters 30 ms + clipping 4 ms,
-    where that rate priced 147 ms)."""
+    build_optimizer`, torch's foreach kernels, after clipping the gradients' norm) over the model's own
+    parameter ``shapes`` when given, else ``n_params`` parameters in 256 x 256 tensors, the bytes counted
+    as the cost model counts them (:func:`~scaletrain.techniques.optim.registry.optimizer_step_bytes`). Its
+    kernels are plain streaming arithmetic, several times faster per byte on a CPU than the tanh-GELU and
+    LayerNorm that set the memory-bound rate (measured here: AdamW on gpt2-mini's 4.9 M parameters 30 ms +
+    clipping 4 ms, where that rate priced 147 ms). The model's shapes matter: a CNN's many small biases
+    and norms cost a fixed time per tensor that 256 x 256 tensors hide."""
     from scaletrain.techniques.optim.registry import build_optimizer, optimizer_step_bytes, state_bytes_per_param
 
-    params = [torch.nn.Parameter(torch.randn(256, 256)) for _ in range(max(n_params // 65536, 1))]
+    shapes = shapes or [(256, 256)] * max(n_params // 65536, 1)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = build_optimizer(name, params)
@@ -319,8 +322,31 @@ def optimizer_rate(name: str = "adamw", n_params: int = 1 << 21, repeats: int = 
 
     _barrier()
     t = _typical_time(step, repeats)
-    n = sum(p.numel() for p in params)
-    return n * optimizer_step_bytes(name, float(state_bytes_per_param(name, (256, 256)))) / t
+    moved = sum(p.numel() * optimizer_step_bytes(name, float(state_bytes_per_param(name, tuple(p.shape))))
+                for p in params)
+    return moved / t
+
+
+def _param_shapes(name: str, overrides: dict) -> list[tuple[int, ...]] | None:
+    """The trainable parameters' shapes of ``name`` (built on the meta device; tied ones once; up to
+    :data:`MAX_OPTIMIZER_PARAMS` values), or None when it cannot be built."""
+    from scaletrain import models
+
+    try:
+        model = models.get(name, device="meta", **overrides)
+    except Exception:  # noqa: BLE001 - the synthetic shapes stand in; the planner reports the model itself
+        return None
+    shapes, total = [], 0
+    for p in dict.fromkeys(model.parameters()):
+        if p.requires_grad and total < MAX_OPTIMIZER_PARAMS:  # a large model: its first tensors stand for it
+            shapes.append(tuple(p.shape))
+            total += p.numel()
+    return shapes or None
+
+
+MAX_OPTIMIZER_PARAMS = 1 << 23
+"""Parameters (8 Mi: 128 MiB with AdamW's gradient and states) past which :func:`_param_shapes` stops
+listing a model's tensors for the optimizer's measured rate."""
 
 
 def collective_rates(world: int, repeats: int = 7) -> tuple[float, float]:
@@ -405,7 +431,7 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     bw, mem = elementwise_table(dtype=half or torch.float32)  # under autocast they run in 16 bits
     overhead = kernel_overhead()
-    opt_rate = optimizer_rate(optimizer)
+    opt_rate = optimizer_rate(optimizer, shapes=_param_shapes(*model) if model is not None else None)
     beta, alpha = collective_rates(world)
     fsdp = fsdp_overhead(world, beta, alpha)
     rs_factor, ag_factor = sharded_collective_factors(world, beta, alpha)
