@@ -175,3 +175,24 @@ def test_time_blocks_charges_each_block_its_own_pass():
     assert len(f) == len(b) == 5
     assert b[1] >= 0.06 and f[2] >= 0.06
     assert max(b[0], b[2], b[3], b[4]) < 0.06 and max(f[0], f[1], f[3], f[4]) < 0.06
+
+
+def test_the_input_pipeline_is_priced_per_sample_on_every_rank():
+    """Platform.data_seconds_per_sample x the rank's samples per step (micro-batch x accumulation) is in the
+    step; the loader's own cost is measured on real data (positive, per sample)."""
+    from scaletrain import models
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    model = models.get("mlp", device="meta")
+    kw = dict(world=1, global_batch=8, seq=0, micro_batch=2)
+    a = plan_costs(Plan(micro_batch=2), model, **kw, platform=_cpu(data_seconds_per_sample=1e-3))[0].time_s
+    b = plan_costs(Plan(micro_batch=2), model, **kw, platform=_cpu())[0].time_s
+    assert a.data == pytest.approx(8e-3) and a.step_s - b.step_s == pytest.approx(8e-3)
+
+
+def test_data_rate_measures_the_runs_own_loader():
+    from scaletrain.train.config import load_config
+    from scaletrain.train.model_data import data_rate
+
+    cfg = load_config(None, ["model.name=mlp", "train.global_batch=8"])
+    assert 0 < data_rate(cfg, None, 2) < 0.1  # seconds per sample

@@ -96,7 +96,10 @@ def base_args(name: str, spec: dict[str, Any]) -> list[str]:
 
 def _measure(rank: int, world: int, precision: str, name: str, gb: int, seq: int) -> Any:
     # both ranks at once; rank 0's is used; the blocks timed at every micro-batch the search may choose
-    return local.measure(world, precision, (name, {}), micro_batches=auto.micro_batches(gb), seq=seq)
+    plat = local.measure(world, precision, (name, {}), micro_batches=auto.micro_batches(gb), seq=seq)
+    from scaletrain.train.model_data import data_rate  # the run's input pipeline, as plan=auto measures it
+
+    return plat.with_(data_seconds_per_sample=data_rate(load_config(None, base_args(name, MODELS[name])), None, world))
 
 
 def platform_for(name: str, precision: str) -> Any:
@@ -163,6 +166,7 @@ def _platform_json(plat: Any, precision: str) -> dict[str, Any]:
             "elementwise_bytes_per_s": plat.device_mem_bytes_per_s, "mem_efficiency": plat.mem_efficiency,
             "allreduce_bytes_per_s": plat.intra_node_bytes_per_s, "allreduce_alpha_s": plat.intra_node_latency_s,
             "kernel_overhead_s": plat.kernel_overhead_s, "measured_blocks": plat.measured_blocks,
+            "data_seconds_per_sample": plat.data_seconds_per_sample,
             **{k: v for k, v in plat.meta.items() if k != "threads"}}
 
 

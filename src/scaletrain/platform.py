@@ -136,6 +136,12 @@ class Platform:
     all-reduce's time, ~4x the ring's), which is what ZeRO-1/2/3 wait for on a CPU."""
     all_gather_factor: float = 1.0
     """The same for the backend's all-gather (1.0 on the presets; measured on the CPU pool)."""
+    data_seconds_per_sample: float = 0.0
+    """Host seconds the run's input pipeline takes per training sample (the trainer's loader: indexing,
+    decoding, augmenting, collating), measured by ``plan=auto`` from the run's own data
+    (:func:`scaletrain.measure.data_time.seconds_per_sample`); priced per rank and step because the loader
+    runs in the training process, before each micro-batch. 0 = not measured (the presets: a GPU job's
+    loader workers overlap it)."""
     measured_blocks: tuple = ()
     """Forward and backward seconds of every block of one model, measured on this machine by
     :mod:`scaletrain.measure.block_times` (:func:`scaletrain.planner.local.measure` with the run's model):
@@ -228,7 +234,8 @@ FRACTIONS = ("unaligned_matmul_fraction", "intra_node_efficiency", "inter_node_e
 """Fields that are a fraction of a peak, in [0, 1]."""
 MAY_BE_ZERO = ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_overhead_s", "price_per_device_hour",
                "intra_node_latency_s", "inter_node_latency_s", "unaligned_matmul_fraction", "compile_factor",
-               "sm_count", "optimizer_bytes_per_s", "fsdp_collective_overhead_s")
+               "sm_count", "optimizer_bytes_per_s", "fsdp_collective_overhead_s",
+               "data_seconds_per_sample")
 """Numeric fields where 0 is meaningful (no such link, not modelled, unknown price); the others divide."""
 
 

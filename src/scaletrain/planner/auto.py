@@ -33,7 +33,7 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -165,8 +165,11 @@ def micro_batches(global_batch: int) -> tuple[int, ...]:
     return tuple(b for b in range(1, min(global_batch, MAX_MICRO_BATCH) + 1) if global_batch % b == 0)
 
 
-def choose(cfg: Any, world: int, rank: int, device: torch.device) -> AutoPlan:
-    """Plan this run (module docstring); collective when ``world`` > 1: every rank must call it."""
+def choose(cfg: Any, world: int, rank: int, device: torch.device,
+           data_rate: Callable[[], float] | None = None) -> AutoPlan:
+    """Plan this run (module docstring); collective when ``world`` > 1: every rank must call it.
+    ``data_rate``: measures the run's input pipeline in host seconds per sample (the trainer's own data;
+    :attr:`~scaletrain.platform.Platform.data_seconds_per_sample`), None to leave it unpriced."""
     from scaletrain.planner import local
 
     fixed = check(cfg)
@@ -178,6 +181,8 @@ def choose(cfg: Any, world: int, rank: int, device: torch.device) -> AutoPlan:
     plat = local.measure(world, cfg.train.precision, (cfg.model.name, dict(cfg.model.overrides)),
                          optimizer=cfg.optim.name, micro_batches=micro_batches(cfg.train.global_batch),
                          seq=cfg.data.seq_len)  # all ranks at once
+    if data_rate is not None:
+        plat = plat.with_(data_seconds_per_sample=data_rate())
     payload: list[Any] = [None]
     if rank == 0:
         try:

@@ -40,18 +40,22 @@ class StepSeconds:
     """The part of each copy the step waits for."""
     optimizer: float = 0.0
     """The device optimizer step over the rank's (sharded) parameters."""
+    data: float = 0.0
+    """The input pipeline: the trainer fetches each micro-batch on the rank's host before its forward,
+    not overlapped (``Platform.data_seconds_per_sample`` x the rank's samples; 0 where not measured)."""
 
     @property
     def step_s(self) -> float:
         """Seconds of the rank's step: compute + recompute + exposed communication + bubble + exposed
-        copies + optimizer."""
+        copies + optimizer + data."""
         return (self.compute + self.recompute + sum(self.comm_exposed_s.values()) + self.bubble
-                + sum(self.copies_exposed_s.values()) + self.optimizer)
+                + sum(self.copies_exposed_s.values()) + self.optimizer + self.data)
 
     def to_dict(self) -> dict[str, Any]:
         return {"compute": self.compute, "recompute": self.recompute, "comm": dict(self.comm_s),
                 "comm_exposed": dict(self.comm_exposed_s), "bubble": self.bubble, "copies": dict(self.copies_s),
-                "copies_exposed": dict(self.copies_exposed_s), "optimizer": self.optimizer, "step": self.step_s}
+                "copies_exposed": dict(self.copies_exposed_s), "optimizer": self.optimizer, "data": self.data,
+                "step": self.step_s}
 
 
 

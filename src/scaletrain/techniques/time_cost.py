@@ -307,6 +307,7 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
             t.comm_exposed_s["p2p"] = makespan - bare.makespan_s
         opt_params = parts[r]["params"] / (_shards(plan) if plan.zero in (1, 2) else 1)
         t.optimizer = _optimizer_seconds(plat, plan, opt_params, parts[r]["optimizer"])
+        t.data = b * M * plat.data_seconds_per_sample  # every rank iterates the loader for its micro-batches
         _offload(t, plan, plat, mem=mem, stages=mine, M=M, params=opt_params, states=parts[r]["optimizer"])
         out.append(t)
     return out

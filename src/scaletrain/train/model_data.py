@@ -224,3 +224,17 @@ def user_overrides(cfg: Config) -> dict[str, Any]:
             fam = hf_families().get(model[3:]) if model.startswith("hf:") else None
             over["vocab_size"] = vocab + (fam.extra_tokens if fam else 0)  # BERT: one mask id past the text's
     return over
+
+
+def data_rate(cfg: Config, model: Any, world: int, train_data: Any = None, eval_data: Any = None,
+              collate_fn: Any = None) -> float:
+    """Host seconds per sample of this run's training data through the trainer's loader, for ``plan=auto``
+    (:func:`scaletrain.measure.data_time.seconds_per_sample`; the model built on the meta device when the
+    caller gave none, only to learn its inputs), at the largest micro-batch a rank could run (at most 32)."""
+    from scaletrain import models
+    from scaletrain.measure.data_time import seconds_per_sample
+    from scaletrain.models.adapters import adapt
+
+    adapter = adapt(model if model is not None else models.get(cfg.model.name, device="meta", **cfg.model.overrides))
+    _, train, _ = build_datasets(cfg, adapter, model is not None, train_data, eval_data, collate_fn)
+    return seconds_per_sample(as_pairs(train, adapter), max(1, min(cfg.train.global_batch // max(world, 1), 32)))

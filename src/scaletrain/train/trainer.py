@@ -52,7 +52,7 @@ from scaletrain.train.config import Config, to_toml
 from scaletrain.train.divergence import DivergenceGuard
 from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
-from scaletrain.train.model_data import as_pairs, build_datasets  # dict samples: as (x, y) pairs
+from scaletrain.train.model_data import as_pairs, build_datasets, data_rate  # dict samples: as (x, y) pairs
 
 
 @dataclass
@@ -137,7 +137,8 @@ class Trainer:
         say = log or (lambda s: print(s, flush=True))
         self.log = say if self.rank == 0 else (lambda s: None)
         preflight.check_unused(cfg)  # a value set for a feature that is off is one line, not ignored
-        self.auto = plan_auto.choose(cfg, self.world, self.rank, self.device) if cfg.plan == "auto" else None
+        self.auto = plan_auto.choose(cfg, self.world, self.rank, self.device, data_rate=lambda: data_rate(
+            cfg, model, self.world, *self._user_data)) if cfg.plan == "auto" else None
         cfg = self.cfg = self.auto.cfg if self.auto is not None else cfg  # plan=auto: the chosen plan's keys set
         self.plan = Plan.from_config(cfg).resolved(self.world)
         self.dp_world = self.plan.dp
