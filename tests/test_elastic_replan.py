@@ -57,6 +57,30 @@ def test_fit_world_keeps_what_divides_and_the_global_batch():
         fit_world(_cfg(train__global_batch=4), 3)
 
 
+def test_run_directory_recorded_under_the_jobs_rdzv_id_is_owned_without_its_store(tmp_path, monkeypatch):
+    """The first round's agent store is gone (its node lost, or none shared): the job's --rdzv-id
+    recorded in the run directory proves it is this job's; another id, or torchrun's default
+    "none", does not."""
+    from scaletrain.train import elastic
+
+    for k in (elastic.AGENT_STORE_ENV, "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(elastic, "_ROUND", {})
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    assert not elastic.owns(tmp_path)
+    elastic.claim(tmp_path)  # a first round (nothing recorded yet): no restart to log
+    assert elastic._ROUND[str(tmp_path)] == 1
+    elastic.record(tmp_path)
+    assert elastic.owns(tmp_path)
+    elastic.claim(tmp_path)  # a later round of the same job
+    assert elastic._ROUND[str(tmp_path)] == 2
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
+    assert not elastic.owns(tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    elastic.record(tmp_path)
+    assert not elastic.owns(tmp_path)
+
+
 def _descendants(pid: int) -> list[int]:
     """``pid`` and every process below it (torchrun starts its workers in sessions of their own)."""
     children: dict[int, list[int]] = {}
@@ -88,8 +112,8 @@ def test_node_lost_then_added_replans_and_matches_uninterrupted_losses(tmp_path)
     out, port = tmp_path / "run", free_port()
     env = fault_env(None)
     # torch 2.13's shared agent store deadlocks a node joining a later round (see scaletrain.train.replan)
-    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", SCALETRAIN_FAULT_AT_STEP="3,7", SCALETRAIN_FAULT_RANK="0",
-               SCALETRAIN_FAULT_KIND="pause", SCALETRAIN_FAULT_PAUSE_S="50")
+    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", SCALETRAIN_FAULT_AT_STEP="3,7",
+               SCALETRAIN_FAULT_RANK="0", SCALETRAIN_FAULT_KIND="pause", SCALETRAIN_FAULT_PAUSE_S="50")
 
     def agent(name: str, host: bool) -> subprocess.Popen:
         conf = f"is_host={int(host)},last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=8"

@@ -27,6 +27,20 @@ torchrun restart: from the old round's last step to the new round being back the
 
 Only a *resumed* round re-plans: a fresh run whose pinned layout does not divide the world it was
 started with is a bad input (one line, exit 2) as before.
+
+What torchrun needs for it (torch 2.13, read in its code and seen in tests/test_elastic_replan.py):
+
+- ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for a node to *join* a running job. With the default
+  shared agent store, a node that joins a later round as a non-zero rank waits for the round's
+  ``MASTER_ADDR`` key, which the rank-0 agent publishes only in the first round it is rank 0
+  (elastic/rendezvous/dynamic_rendezvous.py ``next_rendezvous``, ``if self._bootstrap_store_info is
+  None or (rank == 0 ...)``): ``DistStoreError: wait timeout ... /torch.rendezvous.<id>.2/MASTER_ADDR``.
+  Without the shared store each round's rank 0 hosts the process group's store on a fresh port, and
+  the run directory is recognised by the job's ``--rdzv-id`` (:func:`.elastic.record`).
+- The ``--rdzv-endpoint`` node must stay: its store holds the rendezvous itself.
+- A lost node is dropped from the rendezvous once its keep-alive has expired (``--rdzv-conf
+  keep_alive_interval=S,keep_alive_max_attempt=N``, default 5 s x 3), and a round smaller than
+  ``--nnodes``' maximum waits ``last_call_timeout`` (default 30 s) for more nodes: both are time lost.
 """
 
 from __future__ import annotations
