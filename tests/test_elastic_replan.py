@@ -172,3 +172,26 @@ def test_node_lost_then_added_replans_and_matches_uninterrupted_losses(tmp_path)
     assert max(float((got["model"][k] - want["model"][k]).abs().max()) for k in want["model"]) <= 1e-6
     lost = ", ".join(f"{r['lost_s']:.1f} s" for r in replans)
     print(f"\nreplan rows: {replans}\nelastic job {elapsed:.1f} s; time lost (4->2, 2->4): {lost}")
+
+
+def test_epochs_hold_the_same_samples_under_every_layout_of_the_global_batch():
+    """With the global batch as the epoch multiple, every layout (world x micro-batch x accumulation)
+    reads the same samples in each optimizer step across epoch boundaries, also when it resumes
+    at another layout mid-stream (n = 10 is no multiple of 4, nor of every world x micro-batch)."""
+    from scaletrain.data.loader import ResumableDistributedSampler
+
+    n, gb, steps = 10, 4, 7  # 2.8 epochs of 2 steps each
+
+    def step_sets(world: int, micro: int, start_step: int = 0) -> list[set[int]]:
+        streams = [iter(ResumableDistributedSampler(range(n), micro, shuffle=True, seed=3, rank=r, world_size=world,
+                                                    start_sample=start_step * gb, infinite=True, epoch_multiple=gb))
+                   for r in range(world)]
+        return [{next(s) for s in streams for _ in range(gb // world)} for _ in range(steps - start_step)]
+
+    one = step_sets(1, 1)
+    assert all(len(s) == gb for s in one)
+    for world, micro in ((4, 1), (2, 1), (2, 2), (1, 4)):
+        assert step_sets(world, micro) == one
+        assert step_sets(world, micro, start_step=3) == one[3:]  # resumed under another layout
+    plain = ResumableDistributedSampler(range(n), 1, shuffle=True, seed=3, world_size=2)  # without it: 10 a epoch
+    assert plain.samples_per_epoch == 10

@@ -228,7 +228,8 @@ class Trainer:
         par = self.parallel
         return build_loader(as_pairs(self.train_set, self.adapter), self.micro_batch, shuffle=True,
                             seed=self.cfg.train.seed, rank=par.data_rank, world_size=par.data_world,
-                            start_sample=start_sample, infinite=True)
+                            start_sample=start_sample, infinite=True,
+                            epoch_multiple=self.cfg.train.global_batch)  # epochs alike under every layout
 
     def _batch_arithmetic(self) -> tuple[int, int]:
         """(micro_batch, micro-batches per optimizer step) over the ``self.dp_world`` data-parallel replicas.
