@@ -166,12 +166,16 @@ def test_node_lost_then_added_replans_and_matches_uninterrupted_losses(tmp_path)
     assert base.returncode == 0, base.stderr[-2000:]
     losses, expected = logged_losses(out), logged_losses(tmp_path / "base")
     assert [s for s, _ in losses] == list(range(1, 11))  # every step once: none lost, none repeated
-    assert max(abs(x - y) for (_, x), (_, y) in zip(losses, expected)) <= 1e-6  # fp32: the sums' order differs
+    loss_diff = max(abs(x - y) for (_, x), (_, y) in zip(losses, expected))
+    assert loss_diff <= 1e-6  # fp32: the ranks' and micro-batches' sums are added in another order
     got, want = (ckpt.load(ckpt.latest(d / "checkpoints")) for d in (out, tmp_path / "base"))
     assert got["step"] == want["step"] == 10
-    assert max(float((got["model"][k] - want["model"][k]).abs().max()) for k in want["model"]) <= 1e-6
+    # AdamW divides by sqrt(v): an fp32 rounding of a near-zero gradient moves its weight by up to ~lr
+    param_diff = max(float((got["model"][k] - want["model"][k]).abs().max()) for k in want["model"])
+    assert param_diff <= 5e-5
     lost = ", ".join(f"{r['lost_s']:.1f} s" for r in replans)
-    print(f"\nreplan rows: {replans}\nelastic job {elapsed:.1f} s; time lost (4->2, 2->4): {lost}")
+    print(f"\nreplan rows: {replans}\nelastic job {elapsed:.1f} s; time lost (4->2, 2->4): {lost}; largest "
+          f"difference from one process: loss {loss_diff:.1e}, parameter {param_diff:.1e}")
 
 
 def test_epochs_hold_the_same_samples_under_every_layout_of_the_global_batch():
