@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from scaletrain.train.job_env import JOB_DIR_ENV
 from scaletrain.train.safe_write import write_atomic
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ def record(out: Path) -> None:
     :mod:`.replan`) there is no agent store at all. torch asks ``--rdzv-id`` to be unique per job, so
     a directory that records this job's id is this job's."""
     rid = _run_id()
-    if rid is not None:
+    if rid is not None and not os.environ.get(JOB_DIR_ENV):  # scaletrain's own launcher: its attempts prove it
         write_atomic(out / JOB_FILE, json.dumps({"run_id": rid}))
 
 
