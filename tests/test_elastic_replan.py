@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.errors import ConfigError
+from scaletrain.plan import Plan
 from scaletrain.testing import free_port
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.config import Config
@@ -79,6 +80,27 @@ def test_run_directory_recorded_under_the_jobs_rdzv_id_is_owned_without_its_stor
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     elastic.record(tmp_path)
     assert not elastic.owns(tmp_path)
+
+
+def test_resume_of_a_one_process_checkpoint_at_another_world_is_replanned(tmp_path):
+    """The consolidated checkpoint of a one-process run names its layout; resumed by 2 processes the
+    pinned parallel.dp=1 no longer fits and is dropped, the global batch stays. The same world
+    re-plans nothing."""
+    from scaletrain.train import replan
+    from scaletrain.train.config import load_config
+    from scaletrain.train.trainer import Trainer
+
+    keys = RUN[:7] + ["train.steps=2", "train.eval_every=0", "parallel.dp=1"]
+    Trainer(load_config(None, keys), tmp_path, log=lambda s: None).fit()
+    cfg = load_config(None, keys)
+    assert replan.start(cfg, 1, tmp_path) is None
+    r = replan.start(cfg, 2, tmp_path)
+    assert r is not None and (r.old.world, r.old.step, r.old.micro_batch, r.old.accum) == (1, 2, 1, 4)
+    assert (r.cfg.parallel.dp, r.cfg.train.global_batch, r.dropped) == (0, 4, ["parallel.dp=1"])
+    r.settle(Plan.from_config(r.cfg).resolved(2), 1, 2)
+    row = r.row(3, 4, None)
+    assert (row["event"], row["old_plan"], row["new_plan"], row["new_accum"], row["lost_s"]) == (
+        "replan", "dp=1, fp32, adamw", "dp=2, fp32, adamw", 2, None)
 
 
 def _descendants(pid: int) -> list[int]:
