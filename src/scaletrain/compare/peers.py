@@ -162,7 +162,8 @@ def rank_batches(cfg: Any, train_set: Any, micro_batch: int, rank: int, world: i
     from scaletrain.data import build_loader
 
     return iter(build_loader(train_set, micro_batch, shuffle=True, seed=cfg.train.seed, rank=rank,
-                             world_size=world, start_sample=0, infinite=True))
+                             world_size=world, start_sample=0, infinite=True,
+                             epoch_multiple=cfg.train.global_batch))
 
 
 class _Ranks:

@@ -13,7 +13,9 @@ Positions are counted in *global samples* (all ranks together), the number a tra
 (per rank):
 
 * samples per rank per epoch ``m = n // W`` (drop_last) or ``ceil(n / W)`` (padded);
-* samples used per rank per epoch ``u = (m // b) * b`` (drop_last) or ``m``;
+* samples used per rank per epoch ``u = (m // b) * b`` (drop_last) or ``m``; with an
+  ``epoch_multiple`` ``E`` (the trainer's global batch) ``u = (n // E) * E / W``, the same
+  ``G`` under every ``W x b`` that divides ``E`` (the first ``G`` positions of the epoch's order);
 * global samples per epoch ``G = u * W`` (``sampler.samples_per_epoch``);
 * ``start_sample = p`` (a multiple of ``W``) means epoch ``p // G`` and, inside it, per-rank
   offset ``(p % G) // W``: rank ``r`` resumes at its own ``(p % G) // W``-th index of that epoch.
@@ -57,7 +59,12 @@ class ResumableDistributedSampler(Sampler[int]):
         start_sample: int = 0,
         drop_last: bool = True,
         infinite: bool = False,
+        epoch_multiple: int = 0,
     ) -> None:
+        """``epoch_multiple`` (samples, with ``drop_last``): each epoch is cut to a multiple of it
+        instead of ``batch_size x world_size``; a trainer passes its global batch, so that an epoch
+        holds the same samples under every layout that splits that batch (an elastic re-plan
+        continues the same sample stream). 0, or more than the dataset holds: ``batch_size x world_size``."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise UserError(
                 f"rank must be in 0..world_size-1 with world_size >= 1, "
@@ -79,6 +86,11 @@ class ResumableDistributedSampler(Sampler[int]):
         self.used_per_rank = self.per_rank
         if drop_last:  # whole batches only, as DataLoader(drop_last=True) would keep
             self.used_per_rank = (self.per_rank // batch_size) * batch_size
+            if epoch_multiple and epoch_multiple <= self.n:
+                if epoch_multiple % (batch_size * world_size):
+                    raise UserError(f"epoch_multiple {epoch_multiple} must be a multiple of batch_size {batch_size} "
+                                    f"x world_size {world_size}")
+                self.used_per_rank = (self.n // epoch_multiple) * epoch_multiple // world_size
         if self.used_per_rank == 0:
             raise UserError(
                 f"dataset of {self.n} samples is too small for batch_size {batch_size} on "
@@ -159,6 +171,7 @@ def build_loader(
     infinite: bool = False,
     num_workers: int = 0,
     pin_memory: bool = False,
+    epoch_multiple: int = 0,
 ) -> DataLoader:
     """A ``DataLoader`` of per-rank batches of ``batch_size`` samples (see the module docstring).
 
@@ -167,6 +180,7 @@ def build_loader(
     (``position``, ``epoch``, ``samples_per_epoch``, ``set_epoch``). An ``IterableDataset`` is sharded
     and resumed by stream position instead (:mod:`.iterable`); a ``collate_fn`` attribute of the
     dataset (set by the trainer from ``Trainer(collate_fn=...)``) batches the samples.
+    ``epoch_multiple``: see :class:`ResumableDistributedSampler` (not for an ``IterableDataset``).
     """
     collate = getattr(dataset, "collate_fn", None)  # the user's (Trainer(collate_fn=...)), else the default
     if isinstance(dataset, IterableDataset):  # the user's stream: sharded and resumed by position
@@ -185,6 +199,7 @@ def build_loader(
         start_sample=start_sample,
         drop_last=drop_last,
         infinite=infinite,
+        epoch_multiple=epoch_multiple,
     )
     return DataLoader(
         dataset,

@@ -12,9 +12,12 @@ command line. Two things make such a restart a resume that loses and repeats no 
    reaches it. Every rank that accepts the run directory claims it (:func:`claim`); a later round
    :func:`owns` it and resumes from its newest complete checkpoint (:func:`resume_round`), or
    starts over when the failure came before the first checkpoint. A run directory of an earlier
-   job is still refused: the key is not in this job's store. Without an agent store
-   (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) nothing is claimed and a restarted round refuses the
-   directory in one line, as before.
+   job is still refused: the key is not in this job's store. Should the node hosting that store
+   be lost for good (an elastic ``--nnodes MIN:MAX`` job goes on without it), the next round's store
+   is a new one, and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there is none; the job's
+   ``--rdzv-id``, recorded in the run directory (:func:`record`), then stands in for the claim
+   (torch asks it to be unique per job; with its default ``none``, which proves nothing, such a
+   restarted round refuses the directory in one line).
 2. **Each round gets a fresh process-group store.** Under plain ``env://`` every round's default
    process group keeps its keys in that same job-long agent store, under fixed names
    (``default_pg/...``: torch/distributed/distributed_c10d.py ``init_process_group``, ~line 1897;
@@ -52,6 +55,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+from scaletrain.train.job_env import JOB_DIR_ENV
+from scaletrain.train.safe_write import write_atomic
 
 if TYPE_CHECKING:
     from scaletrain.train.recovery import RestartClock
@@ -127,17 +133,53 @@ def claim(out: Path) -> None:
     """Record in the agent's store that this job accepted ``out`` as its run directory; rank 0 also
     counts the rounds that got this far, so that a first round never logs a restart."""
     store = agent_store()
+    rounds = 2 if _recorded(out) else 1  # an earlier round of this job opened it (no store, or a new one)
     if store is not None:
         store.set(_key(out), "1")
         if os.environ.get("RANK", "0") == "0":
-            _ROUND[str(out)] = int(store.add(f"scaletrain/rounds/{out}", 1))
+            rounds = max(rounds, int(store.add(f"scaletrain/rounds/{out}", 1)))
+    _ROUND[str(out)] = rounds
+
+
+JOB_FILE = "torchrun.json"
+"""In the run directory: ``{"run_id": ...}``, the ``--rdzv-id`` of the torchrun job that runs in it."""
+
+
+def _run_id() -> str | None:
+    """This torchrun job's ``--rdzv-id`` (None when not under torchrun, or torchrun's default "none",
+    which is no job's own)."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return rid if rid and rid != "none" else None
+
+
+def record(out: Path) -> None:
+    """Rank 0, when the run directory is created: note the job's ``--rdzv-id`` in it. Why: the agent
+    store lives in the agent of the first round's node rank 0 (the first of the nodes' sorted
+    addresses, torch/distributed/elastic/rendezvous/dynamic_rendezvous.py ``_mark_rendezvous_complete``
+    and ``next_rendezvous``); when that node is lost for good, the next round's rank-0 agent hosts a
+    new, empty store, and the claim is gone with the old one; and with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (needed for a node to join a running job, see
+    :mod:`.replan`) there is no agent store at all. torch asks ``--rdzv-id`` to be unique per job, so
+    a directory that records this job's id is this job's."""
+    rid = _run_id()
+    if rid is not None and not os.environ.get(JOB_DIR_ENV):  # scaletrain's own launcher: its attempts prove it
+        write_atomic(out / JOB_FILE, json.dumps({"run_id": rid}))
+
+
+def _recorded(out: Path) -> bool:
+    rid = _run_id()
+    try:
+        return rid is not None and json.loads((out / JOB_FILE).read_text()).get("run_id") == rid
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def owns(out: Path) -> bool:
-    """True when a rank of this torchrun job (this round or an earlier one) accepted ``out``, so
-    the files in it are this job's."""
+    """True when a rank of this torchrun job (this round or an earlier one) accepted ``out`` (its
+    claim in the agent store, or the job's id recorded in the directory: :func:`record`), so the
+    files in it are this job's."""
     store = agent_store()
-    return store is not None and store.check([_key(out)])
+    return (store is not None and store.check([_key(out)])) or _recorded(out)
 
 
 def resume_round(out: Path | None) -> bool:

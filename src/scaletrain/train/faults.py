@@ -7,7 +7,9 @@ dictionary lookup, nothing else):
 - ``SCALETRAIN_FAULT_RANK``: the global rank that faults (default 0);
 - ``SCALETRAIN_FAULT_KIND``: ``kill`` (SIGKILL, default), ``stop`` (SIGSTOP: a hang, caught by the
   other ranks' collective timeout), ``raise`` (an ordinary exception) or ``enospc`` (an
-  ``OSError(ENOSPC)``: the checkpoint disk is full — only meaningful at a save);
+  ``OSError(ENOSPC)``: the checkpoint disk is full — only meaningful at a save) or ``pause`` (sleep
+  ``SCALETRAIN_FAULT_PAUSE_S`` seconds, default 60, ended at once by a SIGTERM: holds the job at a
+  known step while a test changes its nodes — the elastic re-planning test);
 - ``SCALETRAIN_FAULT_WHERE``: where in step N it fires (default ``step``), one per listed step or
   one for all:
 
@@ -81,4 +83,9 @@ def maybe_fire(step: int, rank: int, run_dir: Path | None, where: str = "step") 
         raise RuntimeError(f"injected fault at step {step} ({where}) on rank {rank}")
     if kind == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected)")
+    if kind == "pause":
+        old = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an agent's stop ends it now, not after its 30 s grace
+        time.sleep(float(os.environ.get("SCALETRAIN_FAULT_PAUSE_S", "60")))
+        signal.signal(signal.SIGTERM, old)
+        return
     os.kill(os.getpid(), signal.SIGSTOP if kind == "stop" else signal.SIGKILL)

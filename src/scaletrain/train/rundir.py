@@ -129,6 +129,8 @@ class RunDir:
         self._pending: list[dict[str, Any]] = []
         from scaletrain.train import recovery
 
+        self.replan: tuple[Any, int] | None = None
+        """(:class:`.replan.Replan`, global batch) of a re-planned round: its row is logged with the restart's."""
         self.restart = None
         if path is not None:  # scaletrain's launcher says what failed; under torchrun the run directory does
             from scaletrain.train import elastic
@@ -147,6 +149,9 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         trim_metrics(self.path / "metrics.jsonl", self.start_step)  # first: a symlinked one stops all writes
         write_atomic(self.path / "config.toml", self.config_text)
+        from scaletrain.train import elastic
+
+        elastic.record(self.path)  # under torchrun: the job that owns it, should its agent store be lost
         for bad in self.unloadable:
             if bad.exists():
                 os.replace(bad, bad.with_name(bad.name + ".corrupt"))
@@ -168,11 +173,13 @@ class RunDir:
                 write_atomic(self.job_dir / "progress.json", json.dumps({"step": step, "time": now}), durable=False)
             except OSError:
                 pass  # the launcher is gone; training itself is unaffected
-        if self.restart is not None:
-            row = self.restart.caught_up(step, now)
-            if row is not None:
-                self.write(row)
-                self.log(self.restart.describe(row))
+        row = self.restart.caught_up(step, now) if self.restart is not None else None
+        if row is not None:
+            self.write(row)
+            self.log(self.restart.describe(row))
+        if self.replan is not None and (row is not None or self.restart is None):  # with the time lost, if any
+            self.write(self.replan[0].row(step, self.replan[1], row))
+            self.replan = None
 
     def write(self, row: dict[str, Any]) -> None:
         if self.path is None:

@@ -46,7 +46,7 @@ from scaletrain.techniques.runtime import RunContext, average_pending
 from scaletrain.techniques.stack import build_runtime
 from scaletrain.models.adapters import adapt
 from scaletrain.train import checkpoint_io, elastic, faults, handback, interrupt, model_record, preflight
-from scaletrain.train import resume as resuming, rundir
+from scaletrain.train import replan, resume as resuming, rundir
 from scaletrain.train.callbacks import Hooks
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.divergence import DivergenceGuard
@@ -137,6 +137,8 @@ class Trainer:
         say = log or (lambda s: print(s, flush=True))
         self.log = say if self.rank == 0 else (lambda s: None)
         preflight.check_unused(cfg)  # a value set for a feature that is off is one line, not ignored
+        self.replan = replan.start(cfg, self.world, self.out_dir if self.resume else None)  # another world size
+        cfg = self.cfg = self.replan.cfg if self.replan is not None else cfg  # pinned keys that fit it
         self.auto = plan_auto.choose(cfg, self.world, self.rank, self.device, data_rate=lambda: data_rate(
             cfg, model, self.world, *self._user_data)) if cfg.plan == "auto" else None
         cfg = self.cfg = self.auto.cfg if self.auto is not None else cfg  # plan=auto: the chosen plan's keys set
@@ -147,6 +149,9 @@ class Trainer:
             self.log(f"note: one process, so parallel.zero={cfg.parallel.zero} / parallel.compression="
                      f"{cfg.parallel.compression} have no effect")
         self.micro_batch, self.accum = self._batch_arithmetic()
+        if self.replan is not None:
+            self.replan.settle(self.plan, self.micro_batch, self.accum)
+            self.log(self.replan.describe())
         torch.manual_seed(cfg.train.seed)  # the same on every rank: identical initial weights
         random.seed(cfg.train.seed)
         self.model_name = cfg.model.name if model is None else type(model).__name__
@@ -224,7 +229,8 @@ class Trainer:
         par = self.parallel
         return build_loader(as_pairs(self.train_set, self.adapter), self.micro_batch, shuffle=True,
                             seed=self.cfg.train.seed, rank=par.data_rank, world_size=par.data_world,
-                            start_sample=start_sample, infinite=True)
+                            start_sample=start_sample, infinite=True,
+                            epoch_multiple=self.cfg.train.global_batch)  # epochs alike under every layout
 
     def _batch_arithmetic(self) -> tuple[int, int]:
         """(micro_batch, micro-batches per optimizer step) over the ``self.dp_world`` data-parallel replicas.
@@ -463,6 +469,7 @@ class Trainer:
                                 loggers=cfg.train.loggers)
         if metrics.restart is not None:
             metrics.restart.note_reload(t_load[0], t_load[1], self.step)
+        metrics.replan = (self.replan, cfg.train.global_batch) if self.replan is not None else None
         show = cfg.train.progress == "on" or (cfg.train.progress == "auto" and sys.stderr.isatty())
         unit = "tok" if self.task == "lm" else "samples"
         bar = ProgressBar(cfg.train.steps, self.step, unit, enabled=show and self.rank == 0)
