@@ -41,8 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="model config override, e.g. --set n_layer=96 (repeatable)")
     p.add_argument("--platform", action="append", default=None,
-                   help="preset (a100-80g, a100-40g, h100, h200, v100) or a platform JSON file (default a100-80g); "
-                        "repeatable: the platforms are searched and ranked together")
+                   help="preset (a100-80g, a100-40g, h100, h200, gh200, v100) or a platform JSON file (default a100-80g); "
+                        "repeatable: the platforms are searched and ranked together; a heterogeneous cluster: "
+                        "NAME:COUNT,... (a100-80g:2,v100:2, stage order) or a JSON file {\"devices\": [{\"platform\", "
+                        "\"count\"}]}: per-device batches and layers (scaletrain.planner.hetero)")
     p.add_argument("--nodes", default="1", help="nodes: one count, a list or ranges, e.g. 4, 1,2,4 or 1-8 (default 1)")
     p.add_argument("--gpus-per-node", type=positive_int(1024), default=8, help="devices per node (default 8)")
     p.add_argument("--global-batch", type=positive_int(), required=True, help="sequences per optimizer step")
@@ -161,9 +163,14 @@ def run(args: argparse.Namespace) -> int:
     from scaletrain.measure.report import parse_overrides
     from scaletrain.planner import budget as bud
     from scaletrain.planner.api import entry, rank
+    from scaletrain.planner.hetero import is_cluster
     from scaletrain.planner.shape import analytic
 
     _check(args)
+    if args.platform and any(is_cluster(p) for p in args.platform):  # a100-80g:2,v100:2 or a cluster file
+        from scaletrain.commands._plan_cluster import run_cluster
+
+        return run_cluster(args, _platform)
     nodes = bud.parse_nodes(args.nodes)
     plats = _platforms(args, nodes)
     workload = bud.Workload(tokens=bud.parse_count("--tokens", args.tokens) if args.tokens else 0.0,
