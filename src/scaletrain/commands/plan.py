@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the platform's price_per_device_hour)")
     p.add_argument("--deadline", metavar="TIME", help="reject plans whose run takes longer: seconds or 90m, 2h, 3d")
     p.add_argument("--max-cost", type=positive_float(), metavar="USD", help="reject plans whose run costs more (USD)")
+    p.add_argument("--runs", type=positive_int(1 << 16), default=0, metavar="N",
+                   help="price N runs of the model together: the sweep's shard alternator (spilled shards) against "
+                        "N independent plans and task parallelism (scaletrain.planner.runs)")
     p.add_argument("--top", type=positive_int(1 << 20), default=5, help="plans to list (default 5)")
     p.add_argument("--json", action="store_true", help="print the ranked list as JSON (an array, best first)")
     p.add_argument("--json-rejected", action="store_true",
@@ -171,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
         from scaletrain.commands._plan_cluster import run_cluster
 
         return run_cluster(args, _platform)
+    if args.runs:  # N runs of the model: the sweep's shard alternator vs independent plans vs task parallelism
+        from scaletrain.commands._plan_runs import run_runs
+
+        return run_runs(args, _platform)
     nodes = bud.parse_nodes(args.nodes)
     plats = _platforms(args, nodes)
     workload = bud.Workload(tokens=bud.parse_count("--tokens", args.tokens) if args.tokens else 0.0,

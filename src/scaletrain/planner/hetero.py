@@ -85,19 +85,21 @@ def parse_cluster(spec: str, resolve: Callable[[str], Platform]) -> list[Platfor
 
 
 def min_max_split(total: int, unit_s: list[float], fixed_s: list[float] | None = None,
-                  caps: list[int] | None = None) -> list[int]:
+                  caps: list[int] | None = None, least: int = 1) -> list[int]:
     """Integer counts n_d summing to ``total`` that minimise max_d (fixed_s[d] + n_d·unit_s[d]) with
-    n_d <= caps[d] (seconds; units are samples or layers). Greedy: each unit goes to the device where
-    it would finish earliest. UserError when the caps hold fewer than ``total``."""
+    ``least`` <= n_d <= caps[d] (seconds; units are samples or layers; every device takes part). Greedy:
+    each unit goes to the device where it would finish earliest. UserError when the caps hold fewer than
+    ``total`` or less than ``least`` each."""
     k = len(unit_s)
     fixed = fixed_s or [0.0] * k
     cap = caps or [total] * k
-    if sum(min(c, total) for c in cap) < total:
-        raise UserError(f"the devices hold {sum(cap)} of the {total} units to place (memory)")
-    n = [0] * k
-    heap = [(fixed[d] + unit_s[d], d) for d in range(k) if cap[d] > 0]
+    if sum(min(c, total) for c in cap) < total or min(cap) < least or least * k > total:
+        raise UserError(f"{total} units (samples or layers) cannot be placed {least} or more per device on {k} "
+                        f"devices that hold {', '.join(map(str, cap))} (memory)")
+    n = [least] * k
+    heap = [(fixed[d] + (least + 1) * unit_s[d], d) for d in range(k) if cap[d] > least]
     heapq.heapify(heap)
-    for _ in range(total):
+    for _ in range(total - least * k):
         t, d = heapq.heappop(heap)
         n[d] += 1
         if n[d] < cap[d]:
