@@ -102,17 +102,25 @@ def _worker(rank: int, world: int, a: dict) -> dict:
     # its speed by up to 2x within minutes), and that repeat's prediction of both splits uses that profile
     times: dict[str, list[float]] = {"even": [], "planned": []}
     margins: list[tuple[float, float]] = []
+    comp: dict[str, list[float]] = {"even": [], "planned": [], "predicted_even": [], "predicted_planned": []}
     for _ in range(a["repeats"]):
         u, f, t = profile(a["steps"])  # this repeat's own profile, never the splits it predicts
         step(even)  # one untimed step after switching
-        ev = [step(even)[0] for _ in range(a["steps"])]
+        ev_s = [step(even) for _ in range(a["steps"])]
         step(planned)
-        pl = [step(planned)[0] for _ in range(a["steps"])]
+        pl_s = [step(planned) for _ in range(a["steps"])]
+        ev, pl = [x[0] for x in ev_s], [x[0] for x in pl_s]
+        comp["even"].append(statistics.median(x[1] for x in ev_s))
+        comp["planned"].append(statistics.median(x[1] for x in pl_s))
+        comp["predicted_even"].append(even[rank] * u[rank] + f[rank])
+        comp["predicted_planned"].append(planned[rank] * u[rank] + f[rank])
         p_even, p_plan = slowest(even, u, f) + t, slowest(planned, u, f) + t
         times["even"] += ev
         times["planned"] += pl
         margins.append((p_even / p_plan, statistics.median(ev) / statistics.median(pl)))
-    return {"rank": rank, "slowdown": slow, "per_sample_s": unit, "fixed_s": fix, "tail_s": tail_s,
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, {k: statistics.median(v) for k, v in comp.items()})
+    return {"compute_s_per_rank": per_rank, "rank": rank, "slowdown": slow, "per_sample_s": unit, "fixed_s": fix, "tail_s": tail_s,
             "even": even, "planned": planned, "predicted_step_s": pred, "times": times, "margins": margins}
 
 
@@ -123,7 +131,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per repeat and split")
-    ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--profile-steps", type=int, default=7)
     ap.add_argument("--out", default="planner_hetero_dp.json")
     a = vars(ap.parse_args())
@@ -139,7 +147,7 @@ def main() -> None:
            "profile": {k: res[k] for k in ("per_sample_s", "fixed_s", "tail_s")},
            "even": res["even"], "planned": res["planned"], "predicted_step_s": pred, "measured_step_s": measured,
            "predicted_margin": pm, "measured_margin": mm, "margin_error": mm / pm - 1,
-           "within_15pct": abs(mm / pm - 1) <= 0.15, "margins_predicted_measured_per_repeat": res["margins"],
+           "within_15pct": abs(mm / pm - 1) <= 0.15, "compute_s_per_rank_median": res["compute_s_per_rank"], "margins_predicted_measured_per_repeat": res["margins"],
            "predicted_margin_from_first_profile": pred["even"] / pred["planned"], "step_times_s": res["times"]}
     path = write_json(a["out"], out)
     print(f"split even {res['even']} vs planned {res['planned']}: predicted {pred['even'] * 1e3:.1f} / "
