@@ -9,14 +9,15 @@ fast one on this shared 2-core machine. Gradients: one all-reduce (sum) of the f
 after the backward, each rank's loss weighted by its share of the global batch
 (:func:`scaletrain.techniques.data_parallel.uneven.loss_weight`, not averaged), then SGD.
 
-Plan, as Metis/HetPipe do: each rank profiles itself (median of its forward + backward seconds at B/2
-samples, over B/2: seconds per sample), the tail (all-reduce + step of the rank that reaches it last, which
-waits for no one) is timed, and
+Plan, as Metis/HetPipe do: each rank profiles itself (a line through the medians of its forward + backward
+seconds at B/4 and B/2 samples: seconds per sample and fixed seconds; the slope floored at 5 % of the mean
+rate against a noisy pair), the tail (all-reduce + step of the rank that reaches it last, which waits for
+no one) is timed, and
 :func:`scaletrain.planner.hetero.min_max_split` splits B. Predicted step of a split = the slowest rank's
 line + the tail; predicted margin = even / planned. Measured: repeats interleave the two splits
 (even, planned, even, planned, ...), ``--steps`` timed steps each (barrier to barrier on rank 0), medians.
 The split is planned once, from the first profile; each repeat first re-profiles the ranks (the same
-size, never the uneven split measured) and that repeat's predicted margin uses its profile (the shared machine's
+two sizes, never the uneven split measured) and that repeat's predicted margin uses its profile (the shared machine's
 load moves its speed by up to 2x in minutes); the reported margins are the medians over repeats.
 Writes ``benchmarks/results/planner_hetero_dp.json`` (the machine's load before and after is recorded).
 
@@ -84,14 +85,19 @@ def _worker(rank: int, world: int, a: dict) -> dict:
         return time.perf_counter() - t0, t1 - t0, tail
 
     def profile(n_steps: int) -> tuple[list[float], list[float], float]:
-        """Every rank's seconds per sample (median forward + backward seconds of ``n_steps`` at B/2 samples,
-        over B/2: a line through 0, the fixed part left out — a two-size fit with one was noise on this loaded
-        machine) and the tail (all-reduce + step of the rank that reaches it last, which waits for no one)."""
-        prof = [step([B // 2] * world) for _ in range(n_steps)]
-        mine = (statistics.median(c for _, c, _ in prof) / (B // 2), statistics.median(t for *_, t in prof))
+        """Every rank's line (seconds per sample, fixed seconds) through the medians of its forward + backward
+        seconds at B/4 and B/2 samples (``n_steps`` each, interleaved), and the tail (all-reduce + step of the
+        rank that reaches it last, which waits for no one)."""
+        lo, hi = [], []
+        for _ in range(n_steps):
+            lo.append(step([B // 4] * world))
+            hi.append(step([B // 2] * world))
+        c_lo, c_hi = statistics.median(c for _, c, _ in lo), statistics.median(c for _, c, _ in hi)
+        unit = max((c_hi - c_lo) / (B // 2 - B // 4), 0.05 * c_hi / (B // 2))  # a floor against noise
+        mine = (unit, max(c_hi - unit * (B // 2), 0.0), statistics.median(t for *_, t in lo + hi))
         got = [None] * world
         dist.all_gather_object(got, mine)
-        return [g[0] for g in got], [0.0] * world, min(g[1] for g in got)
+        return [g[0] for g in got], [g[1] for g in got], min(g[2] for g in got)
 
     for _ in range(2):
         step(even_split(B, world))
