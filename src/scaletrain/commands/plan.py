@@ -32,6 +32,8 @@ examples:
       --fix tp=8 --json
   scaletrain plan --model gpt2-xl --platform a100-80g --platform h100 --price a100-80g=2.00 --price h100=3.25 \\
       --nodes 1,2,4,8 --global-batch 512 --seq 1024 --tokens 30e9 --objective cost --deadline 3d --timeline step.png
+  scaletrain plan --model gpt2-xl --platform a100-80g:2,v100:2 --global-batch 64     # heterogeneous devices
+  scaletrain plan --model llama3.1-8b --platform gh200 --gpus-per-node 4 --runs 8 --global-batch 32 --seq 2048
 """
 
 
