@@ -47,7 +47,9 @@ def test_cli_cluster_and_bad_counts(tmp_path, capsys):
     assert main(["plan", "--model", "gpt2-medium", "--platform", str(f), "--global-batch", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {o["kind"] for o in out} == {"data", "pipeline"} and all(o["split"][0] > o["split"][1] for o in out)
-    for bad in ("a100-80g:0,v100:2", "a100-80g:2,nope:1", "v100:1"):
+    f.write_text(json.dumps({"devices": [{"platform": {"flops_bf16": 1e12}, "count": 1}, {"platform": "v100",
+                                                                                     "count": 2.5}]}))
+    for bad in ("a100-80g:0,v100:2", "a100-80g:2,nope:1", "v100:1", "a100-80g:1.5,v100:1", str(f)):
         assert main(["plan", "--model", "gpt2-medium", "--platform", bad, "--global-batch", "16"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err

@@ -61,7 +61,10 @@ def parse_cluster(spec: str, resolve: Callable[[str], Platform]) -> list[Platfor
             if not isinstance(it, dict) or "platform" not in it:
                 raise UserError(f"--platform {spec}: each device entry needs \"platform\" (a preset name or fields)")
             p = it["platform"]
-            plat = Platform.from_dict(p) if isinstance(p, dict) else resolve(str(p))
+            try:
+                plat = Platform.from_dict(p) if isinstance(p, dict) else resolve(str(p))
+            except TypeError as e:  # a field object without "name" or another required field
+                raise UserError(f"--platform {spec}: a device's platform fields: {e}") from None
             entries.append((plat, it.get("count", 1)))
     else:
         entries = []
@@ -72,11 +75,9 @@ def parse_cluster(spec: str, resolve: Callable[[str], Platform]) -> list[Platfor
             entries.append((resolve(name), n or "1"))
     out: list[Platform] = []
     for plat, n in entries:
-        try:
-            count = int(n)
-        except (TypeError, ValueError):
-            count = 0
-        if count < 1 or isinstance(n, bool):
+        ok = (isinstance(n, int) and not isinstance(n, bool)) or (isinstance(n, str) and n.strip().isdigit())
+        count = int(n) if ok else 0
+        if count < 1:
             raise UserError(f"--platform {spec!r}: count of {plat.name} must be an integer >= 1 (got {n!r})")
         out += [plat] * count
     if len(out) < 2:
