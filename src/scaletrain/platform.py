@@ -57,6 +57,9 @@ class Platform:
     """Host -> device copy bandwidth, bytes/s (pinned memory on GPUs; memcpy on the logical pool)."""
     d2h_bytes_per_s: float = 1e10
     """Device -> host copy bandwidth, bytes/s."""
+    host_link: str = ""
+    """What carries ``h2d_bytes_per_s`` / ``d2h_bytes_per_s`` (words, e.g. "PCIe Gen5 x16", "NVLink-C2C"):
+    the link every offload and spill pays for; "" = not stated (a calibrated CPU: memcpy)."""
     disk_read_bytes_per_s: float = 1e9
     """Sequential read bandwidth of the offload disk, bytes/s."""
     disk_write_bytes_per_s: float = 1e9
@@ -72,6 +75,9 @@ class Platform:
     inter_node_bytes_per_s: float = 0.0
     """Network bandwidth per device between nodes, per direction, bytes/s; 0 if none."""
     devices_per_node: int = 1
+    devices_per_host: int = 0
+    """Devices sharing one host CPU, its memory and its ``cpu_adam_params_per_s``, a count: a DGX node's
+    8 (0 = ``devices_per_node``, one host per node); a Grace Hopper superchip's 1 (each GPU its own Grace)."""
     matmul_efficiency: tuple = ((128.0, 0.86), (16.0, 0.81), (1.0, 0.54), (0.0, 0.09))
     """Achieved fraction of ``flops_*`` for one matmul of at least that many GFLOP (first row whose
     threshold the matmul reaches, rows in decreasing order). The shape of Calculon's table
@@ -235,7 +241,7 @@ FRACTIONS = ("unaligned_matmul_fraction", "intra_node_efficiency", "inter_node_e
 MAY_BE_ZERO = ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_overhead_s", "price_per_device_hour",
                "intra_node_latency_s", "inter_node_latency_s", "unaligned_matmul_fraction", "compile_factor",
                "sm_count", "optimizer_bytes_per_s", "fsdp_collective_overhead_s",
-               "data_seconds_per_sample")
+               "data_seconds_per_sample", "devices_per_host")
 """Numeric fields where 0 is meaningful (no such link, not modelled, unknown price); the others divide."""
 
 
@@ -308,6 +314,7 @@ PCIE_ACHIEVED = 0.8
 PRESETS: dict[str, Platform] = {
     "h100": Platform(
         name="h100", device_type="cuda",
+        host_link="PCIe Gen5 x16",
         device_memory_bytes=80 * GiB,        # H100 SXM5 80GB (5 HBM3 stacks x 16 GiB)
         host_memory_bytes=2048 * GiB,        # DGX H100: 2 TB system memory
         flops_fp32=67e12,                    # data sheet: FP32 67 TFLOPS (SXM)
@@ -328,6 +335,7 @@ PRESETS: dict[str, Platform] = {
     ),
     "a100": Platform(
         name="a100", device_type="cuda",
+        host_link="PCIe Gen4 x16",
         device_memory_bytes=80 * GiB,        # A100 SXM4 80GB
         host_memory_bytes=2048 * GiB,        # DGX A100 640GB: 2 TB system memory
         flops_fp32=19.5e12,                  # data sheet: FP32 19.5 TFLOPS
@@ -348,6 +356,7 @@ PRESETS: dict[str, Platform] = {
     ),
     "v100": Platform(
         name="v100", device_type="cuda",
+        host_link="PCIe Gen3 x16",
         device_memory_bytes=32 * GiB,        # V100 SXM2 32GB
         host_memory_bytes=1536 * GiB,        # DGX-2: 1.5 TB system memory
         flops_fp32=15.7e12,                  # data sheet: FP32 15.7 TFLOPS (SXM2)
@@ -394,12 +403,33 @@ PRESETS["h200"] = PRESETS["h100"].with_(
     source="NVIDIA H200 Tensor Core GPU data sheet (SXM); DGX H200 data sheet; host/disk/CPU rates assumed")
 
 
+# Grace Hopper: one H100-class GPU and a 72-core Grace CPU joined by NVLink-C2C, 900 GB/s bidirectional
+# (450 per direction), "7x the bandwidth of PCIe Gen5" (NVIDIA GH200 Grace Hopper Superchip data sheet):
+# ~57x PCIe Gen3's 15.75 GB/s, the "60x cheaper spilling" of Nagrecha's survey (section 5)
+PRESETS["gh200"] = PRESETS["h100"].with_(
+    name="gh200",
+    device_memory_bytes=96 * GiB,            # data sheet: 96 GB HBM3 (the 144 GB HBM3e part: give a platform file)
+    device_mem_bytes_per_s=4.0e12,           # data sheet: 4 TB/s
+    host_memory_bytes=480 * GB,              # data sheet: up to 480 GB LPDDR5X
+    host_link="NVLink-C2C",
+    h2d_bytes_per_s=450 * GB * PCIE_ACHIEVED,  # NVLink-C2C 450 GB/s per direction; PCIe's achieved fraction assumed
+    d2h_bytes_per_s=450 * GB * PCIE_ACHIEVED,
+    host_memcpy_bytes_per_s=512 * GB * 0.8,  # data sheet: LPDDR5X up to 512 GB/s; 0.8 achieved assumed
+    cpu_adam_params_per_s=4e9,               # assumption: 72 Neoverse V2 cores, memory-bound (~32 B per update at
+                                             # ~410 GB/s = 12.8e9, a third reached); calibrate()
+    devices_per_host=1,                      # each GH200 is one Grace CPU + one GPU
+    devices_per_node=4,                      # a 4-superchip node (e.g. HPE Cray EX254n), GPUs on NVLink 4
+    # FP32 67 / BF16 989.4 dense TFLOPS (data sheet: 1,979 with sparsity), 132 SMs: the H100's
+    source="NVIDIA GH200 Grace Hopper Superchip data sheet (96 GB HBM3); node layout, achieved fractions and "
+           "CPU-Adam rate assumed")
+
+
 def names() -> list[str]:
     return list(PRESETS)
 
 
 def get(name: str) -> Platform:
-    """A preset by name (h100, h200, a100 = a100-80g, a100-40g, v100); ``"local"`` calibrates this machine."""
+    """A preset by name (h100, h200, gh200, a100 = a100-80g, a100-40g, v100); ``"local"`` calibrates this machine."""
     key = name.lower()
     if key == "local":
         return calibrate()

@@ -32,6 +32,8 @@ examples:
       --fix tp=8 --json
   scaletrain plan --model gpt2-xl --platform a100-80g --platform h100 --price a100-80g=2.00 --price h100=3.25 \\
       --nodes 1,2,4,8 --global-batch 512 --seq 1024 --tokens 30e9 --objective cost --deadline 3d --timeline step.png
+  scaletrain plan --model gpt2-xl --platform a100-80g:2,v100:2 --global-batch 64     # heterogeneous devices
+  scaletrain plan --model llama3.1-8b --platform gh200 --gpus-per-node 4 --runs 8 --global-batch 32 --seq 2048
 """
 
 
@@ -41,8 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="model config override, e.g. --set n_layer=96 (repeatable)")
     p.add_argument("--platform", action="append", default=None,
-                   help="preset (a100-80g, a100-40g, h100, h200, v100) or a platform JSON file (default a100-80g); "
-                        "repeatable: the platforms are searched and ranked together")
+                   help="preset (a100-80g, a100-40g, h100, h200, gh200, v100) or a platform JSON file (default a100-80g); "
+                        "repeatable: the platforms are searched and ranked together; a heterogeneous cluster: "
+                        "NAME:COUNT,... (a100-80g:2,v100:2, stage order) or a JSON file {\"devices\": [{\"platform\", "
+                        "\"count\"}]}: per-device batches and layers (scaletrain.planner.hetero)")
     p.add_argument("--nodes", default="1", help="nodes: one count, a list or ranges, e.g. 4, 1,2,4 or 1-8 (default 1)")
     p.add_argument("--gpus-per-node", type=positive_int(1024), default=8, help="devices per node (default 8)")
     p.add_argument("--global-batch", type=positive_int(), required=True, help="sequences per optimizer step")
@@ -63,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the platform's price_per_device_hour)")
     p.add_argument("--deadline", metavar="TIME", help="reject plans whose run takes longer: seconds or 90m, 2h, 3d")
     p.add_argument("--max-cost", type=positive_float(), metavar="USD", help="reject plans whose run costs more (USD)")
+    p.add_argument("--runs", type=positive_int(1 << 16), default=0, metavar="N",
+                   help="price N runs of the model together: the sweep's shard alternator (spilled shards) against "
+                        "N independent plans and task parallelism (scaletrain.planner.runs)")
     p.add_argument("--top", type=positive_int(1 << 20), default=5, help="plans to list (default 5)")
     p.add_argument("--json", action="store_true", help="print the ranked list as JSON (an array, best first)")
     p.add_argument("--json-rejected", action="store_true",
@@ -161,9 +168,18 @@ def run(args: argparse.Namespace) -> int:
     from scaletrain.measure.report import parse_overrides
     from scaletrain.planner import budget as bud
     from scaletrain.planner.api import entry, rank
+    from scaletrain.planner.hetero import is_cluster
     from scaletrain.planner.shape import analytic
 
     _check(args)
+    if args.platform and any(is_cluster(p) for p in args.platform):  # a100-80g:2,v100:2 or a cluster file
+        from scaletrain.commands._plan_cluster import run_cluster
+
+        return run_cluster(args, _platform)
+    if args.runs:  # N runs of the model: the sweep's shard alternator vs independent plans vs task parallelism
+        from scaletrain.commands._plan_runs import run_runs
+
+        return run_runs(args, _platform)
     nodes = bud.parse_nodes(args.nodes)
     plats = _platforms(args, nodes)
     workload = bud.Workload(tokens=bud.parse_count("--tokens", args.tokens) if args.tokens else 0.0,

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: each operator's FLOP/byte, achieved FLOP/s and bytes/s here, and whether it is "
                         "compute- or memory-bound on --platform (scaletrain.measure.roofline)")
     p.add_argument("--platform", default="a100-80g",
-                   help="with --roofline: a preset (h100, h200, a100-80g, a100-40g, v100), a platform JSON file "
+                   help="with --roofline: a preset (h100, h200, gh200, a100-80g, a100-40g, v100), a platform JSON file "
                         "or local (default a100-80g)")
     p.add_argument("--png", default=None, metavar="PNG", help="with --roofline: write the log-log roofline to PNG")
 
