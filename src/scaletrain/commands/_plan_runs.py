@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from typing import Callable
 
 from scaletrain.errors import UserError
