@@ -49,7 +49,8 @@ def run_runs(args: argparse.Namespace, resolve: Callable) -> int:
         if best["step_s"] is None:
             print("  -> nothing fits")
         elif rival is None or rival["step_s"] is None:
-            print(f"  -> {'spilled shards' if best['layout'] in spilled else 'resident plans'}: the only kind that fits")
+            kind = "spilled shards" if best["layout"] in spilled else "resident plans"
+            print(f"  -> {kind}: the only kind that fits")
         else:
             print(f"  -> {best['layout']} wins, {rival['step_s'] / best['step_s']:.2f}x faster than {rival['layout']}")
     return 0

@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="device the step would run on: on CUDA storages take whole 512-byte blocks and "
                         "Adam's step counters stay on the host (default cpu)")
     p.add_argument("--platform", default=None,
-                   help="a scaletrain.platform preset (h100, h200, gh200, a100-80g, a100-40g, v100), a platform JSON file, "
+                   help="a scaletrain.platform preset (h100, h200, gh200, a100-80g, a100-40g, v100), "
+                        "a platform JSON file, "
                         "or local (this machine, one process): its device, FLOP/s and memory; says whether the "
                         "step fits and prices the plan's step time by phase")
     p.add_argument("--flops-per-s", type=positive_float(), default=None, help="FLOP/s to turn FLOPs into times")

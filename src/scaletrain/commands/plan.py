@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="model config override, e.g. --set n_layer=96 (repeatable)")
     p.add_argument("--platform", action="append", default=None,
-                   help="preset (a100-80g, a100-40g, h100, h200, gh200, v100) or a platform JSON file (default a100-80g); "
+                   help="preset (a100-80g, a100-40g, h100, h200, gh200, v100) or a platform JSON file "
+                        "(default a100-80g); "
                         "repeatable: the platforms are searched and ranked together; a heterogeneous cluster: "
                         "NAME:COUNT,... (a100-80g:2,v100:2, stage order) or a JSON file {\"devices\": [{\"platform\", "
                         "\"count\"}]}: per-device batches and layers (scaletrain.planner.hetero)")

@@ -137,7 +137,8 @@ def alternator(shape: Any, plat: Platform, devices: int, runs: int, *, global_ba
             step = sim.makespan_s / steps
             if best is None or step < best.step_s:
                 busy = sum(sim.utilisation) / devices
-                best = RunsLayout(name, step, f"{len(split)} shards of {'+'.join(map(str, split))} layers, micro-batch {mb}"
+                layers = "+".join(map(str, split))
+                best = RunsLayout(name, step, f"{len(split)} shards of {layers} layers, micro-batch {mb}"
                                         f" x {global_batch // mb}, devices busy {busy:.0%} (sweep simulator, {policy})")
         mb *= 2
     return best or RunsLayout(name, math.inf, why)
