@@ -319,7 +319,7 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
     notes = [f"{target.name} priced by its fake-tensor trace (the estimate's cost model)"]
     with trace_cache():
         _scan(target, world, gpus_per_node, global_batch, fx, base, check, reject, _region)
-        if not ranked and "offload" not in fx:
+        if not ranked and oom and "offload" not in fx:  # memory was what ruled plans out: offloading helps
             notes.append("no plan fits with the optimizer on the device: searched again with it on the host "
                          "(ZeRO-Offload; --fix offload=none forbids it)")
             offload[0] = "optimizer"
