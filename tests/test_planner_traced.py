@@ -152,6 +152,10 @@ def test_traced_search_offloads_the_optimizer_where_nothing_else_fits_and_the_pl
     assert best["plan"]["offload"]["optimizer"] == "host" and best["peak_bytes"] <= 8 * 2**20
     assert main([*base, "--platform", str(tiny), "--fix", "offload=none"]) == 2
     assert "no plan fits" in capsys.readouterr().err
+    tiny.write_text(json.dumps({"name": "tiny", "device_memory_bytes": 2 * 2**30 + 8 * 2**20,
+                                "host_memory_bytes": 4 * 2**20}))  # masters and Adam states need 7.2 MiB
+    assert main([*base, "--platform", str(tiny)]) == 2
+    assert "of host memory" in capsys.readouterr().err
     ranked = {}
     for o in ("optimizer", "none"):  # the default platform (80 GB): both fit
         assert main([*base, "--fix", f"offload={o}"]) == 0

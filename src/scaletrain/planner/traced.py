@@ -138,10 +138,13 @@ def summary(target: Traced, plan: Plan, plat: Platform, costs: list[Any], *, glo
     peak = {k: float(v) for k, v in top.bytes.items()}
     peak["total"] = float(top.peak_bytes)
     busy = step - t.bubble
+    # offloading: the ranks of one node share its host memory (the analytic search's rule)
+    host = max(c.host_bytes for c in costs) * min(world, plat.devices_per_node)
     return PlanCost(plan=plan, step_time_s=step, tokens_per_s=global_batch * max(seq, 1) / step,
                     tflops_per_device=flops / step / world / 1e12, mfu=flops / step / world / plat.flops(plan.precision),
                     peak_bytes=peak, device_bytes=float(plat.device_memory_bytes),
-                    fits=top.peak_bytes + opts.reserve_bytes <= plat.device_memory_bytes,
+                    fits=top.peak_bytes + opts.reserve_bytes <= plat.device_memory_bytes
+                    and host <= plat.host_memory_bytes, host_bytes=host,
                     bubble_fraction=t.bubble / step if busy < step else 0.0, exposed_comm_s=exposed, phases_s=phases,
                     heaviest_rank=top.rank, blocks_s={},
                     rank_peaks=[{"rank": r, "total": float(c.peak_bytes)} for r, c in enumerate(costs)])
@@ -331,11 +334,16 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
             over = c.peak_bytes["total"] + opts.reserve_bytes - c.device_bytes
             reject(f"tp={tp}" + (f" cp={cp}" if cp > 1 else "") + f" pp={pp} dp={dp}" + (f" ep={ep}" if ep > 1 else "")
                    + (" offload" if off else ""),
-                   "memory", f"every plan is out of memory; the smallest by "
-                   f"{f'{over / 2**30:.2f} GiB' if over >= 2**28 else f'{over / 2**20:.2f} MiB'} ({c.plan.describe()}, "
-                   f"micro-batch {c.plan.micro_batch})")
+                   "memory", f"every plan is out of memory; the smallest by {_gib(over) if over > 0 else ''}"
+                   f"{_gib(c.host_bytes - plat.host_memory_bytes) + ' of host memory' if over <= 0 else ''} "
+                   f"({c.plan.describe()}, micro-batch {c.plan.micro_batch})")
     return SearchResult(ranked=ranked, out_of_memory=list(oom.values()), rejected=_merge(rejected),
                         evaluated=count[0], seconds=time.perf_counter() - t0, world=world, notes=notes)
+
+
+def _gib(n: float) -> str:
+    """Bytes in words: GiB from a quarter GiB up, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
 
 
 def _scan(target: Traced, world: int, gpus_per_node: int, global_batch: int, fx: dict[str, Any], base: Any,

@@ -61,6 +61,8 @@ class RankCost:
     """Bytes received per optimizer step in collectives (ring convention of the ledger)."""
     time_s: StepSeconds | None = None
     """Seconds of the step by phase on the platform given to :func:`plan_costs` (None without one)."""
+    host_bytes: float = 0.0
+    """Host memory this rank's offloading holds (masters, optimizer states, offloaded activations)."""
 
     @property
     def step_time_s(self) -> float | None:

@@ -69,11 +69,11 @@ def offload_bytes(costs: list[Any], plan: Any, *, world: int, chain: nn.Module, 
         grads = 0.0 if on_host else float(probe.total_param_bytes)
         optim = 0.0 if on_host else float(c.bytes.get("optimizer", 0.0))
         peak = float(pred.device_peak_bytes)
-        c.peak_bytes = peak
+        c.peak_bytes, c.host_bytes = peak, float(pred.host_peak_bytes)
         c.bytes = {"params": params, "grads": grads, "optimizer": optim,
                    "activations_and_transients": max(0.0, peak - params - grads - optim)}
         return
     for c in costs:  # ZeRO-Offload: this rank's masters and optimizer states on the host
         off = float(c.bytes.get("optimizer", 0.0))
         c.bytes = {**c.bytes, "optimizer": 0.0}
-        c.peak_bytes = float(c.peak_bytes) - off
+        c.peak_bytes, c.host_bytes = float(c.peak_bytes) - off, off
