@@ -136,3 +136,39 @@ def test_fix_cp_hsdp_and_pp_split_are_pinned_and_priced_for_traced_models(capsys
     profile = _plan_json(capsys, "vgg-mini", *fix)
     assert [r["plan"]["balance"] for r in equal] == ["equal"] and [r["plan"]["balance"] for r in profile] == ["profile"]
     assert equal[0]["peak_bytes"] != profile[0]["peak_bytes"]
+
+
+def test_traced_search_offloads_the_optimizer_where_nothing_else_fits_and_the_plan_runs(tmp_path, capsys):
+    """mlp (0.63M parameters: 10 MB of fp32 weights, gradients and Adam states) on a device with 8 MiB to plan:
+    nothing fits with the optimizer on the device, so the search offloads it (ZeRO-Offload) and the plan's
+    predicted peak is the offload runtime's, which the run measures; --fix offload=optimizer is priced beside
+    the plain plan where both fit (less device memory, never less time)."""
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(json.dumps({"name": "tiny", "device_memory_bytes": 2 * 2**30 + 8 * 2**20}))  # 2 GiB reserved
+    base = ["plan", "--model", "mlp", "--gpus-per-node", "1", "--global-batch", "8", "--fix", "micro_batch=8",
+            "--precision", "fp32", "--json"]
+    assert main([*base, "--platform", str(tiny), "--out", str(tmp_path / "plan.toml")]) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    assert best["plan"]["offload"]["optimizer"] == "host" and best["peak_bytes"] <= 8 * 2**20
+    assert main([*base, "--platform", str(tiny), "--fix", "offload=none"]) == 2
+    assert "no plan fits" in capsys.readouterr().err
+    tiny.write_text(json.dumps({"name": "tiny", "device_memory_bytes": 2 * 2**30 + 8 * 2**20,
+                                "host_memory_bytes": 4 * 2**20}))  # masters and Adam states need 7.2 MiB
+    assert main([*base, "--platform", str(tiny)]) == 2
+    assert "of host memory" in capsys.readouterr().err
+    ranked = {}
+    for o in ("optimizer", "none"):  # the default platform (80 GB): both fit
+        assert main([*base, "--fix", f"offload={o}"]) == 0
+        ranked[o] = json.loads(capsys.readouterr().out)
+    pinned, plain = ranked["optimizer"], ranked["none"]
+    assert {r["plan"]["offload"]["optimizer"] for r in pinned} == {"host"}
+    assert plain[0]["plan"]["offload"]["optimizer"] == "device"
+    assert pinned[0]["peak_bytes"] < plain[0]["peak_bytes"] and pinned[0]["step_time_s"] > plain[0]["step_time_s"]
+    run = tmp_path / "run"
+    assert main(["train", "--plan", str(tmp_path / "plan.toml"), "--out", str(run), "model.name=mlp",
+                 "train.global_batch=8", "train.steps=1", "train.eval_every=0", "train.progress=off",
+                 "train.log_every=1"]) == 0
+    row = next(r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if "offload_device_peak_bytes" in r)
+    assert row["offload_device_peak_pred_bytes"] == best["peak_bytes"]  # the planner prices what the run predicts
+    assert row["offload_device_peak_bytes"] == pytest.approx(best["peak_bytes"], rel=0.05)

@@ -15,8 +15,12 @@ divisors of dp and of the experts) × dp × ZeRO 0–3 (0–1 with a pipeline) �
 when the job spans nodes, or the pinned group) × remat none / selective (attention models) / full ×
 sequence parallelism × schedule (1F1B, interleaved, ZB-1P; GPipe — 1F1B's time with more micro-batches
 alive — and Chimera — two copies of the weights — when pinned; each priced by the pipeline simulator) ×
-micro-batch. Recomputation only adds time, so a heavier remat is priced only where the
-lighter one does not fit; a pipeline that does not fit without it runs the runtime's solver in every stage, each
+micro-batch × offload (none, or ``optimizer``: ZeRO-Offload, the fp32 masters, gradients and optimizer
+states on the host and the update on the CPU — one process, or ZeRO-1/2 without a pipeline, compat rule
+``offload-world``; with full recompute on one process as the offload runtime's ``recompute=all``; the same
+plan fields as the analytic search's, :func:`.search._offload`). Recomputation only adds time, so a heavier
+remat is priced only where the lighter one does not fit; offloading too: the whole space is searched again
+with the optimizer on the host only where no plan fits without it (or when pinned, ``--fix offload=…``); a pipeline that does not fit without it runs the runtime's solver in every stage, each
 under its own stage's budget fitted to its rank's slack (:func:`.stage_remat.fit_traced`). What the model cannot
 run is pruned by the compatibility table (:mod:`scaletrain.techniques.compat`) with the rule's name;
 a plan the cost model cannot price is rejected with the reason it gave. Units: seconds, bytes.
@@ -134,10 +138,13 @@ def summary(target: Traced, plan: Plan, plat: Platform, costs: list[Any], *, glo
     peak = {k: float(v) for k, v in top.bytes.items()}
     peak["total"] = float(top.peak_bytes)
     busy = step - t.bubble
+    # offloading: the ranks of one node share its host memory (the analytic search's rule)
+    host = max(c.host_bytes for c in costs) * min(world, plat.devices_per_node)
     return PlanCost(plan=plan, step_time_s=step, tokens_per_s=global_batch * max(seq, 1) / step,
                     tflops_per_device=flops / step / world / 1e12, mfu=flops / step / world / plat.flops(plan.precision),
                     peak_bytes=peak, device_bytes=float(plat.device_memory_bytes),
-                    fits=top.peak_bytes + opts.reserve_bytes <= plat.device_memory_bytes,
+                    fits=top.peak_bytes + opts.reserve_bytes <= plat.device_memory_bytes
+                    and host <= plat.host_memory_bytes, host_bytes=host,
                     bubble_fraction=t.bubble / step if busy < step else 0.0, exposed_comm_s=exposed, phases_s=phases,
                     heaviest_rank=top.rank, blocks_s={},
                     rank_peaks=[{"rank": r, "total": float(c.peak_bytes)} for r, c in enumerate(costs)])
@@ -172,7 +179,7 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
            options: Options | None = None, device: str = "cuda", params_dtype: str = "fp32") -> Any:
     """Every plan the model can run on ``nodes × gpus_per_node`` devices, priced and ranked (module
     docstring); returns a :class:`~.search.SearchResult` like the analytic search."""
-    from scaletrain.planner.search import SearchResult, _merge, _remat_rank
+    from scaletrain.planner.search import SearchResult, _merge, _offload, _remat_rank
     from scaletrain.techniques.plan_cost import stage_graphs_of
 
     t0 = time.perf_counter()
@@ -187,10 +194,6 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
     oom: dict[tuple, PlanCost] = {}
     count = [0]
 
-    if "offload" in fx and fx["offload"] != "none":
-        raise UserError(f"--fix offload={fx['offload']}: the traced planner does not search offloading yet; "
-                        f"searched: dp, tp, pp, ep, zero, hsdp, remat, sp, schedule, virtual, micro_batch; "
-                        f"pinned: cp, pp_split, params_dtype")
     if "attention" in fx:
         raise UserError(f"--fix attention={fx['attention']}: a traced model is priced with the attention kernels it "
                         f"runs; attention= applies to decoder shapes priced on paper")
@@ -225,7 +228,11 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
             groups = [g for g in groups if g == 0]
         return groups
 
+    offload = [str(fx.get("offload", "none"))]  # the pass being searched: none, then optimizer if nothing fits
+
     def _region(tp: int, cp: int, pp: int, dp: int, ep: int, region: str) -> None:
+        off = offload[0]
+        region += " offload" if off != "none" else ""
         groups = _groups(tp, cp, pp, dp, region)
         per_rank = global_batch // dp
         for b in _divisors(per_rank):
@@ -253,13 +260,17 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                         for remat in REMATS:
                             if fx.get("remat", remat) != remat or (remat == "selective" and not attention):
                                 continue
+                            if off != "none" and remat == "selective":
+                                continue  # the offload runtime recomputes whole blocks only (compat offload-remat)
                             if pp > 1 and remat != "none":
                                 reject(f"{region} remat={remat}", "runtime", PIPELINE_REMAT, key=f"{region} pp-remat")
                                 continue
                             plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, zero=zero, hsdp=hsdp,
                                         balance=balance, micro_batch=b,
                                         microbatches=m if pp > 1 else 0, schedule=sched if pp > 1 else "1f1b",
-                                        virtual=v if v > 1 else 0, remat=_remat(remat), precision=precision,
+                                        virtual=v if v > 1 else 0,
+                                        remat=_remat(remat) if off == "none" else RematPlan(),
+                                        offload=_offload(off, remat), precision=precision,
                                         params_dtype=params_dtype, optimizer=optimizer)
                             if _priced(plan, region, m, f"{region} {sched if pp > 1 else ''} b={b}"):
                                 break
@@ -287,7 +298,7 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
         if c.fits:
             ranked.append(c)
             return True
-        key = (c.plan.tp, c.plan.cp, c.plan.pp, c.plan.dp, c.plan.ep)
+        key = (c.plan.tp, c.plan.cp, c.plan.pp, c.plan.dp, c.plan.ep, c.plan.offload.active)
         if key not in oom or c.peak_bytes["total"] < oom[key].peak_bytes["total"]:
             oom[key] = c
         return False
@@ -298,7 +309,7 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
         if not check(plan, region, m):
             return False
         c = _cost(plan, region, where)
-        if c is None or _keep(c) or plan.pp == 1 or plan.remat.active or "remat" in fx:
+        if c is None or _keep(c) or plan.pp == 1 or plan.remat.active or plan.offload.active or "remat" in fx:
             return c is not None and c.fits
         probe = plan.with_(remat=RematPlan(method=stage_remat.METHOD, budget="1"))  # what the table reads
         if not check(probe, f"{region} remat={stage_remat.METHOD}", m):
@@ -308,20 +319,31 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
 
     from scaletrain.measure.estimate import trace_cache
 
+    notes = [f"{target.name} priced by its fake-tensor trace (the estimate's cost model)"]
     with trace_cache():
         _scan(target, world, gpus_per_node, global_batch, fx, base, check, reject, _region)
+        if not ranked and oom and "offload" not in fx:  # memory was what ruled plans out: offloading helps
+            notes.append("no plan fits with the optimizer on the device: searched again with it on the host "
+                         "(ZeRO-Offload; --fix offload=none forbids it)")
+            offload[0] = "optimizer"
+            _scan(target, world, gpus_per_node, global_batch, fx, base, check, reject, _region)
     ranked.sort(key=lambda c: (round(c.step_time_s, 9), c.plan.zero, _remat_rank(c.plan), c.plan.sp, c.plan.hsdp,
                                c.peak_bytes["total"]))
-    for (tp, cp, pp, dp, ep), c in sorted(oom.items()):
+    for (tp, cp, pp, dp, ep, off), c in sorted(oom.items()):
         if not any(r.plan.tp == tp and r.plan.cp == cp and r.plan.pp == pp and r.plan.ep == ep for r in ranked):
             over = c.peak_bytes["total"] + opts.reserve_bytes - c.device_bytes
-            reject(f"tp={tp}" + (f" cp={cp}" if cp > 1 else "") + f" pp={pp} dp={dp}" + (f" ep={ep}" if ep > 1 else ""),
-                   "memory", f"every plan is out of memory; the smallest by "
-                   f"{f'{over / 2**30:.2f} GiB' if over >= 2**28 else f'{over / 2**20:.2f} MiB'} ({c.plan.describe()}, "
-                   f"micro-batch {c.plan.micro_batch})")
+            reject(f"tp={tp}" + (f" cp={cp}" if cp > 1 else "") + f" pp={pp} dp={dp}" + (f" ep={ep}" if ep > 1 else "")
+                   + (" offload" if off else ""),
+                   "memory", f"every plan is out of memory; the smallest by {_gib(over) if over > 0 else ''}"
+                   f"{_gib(c.host_bytes - plat.host_memory_bytes) + ' of host memory' if over <= 0 else ''} "
+                   f"({c.plan.describe()}, micro-batch {c.plan.micro_batch})")
     return SearchResult(ranked=ranked, out_of_memory=list(oom.values()), rejected=_merge(rejected),
-                        evaluated=count[0], seconds=time.perf_counter() - t0, world=world,
-                        notes=[f"{target.name} priced by its fake-tensor trace (the estimate's cost model)"])
+                        evaluated=count[0], seconds=time.perf_counter() - t0, world=world, notes=notes)
+
+
+def _gib(n: float) -> str:
+    """Bytes in words: GiB from a quarter GiB up, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
 
 
 def _scan(target: Traced, world: int, gpus_per_node: int, global_batch: int, fx: dict[str, Any], base: Any,

@@ -24,6 +24,8 @@ to cut and plan, so prediction and run agree by construction where they can:
    tied weights, the data-parallel reduction or ZeRO-1's reduce-scatter and all-gather with the same
    bucket padding as :class:`.data_parallel.zero.GradSync` or ZeRO-3's one all-gather and one fp32
    reduce-scatter of FSDP2's padded shards per step, norms, TP inside the stages).
+6. **offloading** — :func:`.offload.cost.offload_bytes`: on one process the offload runtime's own predicted
+   device peak; under ZeRO-Offload each rank's masters and optimizer states leave its device.
 
 Every rank's :class:`RankCost` holds bytes by category at its peak; :func:`heaviest` names the rank
 whose peak is largest (the one that decides whether the plan fits).
@@ -59,6 +61,8 @@ class RankCost:
     """Bytes received per optimizer step in collectives (ring convention of the ledger)."""
     time_s: StepSeconds | None = None
     """Seconds of the step by phase on the platform given to :func:`plan_costs` (None without one)."""
+    host_bytes: float = 0.0
+    """Host memory this rank's offloading holds (masters, optimizer states, offloaded activations)."""
 
     @property
     def step_time_s(self) -> float | None:
@@ -170,6 +174,10 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     if platform is not None:
         _add_times(out, plan, model, platform, chain=chain, bounds=bounds, example=example, target=target, b=b,
                    M=M, seq=seq, world=world, sched=sched, remat=remat, mem=mem, comm=comm)
+    from scaletrain.techniques.offload.cost import offload_bytes  # 6. offloading: what leaves the device
+
+    offload_bytes(out, plan, world=world, chain=chain, example=example, target=target, loss_fn=_loss, accum=M,
+                  platform=platform)
     return out
 
 

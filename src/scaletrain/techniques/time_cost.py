@@ -135,6 +135,8 @@ def recompute_counts(plan: Any, bounds: list[int], remat: list | None) -> list[i
             out[bounds[s]:bounds[s + 1]] = c
     elif plan.remat.blocks != "none":
         out = counts_of(blocks_tree(n, plan.remat.blocks), n)
+    elif plan.offload.recompute != "none":  # the offload runtime's own checkpointed blocks
+        out = counts_of(blocks_tree(n, plan.offload.recompute), n)
     return out
 
 

@@ -159,7 +159,9 @@ def probe_chain(chain: Chain, x: torch.Tensor, y: torch.Tensor | None = None,
 
     ac = autocast or contextlib.nullcontext
     first = next(iter(chain.parameters()), None)
-    device = first.device if first is not None else (x.device if x.device.type != "meta" else torch.device("cpu"))
+    device = first.device if first is not None else x.device
+    if device.type == "meta":  # a model built on the meta device (the planner's): probe as the CPU dispatches
+        device = torch.device("cpu")
     with FakeTensorMode():
         return _probe(chain, x, y, loss_fn, ac, device)
 
