@@ -164,15 +164,15 @@ RULES: list[Rule] = [
     Rule("hsdp-divides", lambda p, f: p.hsdp > 0 and _dp(p, f) % p.hsdp != 0,
          lambda p, f: f"parallel.hsdp={p.hsdp}", lambda p, f: f"it must divide the {_dp(p, f)} data-parallel ranks",
          lambda p, f: "a divisor of " + str(_dp(p, f)), "must divide dp"),
-    Rule("hsdp-mp", lambda p, f: p.hsdp > 0 and (p.ep > 1 or p.cp > 1 or p.pp > 1 or p.tp > 1),
-         lambda p, f: f"parallel.hsdp={p.hsdp} with tp={p.tp}, cp={p.cp}, ep={p.ep}, pp={p.pp}",
-         "hybrid sharding needs the data-parallel ranks split into a replicate and a shard dimension of their "
-         "own; with ep that inner dimension is already the expert-parallel group (shard and expert groups would "
-         "have to be the same ranks); with tp/cp/pp the shard groups would have to be cut beside those dimensions "
-         "(FSDP2's replicate x shard x tp mesh, CP's ranks inside each shard group, one split per pipeline stage), "
-         "which the runtimes and the cost model build for plain data parallelism only",
-         "parallel.hsdp with plain data parallelism; parallel.zero=3 (flat) with tp/cp/ep/pp",
-         "plain data parallelism only"),
+    Rule("hsdp-mp", lambda p, f: p.hsdp > 0 and (p.ep > 1 or p.cp > 1 or p.pp > 1),
+         lambda p, f: f"parallel.hsdp={p.hsdp} with cp={p.cp}, ep={p.ep}, pp={p.pp}",
+         "hybrid sharding splits the data-parallel ranks into the world mesh's replicate (dp_rep) and shard "
+         "(dp_in) dimensions; with ep, dp_in is already the expert-parallel group (shard and expert groups would "
+         "have to be the same ranks); with cp the shard groups would have to take in CP's ranks (they share "
+         "parameters), and with pp be cut per stage, which the runtimes and the cost model build for data and "
+         "tensor parallelism only",
+         "parallel.hsdp with plain data parallelism or tp; parallel.zero=3 (flat) with cp/ep/pp",
+         "with dp and tp only"),
     # ---------------------------------------------------------------- tensor / sequence / context / expert
     Rule("sp-tp", lambda p, f: p.sp and p.tp == 1, "parallel.sequence_parallel=true with parallel.tp=1",
          "sequence parallelism splits the regions tensor parallelism replicates", "parallel.tp > 1",
