@@ -37,7 +37,9 @@ def test_launch_env(monkeypatch):
 def test_backend_and_command():
     assert dp.backend_for(torch.device("cpu")) == "gloo"
     assert dp.backend_for(torch.device("cuda", 1)) == "nccl"
-    cmd = dp.torchrun_command(4, ["train", "parallel.zero=3"])
+    from scaletrain.train.agent import torchrun_command
+
+    cmd = torchrun_command(4, ["train", "parallel.zero=3"])
     assert cmd[0] == sys.executable and "--nproc-per-node=4" in cmd and "--standalone" in cmd
     assert cmd[-4:] == ["-m", "scaletrain.cli", "train", "parallel.zero=3"]
 

@@ -94,6 +94,9 @@ GROUP = {
     "tp_sp_zero2_remat": ["parallel.tp=2", "parallel.dp=2", "parallel.zero=2", "parallel.sequence_parallel=true",
                           "memory.remat.method=periodic", "memory.remat.selective=attention"],
     "tp_zero3": ["parallel.tp=2", "parallel.dp=2", "parallel.zero=3"],
+    # HSDP beside TP on the world mesh: replicate over dp_rep (2), shard over dp_in (1), TP innermost
+    "tp_hsdp_zero3": ["parallel.tp=2", "parallel.zero=3", "parallel.hsdp=1"],
+    "tp_hsdp_zero1": ["parallel.tp=2", "parallel.zero=1", "parallel.hsdp=1"],
     "tp2_cp2": ["parallel.tp=2", "parallel.cp=2"],
     "cp4_accumulation": ["parallel.cp=4", "train.micro_batch=4"],  # eval: 1 global batch
     "moe_ep2_tp2": MOE + ["parallel.ep=2", "parallel.tp=2"],
@@ -182,6 +185,18 @@ def test_tp_zero3_fsdp_2d(tiny, group):
     (ZeRO-3's 3 Psi on the TP-local parameters plus the TP collectives)."""
     rows, state, stdout = run_of(group, "tp_zero3")
     assert "tp=2 x dp=2, zero=3" in stdout, stdout
+    check_parity(rows, state, tiny)
+    check_costs(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [3, 1])
+def test_tp_with_hsdp(tiny, group, zero):
+    """HSDP beside tensor parallelism (FSDP2 on the (replicate, shard) dims of the world mesh, or ZeRO-1's
+    shard groups all-reduced across replicas, over TP-sharded parameters): one-process losses and
+    parameters, traffic predicted to the byte."""
+    rows, state, stdout = run_of(group, f"tp_hsdp_zero{zero}")
+    assert f"tp=2 x dp=2 (HSDP shard groups of 1), zero={zero}" in stdout, stdout
     check_parity(rows, state, tiny)
     check_costs(rows)
 

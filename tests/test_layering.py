@@ -65,3 +65,15 @@ def test_the_estimator_optimizers_are_the_registry_the_root_installs():
     finally:
         measure.use_optimizers(saved)
     assert "lamb" in optimizers.names()
+
+
+TECHNIQUES_ABOVE = ("scaletrain.planner", "scaletrain.train", "scaletrain.sweep", "scaletrain.compare",
+                    "scaletrain.commands", "scaletrain.cli")
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "techniques").rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
+def test_techniques_import_neither_the_trainer_nor_the_planner(path):
+    """The techniques sit below the loop, the launcher and the search: none of their files names one of them
+    (the torchrun agent that starts the ranks is the launcher's, ``train/agent.py``)."""
+    bad = sorted(m for m in _imports(path) if m.startswith(TECHNIQUES_ABOVE))
+    assert not bad, f"{path.relative_to(SRC)} imports {bad}"

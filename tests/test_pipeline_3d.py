@@ -3,7 +3,7 @@
 * no processes: the compatibility table runs pp × tp × zero=3 and pp × tp on the MoE model, and Chimera × zero=3
   on a model without tied parameters (refused, one line, on GPT-2's tied embedding);
 * gloo, 8 processes (slow), gpt2-moe (a dense layer, then a MoE layer), 1f1b, ``parallel.dp=2 parallel.pp=2
-  parallel.tp=2``: with ``parallel.zero=3`` (FSDP2 over the dp dimension of the (dp, pp, tp) mesh on stages whose
+  parallel.tp=2``: with ``parallel.zero=3`` (FSDP2 over the dp dimension of the world mesh on stages whose
   parameters are TP DTensors) and without ZeRO (the MoE layer's replicated DTensors stepped beside the
   attention's sharded ones), each gives one process's losses, clipped gradient norm, final parameters
   (gathered to the single-process layout) and SGD momentum (fp32, 1e-5 / 1e-4), and every rank's collectives
@@ -96,8 +96,7 @@ def _check(results: list[dict], one: dict, how: str, flags: list[str]) -> None:
         if p.tp > 1:
             assert m["comm_bytes_intra_layer"] == pytest.approx(m["predicted_comm_bytes_intra_layer"], rel=1e-9)
         assert r["comm"] == pytest.approx(m["predicted_comm_bytes"], rel=1e-12), (rank, r["comm"], m)
-        # TP: global rank (d·pp + pipeline rank)·tp + t; else pipeline rank · dp + d
-        pipe = rank // p.tp % p.pp if p.tp > 1 else rank // max(p.dp, 1)
+        pipe = rank // (max(p.dp, 1) * p.tp)  # the world mesh: global rank (pipeline rank · dp + d) · tp + t
         assert r["comm"] == pytest.approx(costs[pipe].comm_bytes, rel=1e-12), (rank, r["comm"], costs[pipe])
 
 
@@ -116,7 +115,7 @@ def test_table_runs_the_compositions(extra, world):
 @pytest.mark.slow
 def test_dp2_pp2_tp2_moe_with_zero3_and_without_equals_one_process(tmp_path):
     """One start of 8 processes, two runs on gpt2-moe (a dense layer, then a MoE layer): FSDP2 over the dp
-    dimension of the (dp, pp, tp) mesh on TP-sharded stages; then the same layout without ZeRO, where the stage
+    dimension of the world mesh on TP-sharded stages; then the same layout without ZeRO, where the stage
     optimizer steps the MoE layer's replicated DTensors beside the attention's sharded ones. Then the ZeRO-3 layout
     resumes the one-process step-1 checkpoint (model and momentum sharded back over dp x tp, the fused QKV rows
     permuted) and continues with its losses."""

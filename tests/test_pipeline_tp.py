@@ -100,8 +100,8 @@ def test_models_tp_cannot_split_are_refused_before_any_collective():
 
 
 def test_layouts_put_tp_innermost_and_cover_the_world():
-    L = layouts(2, 2, 2)  # (dp, pp, tp): global rank (d·pp + p)·tp + t at position p·dp + d
-    assert L == ((0, 4, 2, 6), (1, 5, 3, 7))
+    L = layouts(2, 2, 2)  # (dp, pp, tp): global rank (p·dp + d)·tp + t at position p·dp + d (the world mesh's)
+    assert L == ((0, 2, 4, 6), (1, 3, 5, 7))
     assert sorted(r for x in L for r in x) == list(range(8))
 
 

@@ -49,7 +49,7 @@ def test_cp_refusals_name_their_compat_rules():
     assert "compat rule cp-seq" in reasons and "compat rule pp-cp" in reasons
 
 
-def test_hsdp_is_searched_and_priced_for_plain_data_parallelism():
+def test_hsdp_is_searched_and_priced_for_plain_data_parallelism_and_beside_tp():
     shape = Shape.of("gpt2-medium", vocab_size=50304)  # 16 heads, a vocabulary TP can split
     r = search(shape, A100, nodes=4, gpus_per_node=8, global_batch=256, seq=1024,
                fixed={"tp": 1, "pp": 1, "cp": 1, "micro_batch": 8, "remat": "none"})
@@ -62,12 +62,18 @@ def test_hsdp_is_searched_and_priced_for_plain_data_parallelism():
     assert eight.step_time_s != full.step_time_s
     with_tp = search(shape, A100, nodes=4, gpus_per_node=8, global_batch=256, seq=1024,
                      fixed={"tp": 2, "pp": 1, "cp": 1, "micro_batch": 8, "remat": "none", "sp": False})
-    assert not any(c.plan.hsdp for c in with_tp.ranked)
-    assert any("compat rule hsdp-mp" in x["reason"] for x in with_tp.rejected)
+    # beside TP (the world mesh's dp_rep x dp_in x tp): dp = 16, so shard groups of 8 hold twice a flat ZeRO-3's
+    full = next(c for c in with_tp.ranked if c.plan.zero == 3 and not c.plan.hsdp)
+    eight = next(c for c in with_tp.ranked if c.plan.zero == 3 and c.plan.hsdp == 8)
+    assert eight.plan.tp == 2 and eight.peak_bytes["params"] == pytest.approx(2 * full.peak_bytes["params"])
+    with_cp = search(shape, A100, nodes=4, gpus_per_node=8, global_batch=256, seq=1024,
+                     fixed={"tp": 1, "pp": 1, "cp": 2, "micro_batch": 8, "remat": "none"})
+    assert not any(c.plan.hsdp for c in with_cp.ranked)
+    assert any("compat rule hsdp-mp" in x["reason"] for x in with_cp.rejected)
 
 
 def test_pipeline_with_zero3_is_searched_with_and_without_tp():
-    """pp x ZeRO-3 runs with TP (FSDP over the dp dimension of the (dp, pp, tp) mesh): both are priced."""
+    """pp x ZeRO-3 runs with TP (FSDP over the dp dimension of the world mesh): both are priced."""
     r = search(Shape.of("gpt2-medium", vocab_size=50304), A100, nodes=1, gpus_per_node=8, global_batch=32, seq=1024,
                fixed={"pp": 4, "zero": 3, "remat": "none", "schedule": "1f1b", "micro_batch": 1})
     assert {(c.plan.tp, c.plan.zero) for c in r.ranked} == {(1, 3), (2, 3)}

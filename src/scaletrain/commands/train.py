@@ -69,7 +69,7 @@ def _check_plan_source(args: argparse.Namespace, cfg) -> None:
 
 def _relaunch(args: argparse.Namespace) -> int:
     """Re-run this command under torchrun with ``--nproc-per-node`` processes (one run directory)."""
-    from scaletrain.techniques.data_parallel.launch import torchrun_command
+    from scaletrain.train.agent import torchrun_command
     from scaletrain.train import recovery, rundir
 
     if args.nproc_per_node < 1:

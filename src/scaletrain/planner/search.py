@@ -7,8 +7,8 @@ Pruning, cheapest first, each rejected region kept with its reason (compat rules
 1. **divisibility** — tp divides the GPUs of a node (TP stays on NVLink) and the heads and vocabulary
    (the compatibility table's rule), dp·tp·cp·pp = world, pp ≤ l + 2 blocks (any pp: the runtime's
    partitioner splits the embedding, the l layers and the head unevenly, :mod:`.stages`), cp by the
-   table's cp-seq / cp-dropout / pp-cp rules, HSDP's group G a divisor of dp (plain data parallelism
-   only: compat hsdp-mp), pp × ZeRO-2 (compat pp-zero2), dp divides the global batch
+   table's cp-seq / cp-dropout / pp-cp rules, HSDP's group G a divisor of dp (data parallelism,
+   also beside tp: compat hsdp-mp), pp × ZeRO-2 (compat pp-zero2), dp divides the global batch
    and dp·b divides it too (micro-batch b: every divisor, no fixed cap);
 2. **memory lower bound** — a (tp, pp) pair whose model states alone, sharded as far as any ZeRO
    stage the runtime allows there, exceed the device is dropped before any time is priced;

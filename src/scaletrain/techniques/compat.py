@@ -164,10 +164,15 @@ RULES: list[Rule] = [
     Rule("hsdp-divides", lambda p, f: p.hsdp > 0 and _dp(p, f) % p.hsdp != 0,
          lambda p, f: f"parallel.hsdp={p.hsdp}", lambda p, f: f"it must divide the {_dp(p, f)} data-parallel ranks",
          lambda p, f: "a divisor of " + str(_dp(p, f)), "must divide dp"),
-    Rule("hsdp-mp", lambda p, f: p.hsdp > 0 and (p.ep > 1 or p.cp > 1 or p.pp > 1 or p.tp > 1),
-         lambda p, f: f"parallel.hsdp={p.hsdp} with tp={p.tp}, cp={p.cp}, ep={p.ep}, pp={p.pp}",
-         "hybrid sharding splits the data-parallel ranks into shard groups; not composed with model "
-         "parallelism yet", "parallel.hsdp with plain data parallelism", "not with model parallelism yet"),
+    Rule("hsdp-mp", lambda p, f: p.hsdp > 0 and (p.ep > 1 or p.cp > 1 or p.pp > 1),
+         lambda p, f: f"parallel.hsdp={p.hsdp} with cp={p.cp}, ep={p.ep}, pp={p.pp}",
+         "hybrid sharding splits the data-parallel ranks into the world mesh's replicate (dp_rep) and shard "
+         "(dp_in) dimensions; with ep, dp_in is already the expert-parallel group (shard and expert groups would "
+         "have to be the same ranks); with cp the shard groups would have to take in CP's ranks (they share "
+         "parameters), and with pp be cut per stage, which the runtimes and the cost model build for data and "
+         "tensor parallelism only",
+         "parallel.hsdp with plain data parallelism or tp; parallel.zero=3 (flat) with cp/ep/pp",
+         "with dp and tp only"),
     # ---------------------------------------------------------------- tensor / sequence / context / expert
     Rule("sp-tp", lambda p, f: p.sp and p.tp == 1, "parallel.sequence_parallel=true with parallel.tp=1",
          "sequence parallelism splits the regions tensor parallelism replicates", "parallel.tp > 1",
@@ -192,9 +197,10 @@ RULES: list[Rule] = [
          "sequence_parallel=false, or parallel.ep", "routing per TP rank"),
     Rule("sp-cp", lambda p, f: p.sp and p.cp > 1,
          lambda p, f: f"parallel.sequence_parallel=true with parallel.cp={p.cp}",
-         "both split the sequence: Megatron-SP inside the TP group and ring attention's chunks would have to "
-         "nest, which is not composed yet", "parallel.tp with parallel.cp and sequence_parallel=false",
-         "both split the sequence"),
+         "both split the sequence: ring attention holds each rank's 2 balanced causal chunks and Megatron-SP "
+         "would cut those again over the TP group, so positions, the SP regions' all-gathers and the ring's "
+         "chunks would all need the nested layout (cp x tp pieces per sequence) that neither builds",
+         "parallel.tp with parallel.cp and sequence_parallel=false", "both split the sequence"),
     Rule("ep-moe", lambda p, f: p.ep > 1 and not f.moe, lambda p, f: f"parallel.ep={p.ep}",
          "expert parallelism needs a mixture-of-experts model", "model.name=gpt2-moe", "needs MoE"),
     Rule("ep-divides", lambda p, f: p.ep > 1 and f.moe and (_dp(p, f) % p.ep or (f.n_experts and f.n_experts % p.ep)),
@@ -214,8 +220,11 @@ RULES: list[Rule] = [
          lambda p, f: f"data.seq_len a multiple of {p.tp}", "seq % tp"),
     Rule("zero3-ep", lambda p, f: p.zero == 3 and p.ep > 1,
          lambda p, f: f"parallel.zero=3 with parallel.ep={p.ep}",
-         "experts are sharded over the data-parallel ranks already; FSDP over the rest is not composed yet",
-         "parallel.zero=0, 1 or 2 with ep", "not composed yet"),
+         "expert weights are already split over the expert-parallel group; ZeRO-3 would have to shard dense "
+         "parameters over all data-parallel ranks and each expert slice over the ranks holding the same experts "
+         "only, two FSDP meshes in one model whose gathers FSDP2 cannot order across units",
+         "parallel.zero=0, 1 or 2 with ep, or zero=3 without ep",
+         "experts need a 2nd FSDP mesh"),
     # ---------------------------------------------------------------- pipelines
     Rule("pp-chain", lambda p, f: p.pp > 1 and (not f.chain or not f.input_spec),
          lambda p, f: f"parallel.pp={p.pp}", "a pipeline cuts the model's Chain of blocks and needs its input_spec",
@@ -244,14 +253,17 @@ RULES: list[Rule] = [
          "async updates"),
     Rule("pp-cp", lambda p, f: p.pp > 1 and p.cp > 1,
          lambda p, f: f"parallel.pp={p.pp} with parallel.cp={p.cp}",
-         "context parallelism inside pipeline stages is not composed yet (its ring attention would run per stage "
-         "and micro-batch over a group the pipeline's layout does not build)", "parallel.tp with pp",
-         "not composed yet"),
+         "ring attention runs per micro-batch inside every stage, so each stage's CP group would exchange K/V "
+         "blocks between the pipeline's sends and receives and every boundary message would carry 1/cp of the "
+         "sequence in the balanced layout; the schedules would have to order those collectives like TP's, and "
+         "pipelines are meant for long models, CP for long sequences on few stages",
+         "parallel.tp with pp, or parallel.cp without pp", "CP collectives inside stages"),
     Rule("pp-ep", lambda p, f: p.pp > 1 and p.ep > 1 and (p.zero not in (0, 1) or p.tp > 1),
          lambda p, f: f"parallel.ep={p.ep} with parallel.pp={p.pp}, zero={p.zero}, tp={p.tp}, "
                       f"schedule={p.schedule}, remat={p.remat.method if p.remat.active else 'none'}",
          "expert parallelism inside the stages is composed with the plain all-reduce and ZeRO-1's sharded "
-         "optimizer only; FSDP's shards and TP's (dp, pp, tp) mesh are not composed with it yet",
+         "optimizer only: with zero=3 the experts' FSDP shards would need a second FSDP mesh (as zero3-ep), and "
+         "under tp a MoE layer runs whole on every TP rank, so the EP groups would have to be cut per TP index",
          "ep with pp, zero=0 or 1 and tp=1",
          "zero 0/1, tp=1"),
     Rule("pp-virtual", lambda p, f: p.pp > 1 and p.virtual > 1 and p.schedule != "interleaved",
@@ -266,8 +278,10 @@ RULES: list[Rule] = [
          "Chimera pairs a down and an up pipeline", "an even parallel.pp and parallel.microbatches", "even pp, M"),
     Rule("pp-sp-zb1p", lambda p, f: p.pp > 1 and p.sp and p.schedule == "zb1p",
          "parallel.sequence_parallel=true with parallel.schedule=zb1p",
-         "the deferred weight gradients of sequence-parallel layers are not split yet",
-         "gpipe, 1f1b, interleaved, chimera, pipedream, pipedream-2bw", "not split yet"),
+         "zb1p defers each layer's weight gradient past its input gradient; under sequence parallelism that "
+         "weight gradient needs the layer's input all-gathered over the TP group, which would have to be kept "
+         "until then (tp times the activations zb1p spares) or all-gathered a second time",
+         "gpipe, 1f1b, interleaved, chimera, pipedream, pipedream-2bw", "W needs the SP all-gather"),
     Rule("pp-async-cuda", lambda p, f: p.pp > 1 and p.schedule in ASYNC and f.device == "cuda" and f.eval_every > 0,
          lambda p, f: f"parallel.schedule={p.schedule} on CUDA with train.eval_every={f.eval_every}",
          "NCCL matches point-to-point messages by order: evaluation between windows would meet the stream's",
@@ -338,17 +352,26 @@ RULES: list[Rule] = [
     Rule("offload-moe", lambda p, f: _offload(p) and f.moe, "memory.offload on a mixture-of-experts model",
          "the offload runtime does not run its auxiliary loss", "memory.offload defaults", "aux loss"),
     Rule("offload-pp", lambda p, f: _offload(p) and p.pp > 1, lambda p, f: f"memory.offload with parallel.pp={p.pp}",
-         "offloading inside pipeline stages is not composed yet", "memory.offload defaults", "not yet"),
+         "the offload runtime runs a whole step itself (it moves parameters and saved tensors block by block "
+         "around one forward and one backward), while a stage runs its blocks action by action with several "
+         "micro-batches in flight; its planner would need the schedule's in-flight activations per stage",
+         "memory.remat with pipelines (one solver per stage), or memory.offload without pp",
+         "offload runs its own step"),
     Rule("compress-mp", lambda p, f: p.activation_compression and _mp(p), "memory.activation_compression=true with "
-         "tp/cp/ep", "8-bit activation compression of DTensor activations is not composed yet (DTensor's saved "
-         "tensors have no plain storage to pack)", "false", "not yet"),
+         "tp/cp/ep", "the 8-bit packing quantizes each tensor saved for backward through its storage; under "
+         "tp/cp/ep the saved tensors include DTensors, whose storage is a local shard behind placements the "
+         "unpacking hook would have to rebuild", "memory.activation_compression=false, or remat to spare "
+         "activations", "DTensor saved tensors"),
     # ---------------------------------------------------------------- torch.compile (train.compile, .compile)
     Rule("compile-chain", lambda p, f: _compiles(p, f) and not f.chain, "train.compile=true on a model without "
          "a Chain of blocks", "torch.compile is applied per Chain block (torchtitan's per-block compile)",
          "a model scaletrain can cut into blocks (see scaletrain.chain), or train.compile=false", "needs a Chain"),
     Rule("compile-pp", lambda p, f: _compiles(p, f) and p.pp > 1, lambda p, f: f"train.compile=true with "
-         f"parallel.pp={p.pp}", "compiling blocks inside the pipeline's stages is not verified yet",
-         "train.compile=false with pipelines", "not verified with pp"),
+         f"parallel.pp={p.pp}", "a stage runs its blocks' backward in pieces the schedules choose (zb1p's deferred "
+         "weight gradients, Chimera's two replicas of a stage sharing parameters, the asynchronous schedules' "
+         "stashed weights), which one compiled graph per block fuses; each schedule would need its parity "
+         "check under compile before it is allowed",
+         "train.compile=false with pipelines", "schedules split the backward"),
     Rule("compile-offload", lambda p, f: _compiles(p, f) and _offload(p), "train.compile=true with memory.offload",
          "the offload runtime moves parameters and saved activations with hooks per block and op, which compiled "
          "graphs are not verified under", "train.compile=false with memory.offload", "not verified with offload"),

@@ -137,7 +137,9 @@ def mesh_predictions(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: 
         G = il.dp * il.cp  # the load-balancing statistics are shared by all dp x cp ranks
         kinds["ep"] += accum * (a2a + 2 * (G - 1) / G * e["all_reduce"]["payload_bytes"])
     D, E = il.dp * il.cp, il.dp // il.ep * il.cp
-    grads = (zero_mod.comm_bytes_per_step(counts["dense"], stage, D, accum=accum, kept=kept if stage == 3 else 0.0)
+    H = il.hsdp * il.cp if il.hsdp else 0  # HSDP: dense states sharded within dp_in (x cp), all-reduced across dp_rep
+    grads = (zero_mod.comm_bytes_per_step(counts["dense"], stage, D, accum=accum, kept=kept if stage == 3 else 0.0,
+                                          hsdp=H)
              + (zero_mod.comm_bytes_per_step(counts["expert"], stage, E, accum=accum) if counts["expert"] else 0.0))
     norm = 2 * (world - 1) / world * 8 if grad_clip else 0.0
     intra = kinds["tp"] + kinds["cp"] + kinds["ep"]
@@ -148,7 +150,7 @@ def mesh_predictions(cfg: Any, il: Any, *, stage: int, micro_batch: int, accum: 
         from scaletrain.techniques.optim import state_bytes
 
         name, shapes, hyper = optim
-        ms_d = zero_mod.model_state_bytes(counts["dense"], stage, D, optim_state_bytes=0.0)
+        ms_d = zero_mod.model_state_bytes(counts["dense"], stage, H or D, optim_state_bytes=0.0)
         ms_e = zero_mod.model_state_bytes(counts["expert"], stage, E, optim_state_bytes=0.0)
         opt = float(state_bytes(name, shapes, **hyper))
         out["predicted_model_state_bytes"] = ms_d.params + ms_d.grads + ms_e.params + ms_e.grads + opt
@@ -163,4 +165,5 @@ class MeshShape:
 
     def __getattr__(self, k: str) -> Any:
         p = object.__getattribute__(self, "plan")
-        return {"dp": max(p.dp, 1), "tp": p.tp, "cp": p.cp, "ep": p.ep, "sequence_parallel": p.sp}[k]
+        return {"dp": max(p.dp, 1), "tp": p.tp, "cp": p.cp, "ep": p.ep, "sequence_parallel": p.sp,
+                "hsdp": p.hsdp if p.zero and p.ep == 1 else 0}[k]

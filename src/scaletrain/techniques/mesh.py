@@ -1,6 +1,7 @@
-"""The device mesh of a run without pipeline stages, and what model parallelism does per step.
+"""A run without pipeline stages on the world mesh, and what model parallelism does per step.
 
-Mesh dims, outermost first: ``("dp_rep", "dp_in", "cp", "tp")`` with ``dp = dp_rep x dp_in``.
+Mesh dims (:mod:`.world`, the job's one mesh, here with ``pp = 1``), outermost first:
+``("pp", "dp_rep", "dp_in", "cp", "tp")`` with ``dp = dp_rep x dp_in``.
 TP is innermost so that its ranks are neighbours (the fastest links: Megatron's placement). The
 inner data-parallel dim ``dp_in`` is the expert-parallel group (each EP rank has its own tokens
 and experts) or the HSDP shard group; CP ranks share a batch and split its sequence. World =
@@ -30,15 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from scaletrain.errors import UserError
 from scaletrain.models.adapters.base import logits_of
 from scaletrain.techniques.data_parallel.zero import SyncGroup
-
-MESH_DIMS = ("dp_rep", "dp_in", "cp", "tp")
-
 
 @dataclass
 class ModelParallel:
@@ -201,20 +198,17 @@ class ModelParallel:
 
 def build_mesh(*, world: int, tp: int = 1, cp: int = 1, ep: int = 1, hsdp: int = 0,
                sequence_parallel: bool = False, device_type: str = "cpu") -> ModelParallel:
-    """The (dp_rep, dp_in, cp, tp) mesh over the initialised process group (collective)."""
-    if world % (tp * cp):
-        raise UserError(f"parallel.tp={tp} x parallel.cp={cp} must divide the {world} processes")
-    dp = world // (tp * cp)
+    """This run's slices of the world mesh (:mod:`.world`, ``pp = 1``) over the initialised process
+    group (collective)."""
+    from scaletrain.techniques.world import Dims, world_mesh
+
     inner = ep if ep > 1 else (hsdp or 1)
-    if dp % inner:
-        what = f"parallel.ep={ep}" if ep > 1 else f"parallel.hsdp={hsdp}"
-        raise UserError(f"{what} must divide the data-parallel size {dp} (= {world} processes / (tp x cp))")
-    mesh = init_device_mesh(device_type, (dp // inner, inner, cp, tp), mesh_dim_names=MESH_DIMS)
-    dp_mesh = mesh["dp_rep", "dp_in"]._flatten("dp")
-    dense = mesh["dp_rep", "dp_in", "cp"]._flatten("dp_cp")
-    expert = mesh["dp_rep", "cp"]._flatten("edp_cp")
-    return ModelParallel(mesh, dp, tp, cp, ep, hsdp if ep == 1 else 0, sequence_parallel,
-                         dp_mesh.get_local_rank(), dense.get_group(), expert.get_group(), dp_mesh, dense)
+    what = f"parallel.ep={ep}" if ep > 1 else f"parallel.hsdp={hsdp}"
+    w = world_mesh(Dims.of(world=world, tp=tp, cp=cp, inner=inner, what=what), device_type)
+    dp = w.dims.dp
+    dp_mesh, dense = w["dp"], w["dp_cp"]
+    return ModelParallel(w.mesh, dp, tp, cp, ep, hsdp if ep == 1 else 0, sequence_parallel,
+                         dp_mesh.get_local_rank(), dense.get_group(), w.group("edp_cp"), dp_mesh, dense)
 
 
 def apply_model_parallel(model: nn.Module, mp: ModelParallel) -> None:

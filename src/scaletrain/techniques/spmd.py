@@ -226,7 +226,8 @@ class MeshRuntime(Strategy):
         parts = [f"{k}={v}" for k, v in (("tp", mp.tp), ("cp", mp.cp), ("ep", mp.ep)) if v > 1]
         if mp.sequence_parallel:
             parts[0] += " (sequence parallel)"
-        return f"{' x '.join(parts)} x dp={mp.dp}, zero={self.stage}{half}"
+        h = f" (HSDP shard groups of {mp.hsdp})" if mp.hsdp else ""
+        return f"{' x '.join(parts)} x dp={mp.dp}{h}, zero={self.stage}{half}"
 
     # -- state: the single-process layout -----------------------------------------------
     def _param_of_key(self) -> dict[str, Entry]:

@@ -14,5 +14,5 @@ LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"
 """The launcher's pid: it holds the run directory's lock (:mod:`.runlock`) for its ranks, and its
 torchrun agent dies with it (:mod:`.process_tree`)."""
 AGENT_PID_ENV = "SCALETRAIN_AGENT_PID"
-"""The torchrun agent's pid, set by :func:`~scaletrain.techniques.data_parallel.launch.torchrun_main`:
+"""The torchrun agent's pid, set by :func:`~scaletrain.train.agent.torchrun_main`:
 a rank whose parent is no longer that process exits at once (:mod:`.process_tree`)."""

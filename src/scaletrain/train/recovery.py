@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from scaletrain.errors import ERROR_DIR_ENV, read_reports, summarize
-from scaletrain.techniques.data_parallel.launch import SHUTDOWN_S
+from scaletrain.train.agent import SHUTDOWN_S
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import process_tree
 from scaletrain.train.job_env import ATTEMPT_ENV, JOB_DIR_ENV, LAUNCHER_PID_ENV, RESTART_ENV

@@ -14,7 +14,7 @@
   runs: the trainer's loop, evaluation, global clipping and single-process-layout checkpoints
   over the runtime.
 * :mod:`.tensor_parallel` — tensor parallelism inside the stages (``parallel.tp`` with
-  ``parallel.pp``): the (dp, pp, tp) layout, one pipeline per TP index on local shards.
+  ``parallel.pp``): the world mesh's (pp, dp, tp) layout, one pipeline per TP index on local shards.
 * :mod:`.experts` — expert parallelism inside the stages (``parallel.ep`` with ``parallel.pp``): EP
   groups of data-parallel replicas, expert gradient groups, expert slices in checkpoints, the
   all-to-alls' bytes.

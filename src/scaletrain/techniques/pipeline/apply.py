@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from scaletrain.chain import to_chain
@@ -67,7 +68,7 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
     Events are off by default (recording adds a barrier per step and, on CUDA, a synchronize per pass).
     ``remat``, ``remat_budget``, ``remat_precision``: rematerialization inside every stage
     (``memory.remat.*``; see :class:`PipelineRuntime`). ``tp`` > 1: tensor parallelism inside
-    the stages over a (dp, pp, tp) mesh (world = dp × pp × tp; the model is sharded in place).
+    the stages over the world mesh's tp dimension (world = pp × dp × tp; the model is sharded in place).
     ``stage_aux``: a stage's own loss term (``model.aux_loss(part)``, see :class:`PipelineRuntime`);
     ``ep`` > 1: expert parallelism inside the stages (:mod:`.experts`; the model's experts sliced in place).
     """
@@ -76,6 +77,12 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
     bounds = stage_bounds(model, example, pp=pp, schedule=schedule, microbatches=microbatches, virtual=v,
                           loss_fn=loss_fn, balance=balance)
     extra: dict = {}
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    world = None
+    if dist.is_initialized() and dist.get_world_size() > 1:  # the job's one mesh: every group is its slice
+        from . import p2p
+
+        world = p2p.world(pp=pp, dp=dp, tp=tp, ep=ep, device_type=dev.type)
     if (tp > 1 or ep > 1) and remat != "none":  # planned on the whole model, before TP shards it / EP slices experts
         from .stage import stage_remat
 
@@ -86,19 +93,18 @@ def pipeline_runtime(model: nn.Module, *, pp: int, dp: int, schedule: str, micro
         from . import tensor_parallel as tpp
         from .stage import TensorSpec, boundary_specs
 
-        dev = torch.device(device) if device is not None else next(model.parameters()).device
         specs = boundary_specs(to_chain(model).blocks, bounds, example, dev)
         if sequence_parallel:  # stage boundaries carry this rank's s / tp positions
             specs = [specs[0], *(TensorSpec(torch.Size((sp.shape[0], sp.shape[1] // tp, *sp.shape[2:])), sp.dtype)
                                  for sp in specs[1:-1]), specs[-1]]
         extra["specs"] = specs
-        extra["tp"] = tpp.setup(model, dp=dp, pp=pp, tp=tp, device_type=dev.type, sequence_parallel=sequence_parallel)
+        extra["tp"] = tpp.setup(model, world, sequence_parallel=sequence_parallel)
         extra["backward_context"] = tpp.backward_context
         loss_fn = tpp.vocab_parallel_loss(loss_fn)
     if ep > 1:  # after the fake-tensor passes above (they see the whole experts), before the plan's groups
         from .experts import apply_stage_experts
 
-        apply_stage_experts(model, pp=pp, dp=dp, ep=ep, timeout_s=timeout_s)
+        apply_stage_experts(model, world)
     rt = PipelineRuntime(model, schedule, microbatches, pp=pp, dp=dp, virtual=v, bounds=bounds, loss_fn=loss_fn,
                          example_input=example, device=device, timeout_s=timeout_s, forward_context=forward_context,
                          record_events=record_events, remat=remat, remat_budget=remat_budget,

@@ -1,13 +1,13 @@
 """Expert parallelism inside pipeline stages (``parallel.ep`` with ``parallel.pp``).
 
-Layout: the pipeline's pp × dp mesh (pp outermost, global rank ``r·dp + d``, no TP). The ``dp``
-replicas of pipeline rank ``r`` split into blocks of ``ep`` consecutive replicas; a block is one
-expert-parallel group (each member keeps E/ep experts of every MoE layer of the stages and sends
-tokens to their experts by all-to-all, :mod:`scaletrain.techniques.experts`). Members run the same
-action list, so their stage forwards — and the all-to-alls in them — meet in the same order. The
-replicas holding the *same* experts (same index in their block, ``dp/ep`` of them) are the
-expert-data-parallel group: an expert's gradient already sums its EP group's tokens through the
-all-to-all's backward, so it is summed over that group and divided by dp (:meth:`.grads.ParamPlan.reduce`).
+Layout: the world mesh's ``(pp, dp_rep, dp_in)`` dimensions (pp outermost, global rank ``r·dp + d``, no TP),
+``dp_in = ep``. The ``dp`` replicas of pipeline rank ``r`` split into blocks of ``ep`` consecutive replicas
+(its ``dp_in`` groups); a block is one expert-parallel group (each member keeps E/ep experts of every MoE
+layer of the stages and sends tokens to their experts by all-to-all, :mod:`scaletrain.techniques.experts`).
+Members run the same action list, so their stage forwards — and the all-to-alls in them — meet in the same
+order. The replicas holding the *same* experts (same index in their block, ``dp/ep`` of them) are the
+expert-data-parallel group: an expert's gradient already sums its EP group's tokens through the all-to-all's
+backward, so it is summed over that group and divided by dp (:meth:`.grads.ParamPlan.reduce`).
 
 The load-balancing loss is each rank's own, per micro-batch (routing is local): Megatron's default,
 and what one process computes with the same micro-batches, so the run equals one process with
@@ -26,8 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import p2p
-
 
 def ep_replicas(dp_rank: int, dp: int, ep: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(EP group, expert-data-parallel group) of data-parallel replica ``dp_rank`` of a stage, as
@@ -36,25 +34,14 @@ def ep_replicas(dp_rank: int, dp: int, ep: int) -> tuple[tuple[int, ...], tuple[
     return tuple(block * ep + i for i in range(ep)), tuple(b * ep + j for b in range(dp // ep))
 
 
-def make_groups(pp: int, dp: int, ep: int, timeout_s: float) -> None:
-    """Create every EP and expert-data-parallel group of the layout, in one canonical order on
-    every process (:func:`.p2p.group` is collective over the world)."""
-    for r in range(pp):
-        for d in range(dp):
-            for g in ep_replicas(d, dp, ep):
-                if len(g) > 1:
-                    p2p.group([r * dp + i for i in g], timeout_s)
-
-
-def apply_stage_experts(model: nn.Module, *, pp: int, dp: int, ep: int, timeout_s: float) -> None:
+def apply_stage_experts(model: nn.Module, world: Any) -> None:
     """Keep this rank's E/ep experts of every MoE layer (of the whole model: the pipeline frees the
-    other stages' tensors afterwards) and route through its EP group; per-rank load-balancing loss."""
+    other stages' tensors afterwards) and route through its EP group, the world mesh's inner
+    data-parallel dimension (:func:`.p2p.world`); per-rank load-balancing loss."""
     from scaletrain.techniques.experts import shard_experts
 
-    make_groups(pp, dp, ep, timeout_s)
-    r, d = divmod(dist.get_rank(), dp)
-    group, _ = ep_replicas(d, dp, ep)
-    shard_experts(model, p2p.group([r * dp + i for i in group], timeout_s), rank=d % ep, size=ep, aux_group=None)
+    ep = world.dims.dp_in
+    shard_experts(model, world.group("dp_in"), rank=world.local_rank("dp_in"), size=ep, aux_group=None)
 
 
 def gather_experts(t: torch.Tensor, group: Any, size: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ stages share (GPT-2's tied embedding, whose first and last stages Chimera puts o
 FSDP units: refused (compat ``pp-zero3-chimera``).
 
 With tensor parallelism (``parallel.tp`` > 1, :mod:`.tensor_parallel`) the stages' parameters are already
-TP DTensors on the ``tp`` dimension of the (dp, pp, tp) mesh; ``fully_shard`` on its ``dp`` sub-mesh makes
+TP DTensors on the ``tp`` dimension of the world mesh; ``fully_shard`` on its ``dp`` sub-mesh makes
 them DTensors over (dp, tp) — torchtitan's 3-D: TP first, then FSDP per stage. FSDP then shards (and pads)
 dim 0 of each TP-local tensor; a TP-replicated parameter's shard lives on every TP rank (counted 1/tp in the
 norm), and the tied ``wte``'s shards of one (dp, tp) index are summed between the first and last stage.
@@ -83,7 +83,7 @@ class StageFSDP(FSDPSync):
         from .tensor_parallel import is_replicated, local
 
         T = rt.tp.tp if rt.tp is not None else 1
-        # under TP (a (dp, pp, tp) mesh): a TP-replicated parameter's shard is held by every TP rank (counted 1/T
+        # under TP (the world mesh): a TP-replicated parameter's shard is held by every TP rank (counted 1/T
         # in the norm), and FSDP pads the dim 0 of the TP-local tensor
         tp_reps = {id(p): T if T > 1 and is_replicated(p) else 1 for _, _, p in refs}
         tp_shapes = {id(p): tuple(local(p).shape) for _, _, p in refs}

@@ -17,7 +17,10 @@ with NCCL the runtime runs the lists reordered by :func:`.checks.rendezvous_safe
 every send meets its receive in the same order on both sides.
 
 Process groups are cached by their ranks: creating one is a collective over the world (see
-:func:`group`) and costs a TCP rendezvous among its members on gloo.
+:func:`group`) and costs a TCP rendezvous among its members on gloo. The groups of the job's world
+mesh (:mod:`scaletrain.techniques.world`: each stage's data-parallel, EP and TP groups, each replica's
+pipeline) come from that mesh (:func:`world`); only groups a mesh cannot name (holders of a tied
+weight, Chimera's stage pairs) are created here.
 """
 
 from __future__ import annotations
@@ -46,6 +49,18 @@ def group(ranks: Sequence[int], timeout_s: float) -> Any:
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(list(key), timeout=timedelta(seconds=timeout_s))
     return _GROUPS[key]
+
+
+def world(*, pp: int, dp: int, tp: int = 1, ep: int = 1, device_type: str = "cpu") -> Any:
+    """The world mesh of a pipeline (:mod:`scaletrain.techniques.world`, ``cp = 1``; EP is the inner
+    data-parallel dimension), its groups added to this cache so that :func:`group` hands them out
+    instead of creating them again. Collective over the world; every process passes the same sizes."""
+    from scaletrain.techniques.world import Dims, all_groups, world_mesh
+
+    dims = Dims.of(world=pp * dp * tp, pp=pp, tp=tp, inner=ep, what=f"parallel.ep={ep}")
+    w = world_mesh(dims, device_type)
+    _GROUPS.update(all_groups(w))
+    return w
 
 
 def forget_groups() -> None:

@@ -288,15 +288,15 @@ class PipelineStrategy(PipelineState, Strategy):
     def _shard_parameters(self, precision: str) -> None:
         """ZeRO-3 inside the stages (torchtitan's PP + FSDP, :mod:`.fsdp`): every stage FSDP2-sharded
         over its data-parallel replicas, gathered once per step, reduce-scattered at the update."""
-        from torch.distributed.device_mesh import init_device_mesh
-
+        from . import p2p
         from .fsdp import StageFSDP
 
         rt = self.runtime
-        if rt.tp is not None:  # the (dp, pp, tp) mesh the stages' TP shards live on: FSDP over its dp dimension
-            dp_mesh = rt.tp.mesh["dp"]  # (torchtitan's 3-D: TP first, then fully_shard on the dp sub-mesh)
-        else:  # the runtime's layout: pipeline rank r of replica d is global rank r * dp + d (pp outermost)
-            dp_mesh = init_device_mesh(rt.device.type, (rt.pp, rt.dp), mesh_dim_names=("pp", "dp"))["dp"]
+        # FSDP over the world mesh's data-parallel ranks, the mesh the stages' TP shards live on (torchtitan's
+        # 3-D: TP first, then fully_shard on the dp sub-mesh); pipeline rank r of replica d is (r*dp + d)*tp + t
+        world = rt.tp.mesh if rt.tp is not None else p2p.world(pp=rt.pp, dp=rt.dp, ep=rt.plan.ep,
+                                                               device_type=rt.device.type)
+        dp_mesh = world["dp"]
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.zero = StageFSDP(self.model, rt, dp_mesh, param_dtype=half)
         rt.plan.zero_sync = self.zero

@@ -4,8 +4,9 @@ Sequence parallelism (``sequence_parallel``): the blocks' outputs are this rank'
 so each TP rank sends only its slice across a stage boundary (Megatron's scatter/gather of
 pipeline messages, for free) — the boundary specs say [b, s/t, h].
 
-Layout. ``world = dp · pp · tp`` processes on a (dp, pp, tp) DeviceMesh, tp innermost (Megatron's
-placement: a stage's TP ranks are neighbours): global rank ``(d·P + p)·T + t``. Every process
+Layout. ``world = pp · dp · tp`` processes on the job's world mesh (:mod:`scaletrain.techniques.world`),
+pp outermost and tp innermost (Megatron's placement: a stage's TP ranks are neighbours): global rank
+``(p·D + d)·T + t``. Every process
 builds the whole model and :func:`~scaletrain.techniques.tensor_parallel.apply_tensor_parallel`
 shards *all* of it over its TP group before the runtime cuts it into stages (simple and exact);
 then :func:`free_nonlocal` empties the shards of the blocks this rank's stages do not use, so a
@@ -43,7 +44,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class TPLayout:
-    """This process's place in the (dp, pp, tp) mesh, as the pipeline runtime needs it."""
+    """This process's place in the world mesh's (pp, dp, tp) dimensions, as the pipeline runtime needs it."""
 
     tp: int
     tp_rank: int
@@ -52,6 +53,7 @@ class TPLayout:
     layouts: tuple[tuple[int, ...], ...]
     """One pipeline rank order per TP index (``ranks[r·dp + d]``); ``layouts[tp_rank]`` is this rank's."""
     mesh: Any = None
+    """The world mesh (:class:`scaletrain.techniques.world.World`)."""
 
     @property
     def ranks(self) -> list[int]:
@@ -59,24 +61,21 @@ class TPLayout:
 
 
 def layouts(dp: int, pp: int, tp: int) -> tuple[tuple[int, ...], ...]:
-    """Pipeline rank orders of the ``tp`` pipelines: global rank ``(d·pp + r)·tp + t`` at position
-    ``r·dp + d`` of pipeline ``t``."""
-    return tuple(tuple((d * pp + r) * tp + t for r in range(pp) for d in range(dp)) for t in range(tp))
+    """Pipeline rank orders of the ``tp`` pipelines: global rank ``(r·dp + d)·tp + t`` (the world mesh's
+    order) at position ``r·dp + d`` of pipeline ``t``."""
+    return tuple(tuple((r * dp + d) * tp + t for r in range(pp) for d in range(dp)) for t in range(tp))
 
 
-def setup(model: nn.Module, *, dp: int, pp: int, tp: int, device_type: str = "cpu",
-          sequence_parallel: bool = False) -> TPLayout:
-    """Build the (dp, pp, tp) mesh over the initialised world and shard ``model`` (whole, in place)
-    over its TP dimension. Collective over the world; every process passes the same weights."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def setup(model: nn.Module, world: Any, *, sequence_parallel: bool = False) -> TPLayout:
+    """Shard ``model`` (whole, in place) over the TP dimension of the pipeline's world mesh
+    (:func:`.p2p.world`). Collective over the world; every process passes the same weights."""
     from scaletrain.techniques.tensor_parallel import apply_tensor_parallel
 
-    mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-    tp_mesh = mesh["tp"]
+    tp_mesh = world["tp"]
     apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
     replicate_moe(model, tp_mesh)
-    return TPLayout(tp, tp_mesh.get_local_rank(), tp_mesh.get_group(), layouts(dp, pp, tp), mesh)
+    d = world.dims
+    return TPLayout(d.tp, tp_mesh.get_local_rank(), tp_mesh.get_group(), layouts(d.dp, d.pp, d.tp), world)
 
 
 def is_moe_block(block: nn.Module) -> bool:
