@@ -1,11 +1,11 @@
-"""``scaletrain plan --runs N`` (scaletrain.planner.runs) and the gh200 preset's host link."""
+"""``scaletrain plan --runs N`` (scaletrain.sweep.plan_runs) and the gh200 preset's host link."""
 
 from __future__ import annotations
 
 import json
 import math
 
-from scaletrain.planner import runs
+from scaletrain.sweep import plan_runs as runs
 from scaletrain.planner.shape import Shape
 from scaletrain.platform import Platform, get
 

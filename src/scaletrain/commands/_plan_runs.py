@@ -1,5 +1,5 @@
 """``scaletrain plan --runs N``: N runs of one model on the cluster — the sweep's shard alternator against
-N independent plans and task parallelism (:mod:`scaletrain.planner.runs`)."""
+N independent plans and task parallelism (:mod:`scaletrain.sweep.plan_runs`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def run_runs(args: argparse.Namespace, resolve: Callable) -> int:
     """Print (or ``--json``) the layouts of ``--runs`` runs on each ``--platform``, fastest first."""
     from scaletrain.measure.report import parse_overrides
     from scaletrain.planner import budget as bud
-    from scaletrain.planner.runs import price_runs
+    from scaletrain.sweep.plan_runs import price_runs
 
     for flag, v in (("--out", args.out), ("--timeline", args.timeline), ("--fix", args.fix),
                     ("--explain", args.explain), ("--objective cost", args.objective == "cost")):

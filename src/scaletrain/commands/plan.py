@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cost", type=positive_float(), metavar="USD", help="reject plans whose run costs more (USD)")
     p.add_argument("--runs", type=positive_int(1 << 16), default=0, metavar="N",
                    help="price N runs of the model together: the sweep's shard alternator (spilled shards) against "
-                        "N independent plans and task parallelism (scaletrain.planner.runs)")
+                        "N independent plans and task parallelism (scaletrain.sweep.plan_runs)")
     p.add_argument("--top", type=positive_int(1 << 20), default=5, help="plans to list (default 5)")
     p.add_argument("--json", action="store_true", help="print the ranked list as JSON (an array, best first)")
     p.add_argument("--json-rejected", action="store_true",
