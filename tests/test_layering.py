@@ -77,3 +77,13 @@ def test_techniques_import_neither_the_trainer_nor_the_planner(path):
     (the torchrun agent that starts the ranks is the launcher's, ``train/agent.py``)."""
     bad = sorted(m for m in _imports(path) if m.startswith(TECHNIQUES_ABOVE))
     assert not bad, f"{path.relative_to(SRC)} imports {bad}"
+
+
+PLANNER_ABOVE = ("scaletrain.train", "scaletrain.sweep", "scaletrain.compare", "scaletrain.commands", "scaletrain.cli")
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "planner").rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
+def test_the_planner_imports_neither_the_trainer_nor_the_sweep(path):
+    """The trainer (plan=auto) and the sweep (plan --runs) call the planner, never the other way round."""
+    bad = sorted(m for m in _imports(path) if m.startswith(PLANNER_ABOVE))
+    assert not bad, f"{path.relative_to(SRC)} imports {bad}"
