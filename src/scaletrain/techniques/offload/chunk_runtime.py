@@ -167,6 +167,13 @@ class ChunkRuntime:
         self.replayed = None
         self.prediction = self._predict()
         self.times_measured = False
+        budget = options.device_budget
+        if budget is not None and self.prediction.device_peak_bytes > budget:  # the warm-up keeps the least
+            least = self.prediction.device_peak_bytes
+            raise UserError(f"no chunk placement fits memory.device_budget={budget} B: the warm-up step, which "
+                            f"keeps only the chunks in use, is predicted to need {least} B ({least / 2**20:.2f} MiB; "
+                            f"activations are kept: the chunks manage model states only); raise "
+                            f"memory.device_budget, lower memory.offload.chunk_bytes or train.micro_batch")
 
     # ------------------------------------------------------------------ placement
     def _predict(self) -> Prediction:

@@ -259,6 +259,8 @@ class Replay:
     host_updates: int = 0
     fetches: int = 0
     evictions: int = 0
+    peak_parts: dict[str, int] = field(default_factory=dict)
+    """At the peak: chunk bytes resident by kind (params, grads, optimizer) and the moment's non-model bytes."""
 
     def add(self, a: Action) -> None:
         if a.op == "drop" or not a.nbytes:
@@ -333,7 +335,13 @@ def replay(seq: Sequence[Moment], chunk_bytes: int, state: ChunkState, non_model
             r.fetches += a.op == "fetch"
             r.evictions += a.op == "evict"
         transient = ADAM_TRANSIENT_CHUNKS * chunk_bytes if seq[k].step_chunk >= 0 and on_dev else 0
-        r.device_peak_bytes = max(r.device_peak_bytes, placer.resident_bytes() + non_model[k] + transient)
+        now = placer.resident_bytes() + non_model[k] + transient
+        if now > r.device_peak_bytes:
+            r.device_peak_bytes = now
+            parts = {"params": 0, "grads": 0, "optimizer": 0}
+            for c, d in enumerate(placer.state.on_device):
+                parts[KINDS[c % 4]] += chunk_bytes * d
+            r.peak_parts = {**parts, "activations_and_transients": non_model[k] + transient}
         if seq[k].step_chunk >= 0:
             r.device_updates += on_dev
             r.host_updates += not on_dev
@@ -382,3 +390,44 @@ def probe_non_model(costs, seq: Sequence[Moment], accum: int = 1) -> list[int]:
         out.append(fwd[int(i)] if kind == "forward" else bwd.get(int(i), 0) if kind == "backward" else static)
     return out
 
+
+
+def price(chain, example, target, loss_fn, *, budget: int | None, chunk_bytes: int | None, accum: int,
+          platform=None, autocast=None) -> dict:
+    """The plan-level cost face (``scaletrain estimate`` / :func:`scaletrain.techniques.plan_cost.plan_costs`):
+    the probe's moments replayed until the placement settles (:func:`steady_replay`). Returns the device peak
+    and its parts, bytes moved per step by direction, the updates run on the device and on the host, and,
+    with a ``platform``, the seconds of copies and of the two kinds of update (bytes, seconds)."""
+    from scaletrain.techniques.offload.planner import ADAM_DEVICE_BYTES_PER_PARAM
+    from scaletrain.techniques.offload.probe import probe_chain
+
+    costs = probe_chain(chain, example, target, loss_fn, autocast)
+    params = []
+    seen: set[int] = set()
+    for blk in chain.blocks:
+        for p in blk.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    groups = [(0 if p.ndim >= 2 else 1) if p.requires_grad else -1 for p in params]  # the trainer's decay split
+    layout = pack_chunks([p.numel() for p in params], groups, chunk_bytes)
+    seq = moments(layout, [b.params for b in costs.blocks], costs.param_owner,
+                  [i for i, b in enumerate(costs.blocks) if b.out_requires_grad], accum)
+    non_model = probe_non_model(costs, seq, accum)
+    warm = replay(seq, layout.chunk_bytes, ChunkState.initial(len(layout)), non_model, None, warmup=True)
+    if budget is not None and warm.device_peak_bytes > budget:
+        raise UserError(f"no chunk placement fits memory.device_budget={budget} B: the warm-up step, which keeps "
+                        f"only the chunks in use, needs {warm.device_peak_bytes} B; raise memory.device_budget, "
+                        f"lower memory.offload.chunk_bytes or train.micro_batch")
+    r, _ = steady_replay(seq, layout.chunk_bytes, len(layout), non_model, budget)
+    out = {"chunks": len(layout), "chunk_bytes": layout.chunk_bytes, "device_peak_bytes": r.device_peak_bytes,
+           "peak_parts": dict(r.peak_parts), "h2d_bytes": r.h2d_bytes, "d2h_bytes": r.d2h_bytes,
+           "bytes": dict(r.bytes), "device_updates": r.device_updates, "host_updates": r.host_updates,
+           "host_bytes": 4 * layout.chunk_bytes * len(layout)}
+    if platform is not None:
+        n = layout.chunk_numel
+        out["seconds"] = {"h2d": r.h2d_bytes / platform.h2d_bytes_per_s, "d2h": r.d2h_bytes / platform.d2h_bytes_per_s,
+                          "cpu_update": r.host_updates * n / platform.cpu_adam_params_per_s,
+                          "device_update": r.device_updates * n * ADAM_DEVICE_BYTES_PER_PARAM
+                          / platform.device_mem_bytes_per_s}
+    return out
