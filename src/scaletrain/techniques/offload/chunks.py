@@ -1,9 +1,9 @@
 """PatrickStar's chunk-based dynamic placement of model states (Fang et al., TPDS 2022; Tang et al.'s
 memory survey §4.2): the state machine both faces drive, and the cost face.
 
-**Layout** (:func:`pack_chunks`): the trainable parameters, in the order the Chain first uses them and
-grouped by optimizer group, are packed into chunks of one size ``S`` bytes (no parameter split; the
-tail of a chunk is zero padding). Chunk ``c`` has four same-size chunk tensors: its parameters (P),
+**Layout** (:func:`pack_chunks`): the trainable parameters, in the order the Chain first uses them,
+each optimizer group into its own chunks, are packed into chunks of one size ``S`` bytes (no
+parameter split; the tail of a chunk is zero padding). Chunk ``c`` has four same-size chunk tensors: its parameters (P),
 their gradients (G) and Adam's two moments (M, V); the id of kind k of chunk c is ``4c + k``.
 
 **Moments** (:func:`moments`): one optimizer step is a fixed sequence of moments, and each moment
@@ -76,8 +76,9 @@ class ChunkLayout:
 def pack_chunks(param_numel: Sequence[int], groups: Sequence[int], chunk_bytes: int | None,
                 element_size: int = 4) -> ChunkLayout:
     """Equal-size chunks over parameters in the given order (``groups[j]``: optimizer group, -1 for a frozen
-    parameter, left out); a new chunk starts when the group changes or the next parameter does not fit. ``chunk_bytes`` None: the largest parameter (rounded up to
-    :data:`CHUNK_ALIGN`). A parameter larger than the chunk is a UserError naming the smallest size."""
+    parameter, left out); each group fills its own chunks (one group per chunk, as its hyperparameters
+    apply to the whole chunk), a new one when the next parameter does not fit.
+    ``chunk_bytes`` None: the largest parameter (rounded up to :data:`CHUNK_ALIGN`). A parameter larger than the chunk is a UserError naming the smallest size."""
     largest = max((n for n, g in zip(param_numel, groups) if g >= 0), default=1) * element_size
     size = largest if chunk_bytes is None else int(chunk_bytes)
     size = -(-size // CHUNK_ALIGN) * CHUNK_ALIGN
@@ -88,17 +89,18 @@ def pack_chunks(param_numel: Sequence[int], groups: Sequence[int], chunk_bytes: 
     chunks: list[list[int]] = []
     group_of: list[int] = []
     offsets: dict[int, tuple[int, int]] = {}
-    used = numel
+    open_chunk: dict[int, tuple[int, int]] = {}  # group -> (its chunk being filled, elements used)
     for j, (n, g) in enumerate(zip(param_numel, groups)):
         if g < 0:  # frozen: not a model state the chunks manage
             continue
-        if not chunks or used + n > numel or group_of[-1] != g:
+        c, used = open_chunk.get(g, (-1, numel))
+        if used + n > numel:
             chunks.append([])
             group_of.append(g)
-            used = 0
-        offsets[j] = (len(chunks) - 1, used)
-        chunks[-1].append(j)
-        used += n
+            c, used = len(chunks) - 1, 0
+        offsets[j] = (c, used)
+        chunks[c].append(j)
+        open_chunk[g] = (c, used + n)
     return ChunkLayout(numel, chunks, offsets, group_of, element_size)
 
 
