@@ -43,6 +43,9 @@ def test_pack_chunks_equal_size_group_boundaries_and_too_small():
     assert pack_chunks([100, 10, 100, 10], [0, 1, 0, 1], 4 * 256).chunks == [[0, 2], [1, 3]]  # each group its own
     auto = pack_chunks([100, 20], [0, 0], None)
     assert auto.chunk_bytes == 512 and auto.chunks == [[0, 1]]  # the largest parameter, rounded up to 512 B
+    # searched: 1536 B chunks (the largest, 1200 B, rounded up) hold one 1200 B parameter each; 2560 B two
+    auto = pack_chunks([300, 300, 300, 300], [0, 0, 0, 0], None)
+    assert auto.chunk_bytes == 2560 and len(auto) == 2
     with pytest.raises(UserError, match="at least 4096"):
         pack_chunks([1000, 5], [0, 0], 512)
 
@@ -100,8 +103,8 @@ def test_chunks_match_plain_run_within_budget_with_predicted_bytes():
         opt.step()
         opt.zero_grad(set_to_none=True)
         base.append(loss.item())
-    budget = 4_200_000  # 61 % of the model states: chunks move and some updates run on the host
-    assert budget < 0.62 * states
+    budget = 5_600_000  # 81 % of the model states: chunks move, one chunk's Adam moments fit the margin
+    assert budget < 0.82 * states
     rt = ChunkRuntime(copy.deepcopy(m0), adamw, OffloadOptions(plan="chunks", device_budget=budget), PLAT, lm_loss,
                       data[0])
     got, rows = [], []
@@ -122,7 +125,8 @@ def test_chunks_match_plain_run_within_budget_with_predicted_bytes():
     assert rows[0]["warmup"] and rows[0]["device_updates"] == 0  # the warm-up updates on the host
     planned = rows[-1]
     assert planned["device_updates"] > 0 and planned["host_updates"] > 0
-    assert planned["device_peak_bytes"] >= 0.95 * planned["predicted_device_peak_bytes"]
+    # an upper bound: the update reserves ADAM_TRANSIENT_CHUNKS chunks of temporaries; foreach Adam uses fewer
+    assert planned["device_peak_bytes"] >= 0.9 * planned["predicted_device_peak_bytes"]
 
 
 BASE = ["model.name=gpt2-tiny", "model.overrides.n_layer=2", "model.overrides.n_positions=16", "data.seq_len=16",

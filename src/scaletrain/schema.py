@@ -177,7 +177,8 @@ KEYS: tuple[Key, ...] = (
         "equal-size chunks placed on the device or the host by the warm-up step's measured use, evicting the "
         "chunk used farthest ahead; the keys below stay at their defaults)", choices=("manual", "auto", "chunks")),
     Key("offload.chunk_bytes", _O + "chunk_bytes", "auto", "memory.offload.plan=chunks: bytes of one chunk, e.g. "
-        "'4MiB' (at least the largest parameter's fp32 bytes); auto = the largest parameter's", _BYTES,
+        "'4MiB' (at least the largest parameter's fp32 bytes); auto = the size between the largest parameter and twice "
+        "it that pads least (PatrickStar's chunk size search)", _BYTES,
         words=("auto",)),
     Key("offload.activations", _O + "activations", "none", "blocks whose saved tensors go to host memory: none, "
         "all, or a list like '0,3,5'"),

@@ -15,9 +15,9 @@ their gradients (G) and Adam's two moments (M, V); the id of kind k of chunk c i
   gradients are accumulated there) — also in the next backward moment, because autograd may run a
   parameter's gradient accumulation after the gradient of the block's input is ready;
 - the optimizer step of chunk c: on the device, P, G, M and V of c (plus a transient of
-  :data:`ADAM_TRANSIENT_CHUNKS` chunks) if the missing ones fit in the moment's free room without
-  evicting anything (PatrickStar's "margin space" for optimizer states), else the update runs on the
-  host (CPU Adam) and the four leave the device.
+  :data:`ADAM_TRANSIENT_CHUNKS` chunks) for the chunks whose Adam moments fit in PatrickStar's
+  "margin space" (the device memory no moment needs for anything else; the moments stay pinned
+  there: :meth:`ChunkPlacer.choose_device_updates`), else on the host (CPU Adam; the four leave the device).
 
 **Placement** (:class:`ChunkPlacer`): a chunk tensor lives on the host always (the master copy)
 and on the device as a cache. At each moment the missing needed chunks are fetched (host->device
@@ -78,10 +78,16 @@ def pack_chunks(param_numel: Sequence[int], groups: Sequence[int], chunk_bytes: 
     """Equal-size chunks over parameters in the given order (``groups[j]``: optimizer group, -1 for a frozen
     parameter, left out); each group fills its own chunks (one group per chunk, as its hyperparameters
     apply to the whole chunk), a new one when the next parameter does not fit.
-    ``chunk_bytes`` None: the largest parameter (rounded up to :data:`CHUNK_ALIGN`). A parameter larger than the chunk is a UserError naming the smallest size."""
+    ``chunk_bytes`` None: searched between the largest parameter and twice it (in 1/32 steps, multiples
+    of :data:`CHUNK_ALIGN`) for the fewest chunk bytes in all (PatrickStar's chunk size search). A parameter larger than the chunk is a UserError naming the smallest size."""
     largest = max((n for n, g in zip(param_numel, groups) if g >= 0), default=1) * element_size
-    size = largest if chunk_bytes is None else int(chunk_bytes)
-    size = -(-size // CHUNK_ALIGN) * CHUNK_ALIGN
+    if chunk_bytes is None:  # PatrickStar's chunk size search: the least padded bytes, then the smallest size
+        lo = -(-largest // CHUNK_ALIGN) * CHUNK_ALIGN
+        step = max(CHUNK_ALIGN, lo // 32 // CHUNK_ALIGN * CHUNK_ALIGN)
+        sizes = range(lo, 2 * lo + 1, step)
+        return min((pack_chunks(param_numel, groups, b, element_size) for b in sizes),
+                   key=lambda lay: (len(lay) * lay.chunk_bytes, lay.chunk_bytes))
+    size = -(-int(chunk_bytes) // CHUNK_ALIGN) * CHUNK_ALIGN
     if size < largest:
         raise UserError(f"memory.offload.chunk_bytes={chunk_bytes} B is smaller than the largest parameter "
                         f"({largest} B); use at least {-(-largest // CHUNK_ALIGN) * CHUNK_ALIGN} or auto")
@@ -176,6 +182,33 @@ class ChunkPlacer:
                 uses.setdefault(c, []).append(k)
         self._uses = uses
         self._L = L
+        self.device_chunks: set[int] = set()
+        """Chunks updated on the device (their Adam moments pinned there); the others update on the host."""
+        self.pinned: set[int] = set()
+
+    def choose_device_updates(self, caps: Sequence[int | None]) -> None:
+        """PatrickStar's margin: the device memory no forward/backward moment needs even with every
+        parameter chunk resident (the budget less the largest non-model + needed + parameter chunk bytes
+        of any moment) holds the Adam moments of as many chunks as fit, pinned there for the whole step; those chunks update on the device (their update moment
+        also holds P, G and Adam's transient), the others on the host. Chosen: the chunks whose
+        parameters are used last before the updates (likeliest still resident then)."""
+        if any(c is None for c in caps):
+            self.device_chunks = {m.step_chunk for m in self.seq if m.step_chunk >= 0}
+            return
+        S = self.S
+        allp = {c for c in range(len(self.state.on_device)) if c % 4 == P}
+        run = [(cap - len(m.needs | allp) * S) for cap, m in zip(caps, self.seq) if m.step_chunk < 0]
+        upd = [cap - (2 + ADAM_TRANSIENT_CHUNKS) * S for cap, m in zip(caps, self.seq) if m.step_chunk >= 0]
+        n = max(0, min(run + upd) // (2 * S)) if run + upd else 0
+        first = min((k for k, m in enumerate(self.seq) if m.step_chunk >= 0), default=len(self.seq))
+        last = {}
+        for k in range(first):
+            for c in self.seq[k].needs:
+                if c % 4 == P:
+                    last[c // 4] = k
+        order = sorted({m.step_chunk for m in self.seq if m.step_chunk >= 0}, key=lambda c: (-last.get(c, -1), c))
+        self.device_chunks = set(order[:n])
+        self.pinned = {4 * c + kind for c in self.device_chunks for kind in (M, V)}
 
     def resident_bytes(self) -> int:
         return self.S * sum(self.state.on_device)
@@ -202,11 +235,9 @@ class ChunkPlacer:
         m, st, out = self.seq[k], self.state, []
         need = sorted(m.needs)
         on_dev = m.step_chunk < 0
-        if m.step_chunk >= 0 and device_step:  # on the device only where it evicts nothing (PatrickStar's margin)
-            cap = None if capacity is None else capacity - ADAM_TRANSIENT_CHUNKS * self.S
-            grow = self.S * sum(not st.on_device[c] for c in need)
-            on_dev = cap is None or self.resident_bytes() + grow <= cap
-            capacity = cap
+        if m.step_chunk >= 0 and device_step:  # on the device: the chunks whose moments live in the margin
+            on_dev = capacity is None or m.step_chunk in self.device_chunks
+            capacity = None if capacity is None else capacity - ADAM_TRANSIENT_CHUNKS * self.S
         if not on_dev:  # host update: the chunk's tensors leave the device (the update writes the host copies)
             for c in need:
                 if st.on_device[c]:
@@ -219,7 +250,7 @@ class ChunkPlacer:
                                 f"{max(capacity, 0)} B of the device budget are left beside its other memory; "
                                 f"raise memory.device_budget or lower memory.offload.chunk_bytes / train.micro_batch")
             while self.resident_bytes() + len(missing) * self.S > capacity:
-                cands = [c for c, d in enumerate(st.on_device) if d and c not in m.needs]
+                cands = [c for c, d in enumerate(st.on_device) if d and c not in m.needs and c not in self.pinned]
                 victim = max(cands, key=lambda c: (self.next_use(c, k), c))
                 self._evict(victim, out)
         for c in missing:
@@ -287,6 +318,8 @@ class Walk:
 
     def __init__(self, placer: ChunkPlacer, caps: Sequence[int | None], warmup: bool = False):
         self.placer, self.caps, self.warmup = placer, caps, warmup
+        if not warmup:
+            placer.choose_device_updates(caps)
         self.k = -1
         self.open = False
         self.on_dev = False

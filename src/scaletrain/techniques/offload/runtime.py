@@ -62,7 +62,7 @@ class OffloadOptions:
     disk_chunk_bytes: int = 4 * 2**20
     disk_masters: bool = False
     chunk_bytes: int | None = None
-    """plan=chunks: bytes of one chunk (None: the largest parameter's)."""
+    """plan=chunks: bytes of one chunk (None: searched, see :func:`.chunks.pack_chunks`)."""
     device_budget: int | None = None
     host_budget: int | None = None
     strict: bool = True
