@@ -32,10 +32,10 @@ from scaletrain.errors import UserError
 from scaletrain.platform import Platform
 from scaletrain.techniques.offload.chunks import (G, KINDS, M, P, V, Action, ChunkPlacer, ChunkState, Moment,
                                                   capacities, moments, pack_chunks, probe_non_model, replay, walk)
-from scaletrain.techniques.offload.optimizer import adamw_flag, is_plain_adam
+from scaletrain.techniques.offload.optimizer import adamw_flag, clip_grads_, is_plain_adam
 from scaletrain.techniques.offload.planner import ADAM_DEVICE_BYTES_PER_PARAM, Prediction
 from scaletrain.techniques.offload.pools import make_pools
-from scaletrain.techniques.offload.probe import ChainCosts, probe_chain
+from scaletrain.techniques.offload.probe import ChainCosts, chain_params, probe_chain
 
 CATEGORY = ("parameters", "gradients", "optimizer_states", "optimizer_states")
 """Device-accounting category of chunk kinds P, G, M, V."""
@@ -101,13 +101,7 @@ class ChunkRuntime:
         self.costs = costs or probe_chain(self.chain, example[0], example[1], loss_fn, self.autocast)
         if costs is None and platform is not None:
             self.costs.estimate_times(platform.flops("fp32"), platform.device_mem_bytes_per_s)
-        self.params: list[nn.Parameter] = []
-        seen: set[int] = set()
-        for blk in self.chain.blocks:
-            for p in blk.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    self.params.append(p)
+        self.params: list[nn.Parameter] = chain_params(self.chain)
         proto = optimizer_factory(model)
         if not is_plain_adam(proto):
             raise UserError("memory.offload.plan=chunks supports Adam/AdamW (optim.name=adam or adamw): the chunk "
@@ -314,13 +308,7 @@ class ChunkRuntime:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global-norm clipping on the chunks' gradients (the same arithmetic as ``clip_grad_norm_(foreach)``)."""
         with _disable_current_modes():
-            grads = self._grad_views()
-            if not grads:
-                return 0.0
-            total = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach=True)
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef)
-        return float(total)
+            return clip_grads_(self._grad_views(), max_norm)
 
     def _update(self, c: int, on_dev: bool) -> None:
         """Adam/AdamW on chunk ``c`` where its tensors are (torch's own code, the group's foreach choice)."""

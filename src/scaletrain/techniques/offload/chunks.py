@@ -434,16 +434,10 @@ def price(chain, example, target, loss_fn, *, budget: int | None, chunk_bytes: i
     and its parts, bytes moved per step by direction, the updates run on the device and on the host, and,
     with a ``platform``, the seconds of copies and of the two kinds of update (bytes, seconds)."""
     from scaletrain.techniques.offload.planner import ADAM_DEVICE_BYTES_PER_PARAM
-    from scaletrain.techniques.offload.probe import probe_chain
+    from scaletrain.techniques.offload.probe import chain_params, probe_chain
 
     costs = probe_chain(chain, example, target, loss_fn, autocast)
-    params = []
-    seen: set[int] = set()
-    for blk in chain.blocks:
-        for p in blk.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
+    params = chain_params(chain)
     groups = [(0 if p.ndim >= 2 else 1) if p.requires_grad else -1 for p in params]  # the trainer's decay split
     layout = pack_chunks([p.numel() for p in params], groups, chunk_bytes)
     seq = moments(layout, [b.params for b in costs.blocks], costs.param_owner,

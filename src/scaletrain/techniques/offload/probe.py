@@ -135,6 +135,19 @@ class ChainCosts:
         self.set_times([b.fwd_time_s for b in profile.blocks], [b.bwd_time_s for b in profile.blocks])
 
 
+def chain_params(chain: Chain) -> list[nn.Parameter]:
+    """The Chain's parameters in the order its blocks first use them, each once (tied ones at their first
+    user): the indexing of :attr:`ChainCosts.param_bytes` and of the offload runtimes."""
+    out: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for blk in chain.blocks:
+        for p in blk.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor of ``t``'s shape/dtype on ``device``; fake when called under FakeTensorMode."""
     m = torch.empty(t.shape, dtype=t.dtype, device=device)
