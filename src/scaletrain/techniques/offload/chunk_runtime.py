@@ -35,7 +35,7 @@ from scaletrain.techniques.offload.chunks import (G, KINDS, M, P, V, Action, Chu
 from scaletrain.techniques.offload.optimizer import adamw_flag, clip_grads_, is_plain_adam
 from scaletrain.techniques.offload.planner import ADAM_DEVICE_BYTES_PER_PARAM, Prediction
 from scaletrain.techniques.offload.pools import make_pools
-from scaletrain.techniques.offload.probe import ChainCosts, chain_params, probe_chain
+from scaletrain.techniques.offload.probe import ChainCosts, chain_params, runtime_costs
 
 CATEGORY = ("parameters", "gradients", "optimizer_states", "optimizer_states")
 """Device-accounting category of chunk kinds P, G, M, V."""
@@ -98,9 +98,7 @@ class ChunkRuntime:
         self.plan = None
         self.disk = None  # (the offload strategy asks: no disk tier here)
         dev = torch.device(device) if device is not None else next(model.parameters()).device
-        self.costs = costs or probe_chain(self.chain, example[0], example[1], loss_fn, self.autocast)
-        if costs is None and platform is not None:
-            self.costs.estimate_times(platform.flops("fp32"), platform.device_mem_bytes_per_s)
+        self.costs = runtime_costs(self.chain, example, loss_fn, self.autocast, platform, costs)
         self.params: list[nn.Parameter] = chain_params(self.chain)
         proto = optimizer_factory(model)
         if not is_plain_adam(proto):

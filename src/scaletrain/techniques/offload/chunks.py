@@ -79,7 +79,8 @@ def pack_chunks(param_numel: Sequence[int], groups: Sequence[int], chunk_bytes: 
     parameter, left out); each group fills its own chunks (one group per chunk, as its hyperparameters
     apply to the whole chunk), a new one when the next parameter does not fit.
     ``chunk_bytes`` None: searched between the largest parameter and twice it (in 1/32 steps, multiples
-    of :data:`CHUNK_ALIGN`) for the fewest chunk bytes in all (PatrickStar's chunk size search). A parameter larger than the chunk is a UserError naming the smallest size."""
+    of :data:`CHUNK_ALIGN`) for the fewest chunk bytes in all (PatrickStar's chunk size search). A
+    parameter larger than the chunk is a UserError naming the smallest size."""
     largest = max((n for n, g in zip(param_numel, groups) if g >= 0), default=1) * element_size
     if chunk_bytes is None:  # PatrickStar's chunk size search: the least padded bytes, then the smallest size
         lo = -(-largest // CHUNK_ALIGN) * CHUNK_ALIGN
@@ -189,8 +190,9 @@ class ChunkPlacer:
     def choose_device_updates(self, caps: Sequence[int | None]) -> None:
         """PatrickStar's margin: the device memory no forward/backward moment needs even with every
         parameter chunk resident (the budget less the largest non-model + needed + parameter chunk bytes
-        of any moment) holds the Adam moments of as many chunks as fit, pinned there for the whole step; those chunks update on the device (their update moment
-        also holds P, G and Adam's transient), the others on the host. Chosen: the chunks whose
+        of any moment) holds the Adam moments of as many chunks as fit, pinned there for the whole step;
+        those chunks update on the device (their update moment also holds P, G and Adam's transient), the
+        others on the host. Chosen: the chunks whose
         parameters are used last before the updates (likeliest still resident then)."""
         if any(c is None for c in caps):
             self.device_chunks = {m.step_chunk for m in self.seq if m.step_chunk >= 0}

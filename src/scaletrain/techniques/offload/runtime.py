@@ -38,7 +38,7 @@ from scaletrain.techniques.offload.activations import ActivationOffloader, parse
 from scaletrain.techniques.offload.disk import DiskStates
 from scaletrain.techniques.offload.optimizer import HostOptimizer
 from scaletrain.techniques.offload.pools import make_pools
-from scaletrain.techniques.offload.probe import ChainCosts, chain_params, probe_chain
+from scaletrain.techniques.offload.probe import ChainCosts, chain_params, runtime_costs
 from scaletrain.techniques.offload.weights import WeightStreamer
 from scaletrain.techniques.remat.schedule import parse_bytes
 
@@ -138,9 +138,7 @@ class OffloadRuntime:
         self.accum = accum
         self.platform = platform
         dev = torch.device(device) if device is not None else next(model.parameters()).device
-        self.costs = costs or probe_chain(self.chain, example[0], example[1], loss_fn, self.autocast)
-        if costs is None and platform is not None:
-            self.costs.estimate_times(platform.flops("fp32"), platform.device_mem_bytes_per_s)
+        self.costs = runtime_costs(self.chain, example, loss_fn, self.autocast, platform, costs)
         self.params: list[nn.Parameter] = chain_params(self.chain)
         options = dataclasses.replace(options)  # the caller's object stays as it was
         self.plan = None
