@@ -1,5 +1,5 @@
 """PatrickStar-style chunks (``memory.offload.plan=chunks``) beside the static offload modes at one device
-budget: device peak, bytes moved per step (measured next to predicted) and step time.
+budget (several budgets): device peak, bytes moved per step (measured next to predicted) and step time.
 
 Modes (each an :class:`~scaletrain.techniques.offload.runtime.OffloadRuntime` or
 :class:`~scaletrain.techniques.offload.chunk_runtime.ChunkRuntime` over the same model and batch):
@@ -16,7 +16,7 @@ the warm-up, step 2 the first planned one); step times without accounting, one t
 rounds in which every mode runs one step in turn (interleaved, so the machine's load drifts alike over
 all modes), median per mode.
 
-Usage: ``python benchmarks/offload/chunks.py [--model gpt2-mini] [--batch 2] [--seq 64] [--budget 40MiB]``;
+Usage: ``python benchmarks/offload/chunks.py [--model gpt2-mini] [--batch 2] [--seq 64] [--budgets 40MiB,64MiB]``;
 writes ``benchmarks/results/offload_chunks.json`` and prints a Markdown table.
 """
 
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2-mini")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--budget", default="40MiB", help="device budget of every offload mode")
+    ap.add_argument("--budgets", default="40MiB,64MiB", help="device budgets (comma-separated) of every offload mode")
     ap.add_argument("--chunk-bytes", default="auto")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
@@ -99,18 +99,21 @@ def main() -> None:
     x = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
     y = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
     plat = calibrate(quick=True)
-    budget = parse_bytes(args.budget)
+    budgets = [parse_bytes(b) for b in args.budgets.split(",")]
     chunk = None if args.chunk_bytes == "auto" else parse_bytes(args.chunk_bytes)
-    options = {name: OffloadOptions(**kw, device_budget=budget, chunk_bytes=chunk) for name, kw in MODES.items()}
-    rows = [measured(name, model, o, plat, x, y) for name, o in options.items()]
-    plain = measured("plain", model, OffloadOptions(), plat, x, y)  # the pool counts the peak; no budget
-    rows.append(plain)
-    # timing: no accounting, every mode one step per round
-    runners = {}
-    for name, o in options.items():
+    options = {(name, b): OffloadOptions(**kw, device_budget=b, chunk_bytes=chunk)
+               for b in budgets for name, kw in MODES.items()}
+    rows = [measured(name, model, o, plat, x, y) for (name, _), o in options.items()]
+    rows.append(measured("plain", model, OffloadOptions(), plat, x, y))  # the pool counts the peak; no budget
+    # timing: no accounting, every runner one step per round
+    steps = {}
+    runners = []
+    for key, o in options.items():
         t = copy.deepcopy(o)
-        t.track, t.strict, t.measure_times = False, False, name == "auto"
-        runners[name] = build(model, t, plat, x, y)
+        t.track, t.strict, t.measure_times = False, False, key[0] == "auto"
+        rt = build(model, t, plat, x, y)
+        runners.append(rt)
+        steps[key] = lambda rt=rt: (rt.forward_backward(x, y), rt.step())
     ref = copy.deepcopy(model)
     opt = adamw(ref)
 
@@ -119,38 +122,38 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    steps = {name: (lambda rt=rt: (rt.forward_backward(x, y), rt.step())) for name, rt in runners.items()}
-    steps["plain"] = plain_step
+    steps[("plain", None)] = plain_step
     for fn in steps.values():  # warm-up steps (the chunks' first one measures its statistics)
         fn()
         fn()
-    times: dict[str, list[float]] = {k: [] for k in steps}
+    times: dict[tuple, list[float]] = {k: [] for k in steps}
     for _ in range(args.repeats):
-        for name, fn in steps.items():
+        for key, fn in steps.items():
             t0 = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
-    for rt in runners.values():
+            times[key].append(time.perf_counter() - t0)
+    for rt in runners:
         rt.close()
     for r in rows:
-        r["step_time_s"] = statistics.median(times[r["mode"]])
-        r["step_times_s"] = times[r["mode"]]
+        r["step_times_s"] = times[(r["mode"], r["budget_bytes"])]
+        r["step_time_s"] = statistics.median(r["step_times_s"])
     n = sum(p.numel() for p in model.parameters())
     out = {"model": args.model, "parameters": n, "model_state_bytes": 16 * n, "batch": args.batch, "seq": args.seq,
-           "budget_bytes": budget, "threads": args.threads, "repeats": args.repeats,
+           "budgets_bytes": budgets, "threads": args.threads, "repeats": args.repeats,
            "device": "cpu (logical device pool)", "machine": pyplatform.processor() or pyplatform.machine(),
            "torch": torch.__version__, "command": "python benchmarks/offload/chunks.py " + " ".join(
                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
            "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"{args.model}: {n / 1e6:.2f} M parameters, model states {16 * n / MiB:.1f} MiB, budget "
-          f"{budget / MiB:.1f} MiB, batch {args.batch} x {args.seq}, {args.threads} thread(s)\n")
-    print("| mode | device peak MiB (pred) | h2d MiB (pred) | d2h MiB (pred) | step ms (median) |")
-    print("|---|---|---|---|---|")
+    print(f"{args.model}: {n / 1e6:.2f} M parameters, model states {16 * n / MiB:.1f} MiB, batch {args.batch} x "
+          f"{args.seq}, {args.threads} thread(s), median of {args.repeats} interleaved steps\n")
+    print("| budget MiB | mode | device peak MiB (pred) | h2d MiB (pred) | d2h MiB (pred) | step ms |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['device_peak_bytes'] / MiB:.1f} ({r['predicted_device_peak_bytes'] / MiB:.1f}) | "
-              f"{r['h2d_bytes'] / MiB:.1f} ({r['predicted_h2d_bytes'] / MiB:.1f}) | "
+        b = f"{r['budget_bytes'] / MiB:.0f}" if r["budget_bytes"] else "none"
+        print(f"| {b} | {r['mode']} | {r['device_peak_bytes'] / MiB:.1f} ({r['predicted_device_peak_bytes'] / MiB:.1f})"
+              f" | {r['h2d_bytes'] / MiB:.1f} ({r['predicted_h2d_bytes'] / MiB:.1f}) | "
               f"{r['d2h_bytes'] / MiB:.1f} ({r['predicted_d2h_bytes'] / MiB:.1f}) | {r['step_time_s'] * 1e3:.0f} |")
 
 
