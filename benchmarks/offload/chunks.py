@@ -9,7 +9,8 @@ Modes (each an :class:`~scaletrain.techniques.offload.runtime.OffloadRuntime` or
 - ``zero-offload``: fp32 masters, gradients and Adam on the host, parameters resident (ZeRO-Offload);
 - ``streaming``: parameters streamed block by block too (L2L / ZeRO-Infinity's parameter offload);
 - ``auto``: the joint static planner (placement + keep/recompute/offload per block) under the budget;
-- ``plain`` (no budget): the reference time and the peak the budget is measured against.
+- ``plain`` (no budget): the reference time and the peak the budget is measured against;
+- ``deepspeed-zero-offload`` (``--deepspeed``): DeepSpeed's ZeRO-Offload on ``DS_ACCELERATOR=cpu``, time only.
 
 Figures: with device accounting, the third step (the chunks' placement has settled by then: step 1 is
 the warm-up, step 2 the first planned one); step times without accounting, one thread, ``--repeats``
@@ -80,6 +81,28 @@ def measured(name, model, opts, plat, x, y, steps: int = 3) -> dict:
     return row
 
 
+def deepspeed_step(model, x, y):
+    """One DeepSpeed ZeRO-Offload step (ZeRO-2, Adam states and update on the CPU) as a function, one process."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29613"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+    import deepspeed
+
+    cfg = {"train_batch_size": len(x), "train_micro_batch_size_per_gpu": len(x), "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    m = copy.deepcopy(model)
+    eng, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg, dist_init_required=True)
+
+    def step():
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+    return step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2-mini")
@@ -89,6 +112,8 @@ def main() -> None:
     ap.add_argument("--chunk-bytes", default="auto")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--deepspeed", action="store_true", help="also time DeepSpeed ZeRO-Offload (needs deepspeed "
+                    "0.19.8; its C++ ops compile on first use, ~9 min on 2 cores)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -123,6 +148,11 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
 
     steps[("plain", None)] = plain_step
+    if args.deepspeed:
+        steps[("deepspeed-zero-offload", None)] = deepspeed_step(model, x, y)
+        rows.append({"mode": "deepspeed-zero-offload", "budget_bytes": None,
+                     "note": "DeepSpeed 0.19.8 ZeRO-2 + offload_optimizer=cpu, DS_ACCELERATOR=cpu: its device is "
+                             "the host, so no device peak or budget; time only (cpu_adam op JIT-compiled beforehand)"})
     for fn in steps.values():  # warm-up steps (the chunks' first one measures its statistics)
         fn()
         fn()
@@ -142,7 +172,8 @@ def main() -> None:
            "budgets_bytes": budgets, "threads": args.threads, "repeats": args.repeats,
            "device": "cpu (logical device pool)", "machine": pyplatform.processor() or pyplatform.machine(),
            "torch": torch.__version__, "command": "python benchmarks/offload/chunks.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+               f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f" {v}")
+               for k, v in vars(args).items() if k != "out" and v is not False),
            "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
@@ -152,6 +183,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for r in rows:
         b = f"{r['budget_bytes'] / MiB:.0f}" if r["budget_bytes"] else "none"
+        if "device_peak_bytes" not in r:
+            print(f"| {b} | {r['mode']} | - | - | - | {r['step_time_s'] * 1e3:.0f} |")
+            continue
         print(f"| {b} | {r['mode']} | {r['device_peak_bytes'] / MiB:.1f} ({r['predicted_device_peak_bytes'] / MiB:.1f})"
               f" | {r['h2d_bytes'] / MiB:.1f} ({r['predicted_h2d_bytes'] / MiB:.1f}) | "
               f"{r['d2h_bytes'] / MiB:.1f} ({r['predicted_d2h_bytes'] / MiB:.1f}) | {r['step_time_s'] * 1e3:.0f} |")
