@@ -185,6 +185,11 @@ def test_compat_and_config_refusals():
         check("memory.offload.plan=chunks", "optim.name=sgd")
     with pytest.raises(ConfigError, match="chunk_bytes"):
         load_config(None, ["memory.offload.chunk_bytes=lots"])
+    from scaletrain.train.preflight import check_unused
+
+    with pytest.raises(ConfigError, match="memory.offload.chunk_bytes='1MiB' has no effect on its own; add "
+                                          "memory.offload.plan=chunks"):
+        check_unused(load_config(None, ["memory.offload.chunk_bytes=1MiB"]))
 
 
 def test_estimate_prices_chunks_within_budget():
