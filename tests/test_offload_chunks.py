@@ -130,7 +130,8 @@ def test_chunks_match_plain_run_within_budget_with_predicted_bytes():
 
 
 BASE = ["model.name=gpt2-tiny", "model.overrides.n_layer=2", "model.overrides.n_positions=16", "data.seq_len=16",
-        "train.global_batch=2", "train.checkpoint_every=2", "train.eval_every=2", "train.eval_batches=1",
+        "train.global_batch=2", "train.micro_batch=1", "train.checkpoint_every=2", "train.eval_every=2",
+        "train.eval_batches=1",
         "train.log_every=1", "train.device=cpu", "train.progress=off"]
 CHUNKS = ["memory.offload.plan=chunks", "memory.device_budget=9MiB", "memory.offload.chunk_bytes=256KiB"]
 
@@ -150,6 +151,7 @@ def _train(out: Path, extra: list[str], resume: bool = False):
 
 
 def test_train_chunks_checkpoint_resumes_plain(tmp_path):
+    """Through the trainer, 2 micro-batches per step: the plain losses; a chunked checkpoint resumes a plain run."""
     import shutil
 
     plain, plain_rows = _train(tmp_path / "plain", ["train.steps=4"])
