@@ -173,7 +173,13 @@ KEYS: tuple[Key, ...] = (
     Key("activation_compression", _M + "activation_compression", False, "store tensors saved for backward as "
         "8-bit per-channel (ActNN-style)"),
     Key("offload.plan", _O + "plan", "manual", "manual: use the keys below; auto: the joint offload + recompute "
-        "planner chooses them", choices=("manual", "auto")),
+        "planner chooses them; chunks: PatrickStar's chunk manager (parameters, gradients and Adam states in "
+        "equal-size chunks placed on the device or the host by the warm-up step's measured use, evicting the "
+        "chunk used farthest ahead; the keys below stay at their defaults)", choices=("manual", "auto", "chunks")),
+    Key("offload.chunk_bytes", _O + "chunk_bytes", "auto", "memory.offload.plan=chunks: bytes of one chunk, e.g. "
+        "'4MiB' (at least the largest parameter's fp32 bytes); auto = the size between the largest parameter and twice "
+        "it that pads least (PatrickStar's chunk size search)", _BYTES,
+        words=("auto",)),
     Key("offload.activations", _O + "activations", "none", "blocks whose saved tensors go to host memory: none, "
         "all, or a list like '0,3,5'"),
     Key("offload.recompute", _O + "recompute", "none", "blocks recomputed in backward (checkpointed): none, all, "

@@ -151,6 +151,19 @@ def _offload_keys(p: Plan) -> str:
     return ", ".join(f"{k}={v}" for k, v in d.items() if v != default[k]) or "defaults"
 
 
+def _chunk_keys(p: Plan) -> str:
+    """The offload keys plan=chunks decides itself that the plan sets (first one), or ''."""
+    from scaletrain.techniques.offload.runtime import CHUNKS_FIXED
+
+    from scaletrain.plan import OffloadPlan
+
+    default = OffloadPlan()
+    for k in CHUNKS_FIXED:
+        if getattr(p.offload, k) != getattr(default, k):
+            return f"{k}={getattr(p.offload, k)}"
+    return ""
+
+
 RULES: list[Rule] = [
     # ---------------------------------------------------------------- data parallelism
     Rule("compression-ddp", lambda p, f: p.compression != "none" and (p.zero != 0 or _mp(p) or p.pp > 1),
@@ -357,6 +370,17 @@ RULES: list[Rule] = [
          "micro-batches in flight; its planner would need the schedule's in-flight activations per stage",
          "memory.remat with pipelines (one solver per stage), or memory.offload without pp",
          "offload runs its own step"),
+    Rule("offload-chunks-keys", lambda p, f: p.offload.plan == "chunks" and bool(_chunk_keys(p)),
+         lambda p, f: f"memory.offload.plan=chunks with memory.offload.{_chunk_keys(p)}",
+         "the chunk manager places parameters, gradients and optimizer states itself and keeps every activation",
+         "memory.offload.plan=chunks with memory.device_budget and memory.offload.chunk_bytes (the other "
+         "memory.offload keys at their defaults)", "places states itself"),
+    Rule("offload-chunks-optimizer", lambda p, f: p.offload.plan == "chunks" and p.optimizer not in ("adam", "adamw"),
+         lambda p, f: f"optim.name={p.optimizer} with memory.offload.plan=chunks",
+         "the chunk update runs torch's Adam on flat chunks", "adam, adamw", "Adam only"),
+    Rule("offload-chunks-dtype", lambda p, f: p.offload.plan == "chunks" and p.params_dtype != "fp32",
+         lambda p, f: f"train.params_dtype={p.params_dtype} with memory.offload.plan=chunks",
+         "chunks hold fp32 parameters, gradients and Adam moments", "fp32", "fp32 chunks"),
     Rule("compress-mp", lambda p, f: p.activation_compression and _mp(p), "memory.activation_compression=true with "
          "tp/cp/ep", "the 8-bit packing quantizes each tensor saved for backward through its storage; under "
          "tp/cp/ep the saved tensors include DTensors, whose storage is a local shard behind placements the "

@@ -174,11 +174,34 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     if platform is not None:
         _add_times(out, plan, model, platform, chain=chain, bounds=bounds, example=example, target=target, b=b,
                    M=M, seq=seq, world=world, sched=sched, remat=remat, mem=mem, comm=comm)
-    from scaletrain.techniques.offload.cost import offload_bytes  # 6. offloading: what leaves the device
+    if plan.offload.plan == "chunks":  # one process (compat): the chunk manager's own cost face
+        _chunks(out[0], plan, chain, example, target, M, platform)
+    else:
+        from scaletrain.techniques.offload.cost import offload_bytes  # 6. offloading: what leaves the device
 
-    offload_bytes(out, plan, world=world, chain=chain, example=example, target=target, loss_fn=_loss, accum=M,
-                  platform=platform)
+        offload_bytes(out, plan, world=world, chain=chain, example=example, target=target, loss_fn=_loss, accum=M,
+                      platform=platform)
     return out
+
+
+def _chunks(rank: RankCost, plan: Plan, chain: nn.Module, x: torch.Tensor, y: torch.Tensor, M: int,
+            platform: Any) -> None:
+    """``memory.offload.plan=chunks``: the settled placement's peak and parts, and its copies and updates
+    (:func:`.offload.chunks.price`) in place of the device-resident model states."""
+    from scaletrain.techniques.offload.chunks import price
+    from scaletrain.techniques.remat.schedule import parse_bytes
+
+    o = plan.offload
+    c = price(chain, x, y, _loss, budget=parse_bytes(o.device_budget) if o.device_budget else None,
+              chunk_bytes=None if o.chunk_bytes in ("", "auto") else parse_bytes(o.chunk_bytes), accum=M,
+              platform=platform)
+    rank.peak_bytes = float(c["device_peak_bytes"])
+    rank.bytes = {k: float(v) for k, v in c["peak_parts"].items()}
+    if rank.time_s is not None:
+        t, sec = rank.time_s, c["seconds"]
+        t.optimizer = sec["device_update"]
+        t.copies_s = {k: sec[k] for k in ("h2d", "d2h", "cpu_update")}
+        t.copies_exposed_s = dict(t.copies_s)  # the runtime waits for each copy and runs the updates in turn
 
 
 def _bucket_views(plan: Plan) -> bool:

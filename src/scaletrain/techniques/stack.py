@@ -57,9 +57,10 @@ def build_runtime(plan: Plan, model: nn.Module, ctx: RunContext, facts: compat.F
         ctx.forward_backward = _plain(rt, ctx)  # (unused: the schedule runs its own passes)
         return rt
     if plan.offload.active and ctx.world == 1:  # one process: the offload runtime places everything itself
+        from scaletrain.techniques.offload.chunk_strategy import ChunkStrategy
         from scaletrain.techniques.offload.strategy import OffloadStrategy
 
-        rt = OffloadStrategy.build(model, plan, ctx)
+        rt = (ChunkStrategy if plan.offload.plan == "chunks" else OffloadStrategy).build(model, plan, ctx)
         ctx.forward_backward = _plain(rt, ctx)
         return rt
     if ctx.world > 1:

@@ -52,6 +52,7 @@ _NEEDS: tuple[tuple[str, str, Any], ...] = (
     ("memory.offload.dpu", "memory.offload.optimizer=host or disk", lambda c: c.memory.offload.optimizer != "device"),
     *((f"memory.offload.{k}", "memory.offload.optimizer=disk", lambda c: c.memory.offload.optimizer == "disk")
       for k in ("disk_dir", "disk_max_bytes", "disk_chunk_bytes", "disk_masters")),
+    ("memory.offload.chunk_bytes", "memory.offload.plan=chunks", lambda c: c.memory.offload.plan == "chunks"),
 )
 """(key, what gives it an effect, whether this config does): a key set away from its default that
 nothing reads would train silently without what the user asked for. (The compression knobs are not

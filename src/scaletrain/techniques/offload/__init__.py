@@ -9,7 +9,9 @@
 - :mod:`.probe` — what the chain saves and uses, found with fake tensors (no memory);
 - :mod:`.planner` — predictions and the joint keep/recompute/offload + placement planner;
 - :mod:`.runtime` — :class:`OffloadRuntime` / :func:`build_offload_runtime`: one step as the options place things;
-- :mod:`.strategy` — :class:`~.strategy.OffloadStrategy`, how ``scaletrain train`` runs it (``memory.offload.*``).
+- :mod:`.strategy` — :class:`~.strategy.OffloadStrategy`, how ``scaletrain train`` runs it (``memory.offload.*``);
+- :mod:`.chunks`, :mod:`.chunk_runtime`, :mod:`.chunk_strategy` — ``memory.offload.plan=chunks``: PatrickStar's chunk
+  manager (model states in equal chunks placed dynamically from the warm-up step's statistics).
 
 Each module keeps its cost face next to its apply face.
 """

@@ -183,6 +183,17 @@ class CPUAdam(torch.optim.Optimizer):
            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)
 
 
+def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> float:
+    """Scale ``grads`` in place to a global 2-norm of at most ``max_norm``; the norm before. The same
+    arithmetic as ``torch.nn.utils.clip_grad_norm_(foreach=True)`` over the same tensors in the same order."""
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach=True)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef)
+    return float(total)
+
+
 def is_plain_adam(opt: torch.optim.Optimizer) -> bool:
     """True for torch Adam/AdamW without amsgrad/maximize/capturable (what CPUAdam reproduces)."""
     if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
@@ -339,13 +350,7 @@ class HostOptimizer:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global-norm clipping on the host gradients, the same arithmetic as clip_grad_norm_(foreach)."""
         self.pools.synchronize()
-        grads = self.host_grads()
-        if not grads:
-            return 0.0
-        total = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach=True)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef)
-        return float(total)
+        return clip_grads_(self.host_grads(), max_norm)
 
     # -- update -------------------------------------------------------------------------------
     def _update(self, buf: int, has: set[int], lrs: list[float] | None = None) -> None:

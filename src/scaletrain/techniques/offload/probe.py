@@ -135,6 +135,32 @@ class ChainCosts:
         self.set_times([b.fwd_time_s for b in profile.blocks], [b.bwd_time_s for b in profile.blocks])
 
 
+def runtime_costs(chain: Chain, example: tuple[torch.Tensor, torch.Tensor], loss_fn, autocast, platform,
+                  costs: ChainCosts | None = None) -> ChainCosts:
+    """What an offload runtime plans with: ``costs`` if given, else the probe of ``chain`` on ``example``
+    with block times estimated from the platform's FLOP/s and memory bandwidth (measured ones replace
+    them after the first micro-batch)."""
+    if costs is not None:
+        return costs
+    out = probe_chain(chain, example[0], example[1], loss_fn, autocast)
+    if platform is not None:
+        out.estimate_times(platform.flops("fp32"), platform.device_mem_bytes_per_s)
+    return out
+
+
+def chain_params(chain: Chain) -> list[nn.Parameter]:
+    """The Chain's parameters in the order its blocks first use them, each once (tied ones at their first
+    user): the indexing of :attr:`ChainCosts.param_bytes` and of the offload runtimes."""
+    out: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for blk in chain.blocks:
+        for p in blk.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor of ``t``'s shape/dtype on ``device``; fake when called under FakeTensorMode."""
     m = torch.empty(t.shape, dtype=t.dtype, device=device)

@@ -38,7 +38,7 @@ from scaletrain.techniques.offload.activations import ActivationOffloader, parse
 from scaletrain.techniques.offload.disk import DiskStates
 from scaletrain.techniques.offload.optimizer import HostOptimizer
 from scaletrain.techniques.offload.pools import make_pools
-from scaletrain.techniques.offload.probe import ChainCosts, probe_chain
+from scaletrain.techniques.offload.probe import ChainCosts, chain_params, runtime_costs
 from scaletrain.techniques.offload.weights import WeightStreamer
 from scaletrain.techniques.remat.schedule import parse_bytes
 
@@ -61,6 +61,8 @@ class OffloadOptions:
     disk_max_bytes: int | None = None
     disk_chunk_bytes: int = 4 * 2**20
     disk_masters: bool = False
+    chunk_bytes: int | None = None
+    """plan=chunks: bytes of one chunk (None: searched, see :func:`.chunks.pack_chunks`)."""
     device_budget: int | None = None
     host_budget: int | None = None
     strict: bool = True
@@ -81,6 +83,15 @@ class OffloadOptions:
                             "(streamed weights are updated where their master copy lives)")
         if self.dpu and self.optimizer == "device":
             raise UserError("memory.offload.dpu needs memory.offload.optimizer=host or disk")
+        if self.plan == "chunks":
+            other = [f"{k}={getattr(self, k)}" for k in CHUNKS_FIXED if getattr(self, k) != getattr(OffloadOptions, k)]
+            if other:
+                raise UserError(f"memory.offload.plan=chunks places every model state itself; leave "
+                                f"memory.offload.{other[0]} at its default")
+
+
+CHUNKS_FIXED = ("activations", "recompute", "params", "optimizer", "dpu", "disk_masters")
+"""Keys plan=chunks decides itself (they must stay at their defaults)."""
 
 
 def options_from_cfg(cfg_like: Any) -> OffloadOptions:
@@ -102,7 +113,9 @@ def options_from_cfg(cfg_like: Any) -> OffloadOptions:
         if f.name == "modes":
             continue
         v = get(f.name, getattr(o, f.name))
-        if f.name in ("device_budget", "host_budget", "disk_max_bytes", "disk_chunk_bytes"):
+        if f.name == "chunk_bytes":
+            v = None if v in (None, "", "auto") else parse_bytes(v)
+        elif f.name in ("device_budget", "host_budget", "disk_max_bytes", "disk_chunk_bytes"):
             unset = None if f.name != "disk_chunk_bytes" else o.disk_chunk_bytes
             v = parse_bytes(v) if v not in (None, "") else unset
         setattr(o, f.name, v)
@@ -125,16 +138,8 @@ class OffloadRuntime:
         self.accum = accum
         self.platform = platform
         dev = torch.device(device) if device is not None else next(model.parameters()).device
-        self.costs = costs or probe_chain(self.chain, example[0], example[1], loss_fn, self.autocast)
-        if costs is None and platform is not None:
-            self.costs.estimate_times(platform.flops("fp32"), platform.device_mem_bytes_per_s)
-        self.params: list[nn.Parameter] = []
-        seen: dict[int, int] = {}
-        for blk in self.chain.blocks:
-            for p in blk.parameters():
-                if id(p) not in seen:
-                    seen[id(p)] = len(self.params)
-                    self.params.append(p)
+        self.costs = runtime_costs(self.chain, example, loss_fn, self.autocast, platform, costs)
+        self.params: list[nn.Parameter] = chain_params(self.chain)
         options = dataclasses.replace(options)  # the caller's object stays as it was
         self.plan = None
         if options.plan == "auto":
@@ -446,5 +451,10 @@ def build_offload_runtime(model: nn.Module, optimizer_factory: Callable[[nn.Modu
 
     opts = options_from_cfg(cfg_like)
     plat = platform or calibrate(quick=True)
+    if opts.plan == "chunks":
+        from scaletrain.techniques.offload.chunk_runtime import ChunkRuntime
+
+        return ChunkRuntime(model, optimizer_factory, opts, plat, loss_fn, example, autocast=autocast, accum=accum,
+                            device=device)
     return OffloadRuntime(model, optimizer_factory, opts, plat, loss_fn, example, autocast=autocast, accum=accum,
                           device=device)
