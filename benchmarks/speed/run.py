@@ -16,7 +16,10 @@ scaletrain ``zero=0`` (DDP) and torch DDP; on gpt2-mini also scaletrain ``tp=2``
 parallelism (``parallelize_module`` with Colwise/RowwiseParallel as its tutorial shows it, :func:`_torch_tp`),
 both running the whole batch on each rank. The table row of a technique compares scaletrain's engine with
 the fastest peer of that technique: ratio = scaletrain median / best peer median (below 1: faster), and
-with the fastest peer whose peak is at most scaletrain's (``ratio_at_most_its_peak``).
+with the fastest peer whose peak is at most scaletrain's (``ratio_at_most_its_peak``); beside it the ratio of
+the minima and ``paired_ratio``, the median over rounds of the two engines' same-round times (on a machine
+whose load swings between rounds, the medians of two engines can differ by 30 % from one run to the next;
+the paired ratio and the minima do not).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/speed/run.py   # -> benchmarks/results/speed.json
 """
@@ -271,7 +274,8 @@ def main() -> None:
                    for n in res[0]["engines"]}
         stats = {n: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
                      "peak_bytes": max(r["peaks"][n] for r in res)} for n, t in slowest.items()}
-        raw[wl] = {"engines": stats, "wall_s": time.time() - t0}
+        rounds = {n: [sum(t[k:k + args.turn]) for k in range(0, len(t), args.turn)] for n, t in slowest.items()}
+        raw[wl] = {"engines": stats, "wall_s": time.time() - t0, "slowest_rank_step_s": slowest}
         for tech, (mine, peers) in ROWS.items():
             if mine not in stats:  # --engines left it out
                 continue
@@ -291,6 +295,8 @@ def main() -> None:
                              "peer_median_s": stats[best]["median_s"],
                              "ratio": stats[mine]["median_s"] / stats[best]["median_s"],
                              "ratio_of_mins": stats[mine]["min_s"] / stats[best]["min_s"],
+                             # the same round's steps of both engines ran seconds apart: robust to load drift
+                             "paired_ratio": statistics.median(a / b for a, b in zip(rounds[mine], rounds[best])),
                              "scaletrain_peak_bytes": stats[mine]["peak_bytes"],
                              "peer_peak_bytes": stats[best]["peak_bytes"]})
     out = {"benchmark": "speed", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -307,7 +313,7 @@ def main() -> None:
     print(f"load average before/after: {load_before} / {os.getloadavg()}")
     print(f"{'workload':10s} {'technique':17s} {'scaletrain':>15s} {'best peer':>18s} {'ratio':>6s} "
           f"{'peak MiB st/peer':>17s}"
-          f"  {'best peer at <= peak':>20s} {'ratio':>6s} {'mins':>5s}")
+          f"  {'best peer at <= peak':>20s} {'ratio':>6s} {'mins':>5s} {'paired':>6s}")
     for r in out_rows:
         if r.get("best_peer") is None:
             print(f"{r['workload']:10s} {r['technique']:17s} {r['scaletrain']:>15s} {'-':>18s} {'-':>6s}  (no peer)")
@@ -316,7 +322,7 @@ def main() -> None:
               f"{r['ratio']:6.2f} {r['scaletrain_peak_bytes'] / 2**20:8.2f}/{r['peer_peak_bytes'] / 2**20:.2f}  "
               f"{r['best_peer_at_most_its_peak'] or '-':>20s} "
               f"{r['ratio_at_most_its_peak'] if r['ratio_at_most_its_peak'] is not None else float('nan'):6.2f} "
-              f"{r['ratio_of_mins']:5.2f}")
+              f"{r['ratio_of_mins']:5.2f} {r['paired_ratio']:6.2f}")
     for wl, d in raw.items():
         print(wl + ": " + ", ".join(f"{n} {s['median_s'] * 1e3:.0f} [{s['min_s'] * 1e3:.0f}-{s['max_s'] * 1e3:.0f}] ms"
                                    for n, s in d["engines"].items()))
