@@ -72,7 +72,8 @@ def _worker(rank: int, world: int, workload: str, engines: list[str], steps: int
             top.append((e.self_cpu_time_total / 1e6 / steps, e.key, e.count // steps))
         kinds["outside operators"] = wall - sum(kinds.values())
         top.sort(reverse=True)
-        out[name] = {"step_s": wall, "kinds_s": kinds, "top": [{"self_s": s, "op": k, "calls": c} for s, k, c in top[:12]]}
+        out[name] = {"step_s": wall, "kinds_s": kinds,
+                     "top": [{"self_s": s, "op": k, "calls": c} for s, k, c in top[:12]]}
     return out
 
 

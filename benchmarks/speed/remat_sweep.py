@@ -81,7 +81,7 @@ def main() -> None:
                      "forwards": (plans[(budget, "optimal")]["forwards"], plans[(budget, "periodic")]["forwards"]),
                      "measured_peak_bytes": (plans[(budget, "optimal")]["measured_peak_bytes"],
                                              plans[(budget, "periodic")]["measured_peak_bytes"]),
-                     "grads_match": plans[(budget, "optimal")]["grads_match"] and plans[(budget, "periodic")]["grads_match"]})
+                     "grads_match": all(plans[(budget, m)]["grads_match"] for m in METHODS)})
         r = rows[-1]
         print(f"{budget:>6s} optimal {o['median'] * 1e3:6.1f} ms  periodic {q['median'] * 1e3:6.1f} ms  "
               f"ratio {r['ratio_of_medians']:.3f} (paired {r['paired_ratio_median']:.3f}, mins "

@@ -186,7 +186,8 @@ def _torch_tp(model: nn.Module, loss_fn, world: int):
             loss = loss_fn(model(x), y)
             loss.backward()
         # clip_grad_norm_ refuses DTensor and plain gradients together: the two norms, then one scale
-        norm = get_total_norm([p.grad for p in sharded]).full_tensor() ** 2 + get_total_norm([p.grad for p in plain]) ** 2
+        norm = (get_total_norm([p.grad for p in sharded]).full_tensor() ** 2
+                + get_total_norm([p.grad for p in plain]) ** 2)
         for group in (sharded, plain):
             clip_grads_with_norm_(group, 1.0, norm.sqrt())
         opt.step()
