@@ -37,6 +37,10 @@ def test_auto_is_the_cheapest_grouping():
     # small blocks on gloo (ms a collective): merged; 200 MB blocks on NCCL (us): one group each
     assert len(fsdp_groups(small, fsdp_group_limit("auto", small, 2, 1, "cpu"))) < len(small)
     assert len(fsdp_groups(large, fsdp_group_limit("auto", large, 2, 1, "cuda"))) == len(large)
+    # where collectives do not overlap compute (gloo on a CPU) every byte is waited for in any grouping:
+    # only the collectives' count differs, so auto takes the fewest groups (gpt2-mini: one, not 3)
+    gpt2_mini = [3.16e6] * 6
+    assert len(fsdp_groups(gpt2_mini, fsdp_group_limit("auto", gpt2_mini, 2, 1, "cpu"))) == 1
     assert fsdp_group_limit("block", sizes, 2, 1, "cpu") == 0
     assert fsdp_group_limit("8MiB", sizes, 2, 1, "cpu") == 8 * 2**20
     with pytest.raises(ConfigError, match="parallel.fsdp_group"):

@@ -12,9 +12,14 @@ rank's times are gathered at the end). Peak: scaletrain's memory tracker (the tr
 Engines: scaletrain ``zero=3`` with ``parallel.fsdp_group=auto`` (grouping chosen by cost) and
 ``=block`` (one group per block); torch ``fully_shard`` per block and as one group (the root only);
 scaletrain ``zero=2`` (and DeepSpeed ZeRO-2 / ZeRO-3 when ``deepspeed`` imports, ``DS_ACCELERATOR=cpu``);
-scaletrain ``zero=0`` (DDP) and torch DDP. The table row of a technique compares scaletrain's engine with
+scaletrain ``zero=0`` (DDP) and torch DDP; on gpt2-mini also scaletrain ``tp=2`` and torch's own tensor
+parallelism (``parallelize_module`` with Colwise/RowwiseParallel as its tutorial shows it, :func:`_torch_tp`),
+both running the whole batch on each rank. The table row of a technique compares scaletrain's engine with
 the fastest peer of that technique: ratio = scaletrain median / best peer median (below 1: faster), and
-with the fastest peer whose peak is at most scaletrain's (``ratio_at_most_its_peak``).
+with the fastest peer whose peak is at most scaletrain's (``ratio_at_most_its_peak``); beside it the ratio of
+the minima and ``paired_ratio``, the median over rounds of the two engines' same-round times (on a machine
+whose load swings between rounds, the medians of two engines can differ by 30 % from one run to the next;
+the paired ratio and the minima do not).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/speed/run.py   # -> benchmarks/results/speed.json
 """
@@ -46,7 +51,10 @@ ROWS = {  # technique -> (scaletrain engine, its peers)
     "ZeRO-3 one group": ("st-zero3-one", ("fully_shard-block", "fully_shard-one", "deepspeed-zero3")),
     "ZeRO-2": ("st-zero2", ("deepspeed-zero2",)),
     "DDP": ("st-ddp", ("torch-ddp",)),
+    "TP=2": ("st-tp", ("torch-tp",)),
 }
+TP_ENGINES = ("st-tp", "torch-tp")
+"""Tensor-parallel engines (language models only): both ranks run the whole batch, the blocks split."""
 OPT = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
 
 
@@ -58,11 +66,12 @@ def _engine(name: str, model: nn.Module, loss_fn, micro: int, world: int, seq: i
         from scaletrain.techniques.runtime import RunContext
         from scaletrain.techniques.stack import build_runtime
 
-        zero = {"st-ddp": 0, "st-zero2": 2}.get(name, 3)
-        ctx = RunContext(device=torch.device("cpu"), rank=rank, world=world, dp_world=world, micro_batch=micro,
-                         seq_len=seq, loss_fn=loss_fn, task="lm" if seq else "classify")
+        zero = {"st-ddp": 0, "st-zero2": 2, "st-tp": 0}.get(name, 3)
+        tp = world if name == "st-tp" else 1
+        ctx = RunContext(device=torch.device("cpu"), rank=rank, world=world, dp_world=world // tp,
+                         micro_batch=micro * tp, seq_len=seq, loss_fn=loss_fn, task="lm" if seq else "classify")
         group = {"st-zero3-block": "block", "st-zero3-one": "1GiB"}.get(name, "auto")
-        plan = Plan(zero=zero, fsdp_group=group).resolved(world)
+        plan = Plan(zero=zero, fsdp_group=group, tp=tp).resolved(world)
         strat = build_runtime(plan, model, ctx, Facts.of(model, world=world, device="cpu", seq_len=seq))
         opt = strat.build_optimizer(lambda m: torch.optim.AdamW(m.parameters(), **OPT))
         ctx.forward_backward = lambda x, y, w: strat.loss_and_backward(ctx, x, y, w)
@@ -96,6 +105,8 @@ def _engine(name: str, model: nn.Module, loss_fn, micro: int, world: int, seq: i
             return float(loss)
         extra = [p.ds_tensor for p in engine.module.parameters() if getattr(p, "ds_tensor", None) is not None]
         return step, engine.module, opt, extra
+    if name == "torch-tp":
+        return _torch_tp(model, loss_fn, world)
     if name.startswith("torch-ddp"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -125,6 +136,66 @@ def _engine(name: str, model: nn.Module, loss_fn, micro: int, world: int, seq: i
     return step, model, opt, []
 
 
+def _torch_tp(model: nn.Module, loss_fn, world: int):
+    """torch's own tensor parallelism as its tutorial shows it (Megatron's split with DTensor styles): per
+    block c_attn / c_fc column-parallel and both c_proj row-parallel over this rank's heads, the embedding
+    vocabulary-parallel, the head column-parallel with ``loss_parallel``; norms stay plain modules (their
+    input is replicated, so their gradients agree without a collective)."""
+    import types
+
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    h = model.config.n_embd
+
+    def attention(self, x):  # the block's attention over its local heads: c_attn's local [q | k | v]
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, self.n_head, -1).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(b, s, -1)))
+
+    for block in model.h:
+        a = block.attn
+        local = h // world  # rows of q (k, v) per rank: order the fused weight [q_r | k_r | v_r] per rank r
+        perm = torch.cat([torch.arange(part * h + r * local, part * h + (r + 1) * local)
+                          for r in range(world) for part in range(3)])
+        with torch.no_grad():
+            a.c_attn.weight.copy_(a.c_attn.weight[perm])
+            a.c_attn.bias.copy_(a.c_attn.bias[perm])
+        a.n_head //= world
+        a.forward = types.MethodType(attention, a)
+        parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+                                         "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+    parallelize_module(model.embed, mesh, {"wte": RowwiseParallel(input_layouts=Replicate())})
+    parallelize_module(model.head, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1),
+                                                                     use_local_output=False)})
+    model.head.lm_head.weight = model.embed.wte.weight  # tied again: both Shard(0) over the vocabulary
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    params = list(model.parameters())
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    opt = torch.optim.AdamW([{"params": sharded}, {"params": plain}], **OPT)  # foreach: one kind a group
+
+    def step(x, y):
+        with loss_parallel():
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        # clip_grad_norm_ refuses DTensor and plain gradients together: the two norms, then one scale
+        norm = (get_total_norm([p.grad for p in sharded]).full_tensor() ** 2
+                + get_total_norm([p.grad for p in plain]) ** 2)
+        for group in (sharded, plain):
+            clip_grads_with_norm_(group, 1.0, norm.sqrt())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.full_tensor()) if hasattr(loss, "full_tensor") else float(loss)
+    return step, model, opt, []
+
+
 def _worker(rank: int, world: int, workload: str, engines: list[str], rounds: int, turn: int) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -135,6 +206,8 @@ def _worker(rank: int, world: int, workload: str, engines: list[str], rounds: in
 
     w = WORKLOADS[workload]
     micro = w["batch"] // world
+    if not w["seq"]:  # tensor parallelism: the language model only
+        engines = [n for n in engines if n not in TP_ENGINES]
     built = {}
     for name in engines:
         torch.manual_seed(0)
@@ -143,6 +216,9 @@ def _worker(rank: int, world: int, workload: str, engines: list[str], rounds: in
     torch.manual_seed(1 + rank)
     chain = to_chain(models.get(workload))
     x, y = make_batch(chain, micro, w["seq"])  # this rank's batch, the same for every engine
+    torch.manual_seed(1)
+    tp_batch = make_batch(chain, micro * world, w["seq"]) if w["seq"] else None  # TP: every rank the whole
+    batch = {n: tp_batch if n in TP_ENGINES else (x, y) for n in engines}
     times: dict[str, list[float]] = {n: [] for n in engines}
     for r in range(rounds + 1):
         for i in range(len(engines)):
@@ -150,7 +226,7 @@ def _worker(rank: int, world: int, workload: str, engines: list[str], rounds: in
             for _ in range(turn):
                 dist.barrier()
                 t0 = time.perf_counter()
-                built[name][0](x, y)
+                built[name][0](*batch[name])
                 if r:  # round 0: warm-up
                     times[name].append(time.perf_counter() - t0)
     peaks = {}
@@ -158,9 +234,9 @@ def _worker(rank: int, world: int, workload: str, engines: list[str], rounds: in
         step, model, opt, extra = built[name]
         with DTensorMemoryTracker(model=model, optimizer=opt, track_saved=True) as tr:
             tr.register(extra, "parameters") if extra else None
-            step(x, y)
+            step(*batch[name])
         peaks[name] = int(tr.peak_bytes)
-    return {"times": times, "peaks": peaks}
+    return {"times": times, "peaks": peaks, "engines": engines}
 
 
 def _version(name: str) -> str | None:
@@ -187,7 +263,7 @@ def main() -> None:
 
     has_ds = importlib.util.find_spec("deepspeed") is not None
     engines = ["st-zero3-auto", "st-zero3-block", "st-zero3-one", "fully_shard-block", "fully_shard-one", "st-zero2",
-               "st-ddp", "torch-ddp"] + (["deepspeed-zero2", "deepspeed-zero3"] if has_ds else [])
+               "st-ddp", "torch-ddp", "st-tp", "torch-tp"] + (["deepspeed-zero2", "deepspeed-zero3"] if has_ds else [])
     if args.engines:
         engines = args.engines.split(",")
     load_before = os.getloadavg()
@@ -195,10 +271,12 @@ def main() -> None:
     for wl in args.workloads.split(","):
         t0 = time.time()
         res = run_distributed(_worker, args.world, wl, engines, args.rounds, args.turn, timeout_s=1800)
-        slowest = {n: [max(r["times"][n][i] for r in res) for i in range(len(res[0]["times"][n]))] for n in engines}
+        slowest = {n: [max(r["times"][n][i] for r in res) for i in range(len(res[0]["times"][n]))]
+                   for n in res[0]["engines"]}
         stats = {n: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
                      "peak_bytes": max(r["peaks"][n] for r in res)} for n, t in slowest.items()}
-        raw[wl] = {"engines": stats, "wall_s": time.time() - t0}
+        rounds = {n: [sum(t[k:k + args.turn]) for k in range(0, len(t), args.turn)] for n, t in slowest.items()}
+        raw[wl] = {"engines": stats, "wall_s": time.time() - t0, "slowest_rank_step_s": slowest}
         for tech, (mine, peers) in ROWS.items():
             if mine not in stats:  # --engines left it out
                 continue
@@ -217,6 +295,9 @@ def main() -> None:
                              "scaletrain_median_s": stats[mine]["median_s"],
                              "peer_median_s": stats[best]["median_s"],
                              "ratio": stats[mine]["median_s"] / stats[best]["median_s"],
+                             "ratio_of_mins": stats[mine]["min_s"] / stats[best]["min_s"],
+                             # the same round's steps of both engines ran seconds apart: robust to load drift
+                             "paired_ratio": statistics.median(a / b for a, b in zip(rounds[mine], rounds[best])),
                              "scaletrain_peak_bytes": stats[mine]["peak_bytes"],
                              "peer_peak_bytes": stats[best]["peak_bytes"]})
     out = {"benchmark": "speed", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -233,7 +314,7 @@ def main() -> None:
     print(f"load average before/after: {load_before} / {os.getloadavg()}")
     print(f"{'workload':10s} {'technique':17s} {'scaletrain':>15s} {'best peer':>18s} {'ratio':>6s} "
           f"{'peak MiB st/peer':>17s}"
-          f"  {'best peer at <= peak':>20s} {'ratio':>6s}")
+          f"  {'best peer at <= peak':>20s} {'ratio':>6s} {'mins':>5s} {'paired':>6s}")
     for r in out_rows:
         if r.get("best_peer") is None:
             print(f"{r['workload']:10s} {r['technique']:17s} {r['scaletrain']:>15s} {'-':>18s} {'-':>6s}  (no peer)")
@@ -241,7 +322,8 @@ def main() -> None:
         print(f"{r['workload']:10s} {r['technique']:17s} {r['scaletrain']:>15s} {r['best_peer']:>18s} "
               f"{r['ratio']:6.2f} {r['scaletrain_peak_bytes'] / 2**20:8.2f}/{r['peer_peak_bytes'] / 2**20:.2f}  "
               f"{r['best_peer_at_most_its_peak'] or '-':>20s} "
-              f"{r['ratio_at_most_its_peak'] if r['ratio_at_most_its_peak'] is not None else float('nan'):6.2f}")
+              f"{r['ratio_at_most_its_peak'] if r['ratio_at_most_its_peak'] is not None else float('nan'):6.2f} "
+              f"{r['ratio_of_mins']:5.2f} {r['paired_ratio']:6.2f}")
     for wl, d in raw.items():
         print(wl + ": " + ", ".join(f"{n} {s['median_s'] * 1e3:.0f} [{s['min_s'] * 1e3:.0f}-{s['max_s'] * 1e3:.0f}] ms"
                                    for n, s in d["engines"].items()))

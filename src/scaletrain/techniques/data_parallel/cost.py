@@ -128,15 +128,19 @@ def _check(stage: int, dp: int) -> None:
 
 # -- ZeRO-3 (FSDP2) grouping: how many consecutive blocks one all-gather / reduce-scatter moves -------------
 
-FSDP_LINK: dict[str, tuple[float, float]] = {
-    "cpu": (1e-3, 1e9),
-    "cuda": (30e-6, 100e9),
+FSDP_LINK: dict[str, tuple[float, float, bool]] = {
+    "cpu": (1e-3, 1e9, False),
+    "cuda": (30e-6, 100e9, True),
 }
-"""Device type -> (alpha: seconds one FSDP group's collective costs beyond its bytes, beta: bytes/s) that
-price the grouping. alpha is the collective's latency plus FSDP2's per-group work (copy-in/out, hooks):
-gloo measured 0.2-0.35 ms for an 8-byte all-gather between 2 processes on this 2-core machine and ~9 ms a
+"""Device type -> (alpha: seconds one FSDP group's collective costs beyond its bytes, beta: bytes/s,
+overlaps: whether a group's collectives run beside the compute of its neighbours) that price the
+grouping. alpha is the collective's latency plus FSDP2's per-group work (copy-in/out, hooks): gloo
+measured 0.2-0.35 ms for an 8-byte all-gather between 2 processes on this 2-core machine and ~9 ms a
 group inside FSDP under load (issue 32), so 1 ms; NCCL ~10 us + a kernel launch per copy, so 30 us. beta:
-gloo ~0.4-1 GB/s here (2-8 MiB all-gathers), NVLink-class intra-node for CUDA. Constants, not the
+gloo ~0.4-1 GB/s here (2-8 MiB all-gathers), NVLink-class intra-node for CUDA. overlaps: the cost model's
+own rule (:mod:`scaletrain.techniques.time_cost`, ``Platform.copy_overlaps_compute``): on a CPU gloo's
+threads copy and reduce on the cores the compute runs on, so prefetching hides nothing and every byte is
+waited for whatever the grouping; on CUDA the collectives run on their own stream. Constants, not the
 platform's: the runtime and ``estimate`` must choose the same groups (the predicted peak depends on them)."""
 
 
@@ -158,14 +162,15 @@ def fsdp_groups(block_bytes: Sequence[float], limit: float) -> list[list[int]]:
 def fsdp_group_seconds(group_bytes: Sequence[float], dp: int, accum: int, device_type: str) -> float:
     """Seconds the grouping adds to a ZeRO-3 step beyond its (grouping-independent) bytes/beta: every
     group's two all-gathers and one reduce-scatter per micro-batch (the last group: one all-gather, it stays
-    gathered from forward into backward) pay ``dp - 1`` ring steps of alpha,
-    and the first group's all-gather and the last group's reduce-scatter have no compute to hide behind
-    (prefetch overlaps the others), so a larger group is exposed for longer."""
+    gathered from forward into backward) pay ``dp - 1`` ring steps of alpha. Where collectives overlap
+    compute (:data:`FSDP_LINK`), prefetch hides all but the first group's all-gather and the last group's
+    reduce-scatter, so a larger group is exposed for longer; where they do not (a CPU), every byte is
+    exposed in any grouping, so only the collectives' count differs (fewer groups: faster)."""
     if dp <= 1 or not group_bytes:
         return 0.0
-    alpha, beta = FSDP_LINK.get(device_type, FSDP_LINK["cuda"])
+    alpha, beta, overlaps = FSDP_LINK.get(device_type, FSDP_LINK["cuda"])
     latency = (3 * len(group_bytes) - 1) * accum * (dp - 1) * alpha
-    exposed = (dp - 1) / dp * (group_bytes[0] + group_bytes[-1]) / beta
+    exposed = (dp - 1) / dp * (group_bytes[0] + group_bytes[-1]) / beta if overlaps else 0.0
     return latency + exposed
 
 

@@ -69,7 +69,8 @@ def time_interleaved(model: nn.Module, steps: dict[str, Callable[[], object]], *
     """Seconds of each of ``steps`` (name -> one forward+backward) measured side by side: ``warmup``
     untimed rounds, then ``rounds`` rounds each running every step once, the order rotated by one place
     a round, so a machine's drift (other processes, clocks, a warming cache) spreads over all of them
-    instead of favouring whichever ran first. Returns name -> {median, min, max} of its rounds [s]."""
+    instead of favouring whichever ran first. Returns name -> {median, min, max} of its rounds [s] and
+    ``rounds``: every round's seconds in order (round k of two names ran in the same round: paired ratios)."""
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(warmup + max(1, rounds)):
@@ -82,7 +83,7 @@ def time_interleaved(model: nn.Module, steps: dict[str, Callable[[], object]], *
             if r >= warmup:
                 times[name].append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
-    return {n: {"median": statistics.median(t), "min": min(t), "max": max(t)} for n, t in times.items()}
+    return {n: {"median": statistics.median(t), "min": min(t), "max": max(t), "rounds": t} for n, t in times.items()}
 
 
 def measure_schedule(model: nn.Module, chain, schedule: Schedule, x: torch.Tensor, y, loss_fn: Callable,
