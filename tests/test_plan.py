@@ -85,3 +85,12 @@ def test_facts_come_from_the_model():
     with pytest.raises(ConfigError, match="sequence_parallel=true on a mixture-of-experts model"):
         compat.check(Plan(tp=2, sp=True), f)
     compat.check(Plan(ep=2), f)
+
+
+def test_describe_names_offload_recompute_and_the_chunk_manager():
+    from scaletrain.plan import OffloadPlan
+
+    plan = Plan(offload=OffloadPlan(optimizer="host", recompute="all"))
+    assert "offload optimizer host, recompute all" in plan.describe()
+    assert "offload chunks under device budget 40MiB" in Plan(
+        offload=OffloadPlan(plan="chunks", device_budget="40MiB")).describe()

@@ -109,10 +109,11 @@ class Plan:
             parts.append(f"selective remat ({r.selective})")
         if self.offload.active:
             o = self.offload
-            bits = [k for k, on in (("auto", o.plan == "auto"), (f"params {o.params}", o.params != "device"),
+            bits = [k for k, on in ((o.plan, o.plan in ("auto", "chunks")),
+                                    (f"params {o.params}", o.params != "device"),
                                     (f"optimizer {o.optimizer}", o.optimizer != "device"),
                                     (f"activations {o.activations}", o.activations != "none"),
-                                    ("dpu", o.dpu)) if on]
+                                    (f"recompute {o.recompute}", o.recompute != "none"), ("dpu", o.dpu)) if on]
             parts.append("offload " + ", ".join(bits or ["(budget)"])
                          + (f" under device budget {o.device_budget}" if o.device_budget else ""))
         return parts
