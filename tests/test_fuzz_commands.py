@@ -111,6 +111,16 @@ LATER2: dict[str, tuple[list[str], dict[str, list[str]]]] = {
 """Flags added on 2026-11-28 (profile --roofline, plan --fix cp/hsdp/pp_split): a generator of their own again."""
 
 
+LATER3: dict[str, tuple[list[str], dict[str, list[str]]]] = {
+    "plan": (["--model", "gpt2-small", "--global-batch", "8", "--gpus-per-node", "2", "--set", "n_layer=2"],
+             {"--runs": ["0", "-1", "x", "2", "100000000"],
+              "--platform": ["a100-80g:2,v100:2", "a100-80g:x", "h100:0", "nope:2", "a100-80g:2,", ":2", "gh200"],
+              "--fix": ["offload=optimizer", "offload=none", "offload=x"], "--model": ["mlp", "vgg-mini"]}),
+}
+"""Flags added in the fourth 2026-11-28 session (plan --runs, heterogeneous --platform lists, gh200, --fix offload
+for traced models): a generator of their own again."""
+
+
 WEIGHTS = {"estimate": 2, "remat": 1, "profile": 1, "checkpoint export": 1, "models": 0.1, "optimizers": 0.1}
 """Relative frequency of a command's cases (default 10): the ones whose valid cases build or export a model are
 rarer, so that the whole test stays quick; `models` builds every reference model."""
@@ -140,6 +150,7 @@ def _cases(n: int, seed: int = 27, commands: dict | None = None) -> list[tuple[s
 CASES = _cases(int(os.environ.get("FUZZ_CMD_CASES", "1600")), int(os.environ.get("FUZZ_SEED", "27")))
 CASES += _cases(int(os.environ.get("FUZZ_LATER_CASES", "150")), int(os.environ.get("FUZZ_SEED", "27")), LATER)
 CASES += _cases(int(os.environ.get("FUZZ_LATER2_CASES", "60")), int(os.environ.get("FUZZ_SEED", "27")), LATER2)
+CASES += _cases(int(os.environ.get("FUZZ_LATER3_CASES", "30")), int(os.environ.get("FUZZ_SEED", "27")), LATER3)
 
 
 @pytest.fixture(scope="module")
