@@ -57,6 +57,24 @@ def test_hf_object_trains_as_given_and_through_its_chain():
     assert a.lm_head.weight is a.transformer.wte.weight  # tied embeddings stay tied
 
 
+def test_hf_causal_training_keeps_no_key_value_cache():
+    """The adapter turns the model's key/value cache off: with it on, each layer's keys and values are
+    copied into a cache that attention then saves for the backward (activations nothing reads), and
+    the whole-model step would hold more than the per-block chain the cost model traces."""
+    from scaletrain.measure.tracker import MemoryTracker
+
+    x = torch.randint(0, 256, (2, 16))
+    whole, chain = hf_gpt2(), to_chain(hf_gpt2())
+    adapt(whole)
+    saved = []
+    for m in (whole, chain):
+        with MemoryTracker(model=m) as t:
+            out = m(x)
+        saved.append(t.current_breakdown["activations"])
+    assert out is not None and whole(x).past_key_values is None
+    assert saved[0] == saved[1] > 0
+
+
 def test_own_loss_labels_and_attention_mask():
     """The model's own loss (labels=) is used when it returns one; attention_mask and -100 padding are respected."""
     m = hf_gpt2().eval()

@@ -155,6 +155,10 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     if plan.ep > 1:
         _shard_experts(mem, plan, bounds, chain)
     _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu", accum=M, device=device)
+    if plan.zero >= 2 or plan.tp > 1 or plan.cp > 1 or plan.ep > 1:
+        # their faces reshape the gradients and the backward's transients; the first backward's own
+        # figure (gradients made during the pass) is kept for the unsharded layouts only
+        mem.pop("bwd_first_temp_bytes", None)
     buckets = _bucket_views(plan) and remat is None
     sim_mem = mem
     if buckets and M > 1:  # no_sync's accumulated .grad and, in the last micro-batch's backward, DDP's buckets

@@ -63,6 +63,25 @@ def _bwd_temp(tr: Any, scale: Sequence[float] | None = None) -> float:
     return max(first, float(peak - gin))
 
 
+def _pgrad_ids(tr: Any) -> dict[int, float]:
+    """Bytes of each parameter gradient a block trace makes, by parameter id."""
+    return {tr.param_ids[j]: float(n) for j, n in enumerate(tr.pgrad_bytes) if n}
+
+
+def _first_bwd_peak(tr: Any) -> float:
+    """Peak of a block's first backward (no gradients before it) above its start, counting the
+    parameter gradients it has made up to that moment and leaving out its input gradient (the
+    caller adds it): :attr:`BlockTrace.bwd_temp_bytes` subtracts every gradient the block makes,
+    right when the peak comes after them, short by those made before it when it comes earlier
+    (hf:gpt2: the MLP's weight gradient exists at the GELU backward's peak, 0.25 MiB)."""
+    cur = peak = 0.0
+    for kind, _, d in tr.events[tr.fwd_end:]:
+        if kind != "gin":
+            cur += d
+            peak = max(peak, cur)
+    return peak
+
+
 def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input: torch.Tensor, *,
                  target: torch.Tensor | None = None, loss_fn: Callable | None = None, optimizer: str = "adamw",
                  foreach: bool | None = None, precision: str = "fp32", remat: Sequence[Any] | None = None,
@@ -75,7 +94,8 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
     :func:`scaletrain.measure.optimizers.names` with ``foreach`` as the runtime builds it (torch's
     own default on CPU: the for-loop). Returns a dict of lists, one entry per stage, with keys
     ``weight_bytes``, ``grad_bytes``, ``state_bytes``, ``opt_temp_bytes``, ``act_bytes``,
-    ``fwd_temp_bytes``, ``bwd_temp_bytes``, ``boundary_bytes``. ``remat``: the stages'
+    ``fwd_temp_bytes``, ``bwd_temp_bytes``, ``boundary_bytes``, ``bwd_first_temp_bytes`` (a backward's
+    transient when the stage has no gradients yet: the first after an update). ``remat``: the stages'
     rematerialization schedules (:func:`.stage.stage_remat`) when the runtime runs them; the
     activation set and transients of each stage then come from replaying its schedule
     (:func:`_remat_stage`). ``params_dtype``: the dtype the stages compute with (``bf16`` for FSDP2's
@@ -102,7 +122,8 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
     scales = [[0.0 if id(p) in skip else 1.0 / ep if id(p) in experts else 1.0 for p in blk.parameters()]
               for blk in chain.blocks] if experts or skip else None
     out: dict[str, list[float]] = {k: [] for k in ("weight_bytes", "grad_bytes", "state_bytes", "opt_temp_bytes",
-                                                   "act_bytes", "fwd_temp_bytes", "bwd_temp_bytes", "boundary_bytes")}
+                                                   "act_bytes", "fwd_temp_bytes", "bwd_temp_bytes", "boundary_bytes",
+                                                   "bwd_first_temp_bytes")}
     for s in range(S):
         b0, b1 = bounds[s], bounds[s + 1]
         params = _stage_params(chain.blocks[b0:b1])
@@ -126,7 +147,10 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
         total = sum(acts) + held
         out["act_bytes"].append(total)
         out["boundary_bytes"].append(0.0 if last else y)
-        fwd = bwd = 0.0
+        fwd = bwd = first = 0.0
+        # the first backward after an update: the stage's gradients do not exist yet, each is made
+        # as its block's backward runs (the later blocks' before this one's, this block's own up to its peak)
+        made = [_pgrad_ids(tr) for tr in items]
         for k, tr in enumerate(items):
             below = sum(acts[:k + 1])
             fwd = max(fwd, below + (0.0 if tr.y_saved else tr.y_bytes) + tr.fwd_temp_bytes)
@@ -143,8 +167,13 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
                     (deferred.block_grad_bytes[blk] if blk is not None else 0.0)  # an upper bound: the block
                 # frees its own activations while its output gradients pile up (measured 0-6 % over, P = 2, 4)
             bwd = max(bwd, below + held + recv + g_out + _bwd_temp(tr, sc) + gin + kept)
+            later = {pid: n for m in made[k + 1:] for pid, n in m.items()}
+            first = max(first, below + held + recv + g_out + _first_bwd_peak(tr) + gin + kept
+                        + sum(n for pid, n in later.items() if pid not in made[k]))
         out["fwd_temp_bytes"].append(max(0.0, fwd - total))
         out["bwd_temp_bytes"].append(max(0.0, bwd - total))
+        # zb1p's I pass makes no weight gradient: its first backward is any other's
+        out["bwd_first_temp_bytes"].append(max(0.0, (first if deferred is None else bwd) - total))
         if remat is not None:
             if graphs is None:
                 graphs = stage_graphs(chain, list(bounds), example_input, target=target, loss_fn=loss_fn,
@@ -153,6 +182,7 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
             if last:  # the runtime's loss (outside the schedule) saves its tensors until the backward
                 kept += float(items[-1].saved_bytes)
             out["act_bytes"][-1], out["fwd_temp_bytes"][-1], out["bwd_temp_bytes"][-1] = kept, f_extra, b_extra
+            out["bwd_first_temp_bytes"][-1] = b_extra
     return out
 
 

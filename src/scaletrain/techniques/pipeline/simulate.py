@@ -89,6 +89,10 @@ class StageCosts:
     bwd_temp_bytes: list[float] | None = None
     """Transient bytes during a backward (B or I) pass, above the micro-batch's activation set
     and the gradients: the received output gradient, backward temporaries, the input gradient."""
+    bwd_first_temp_bytes: list[float] | None = None
+    """``bwd_temp_bytes`` of a stage's first backward after an update, whose gradients are made as
+    it runs (the gradients its blocks have made by the pass's peak included); None: ``bwd_temp_bytes``.
+    Not used with ``grads_from_backward_start`` (the gradients then count from the pass's start)."""
     opt_temp_bytes: list[float] | None = None
     """Transient bytes of the optimizer step over the stage's parameters."""
     wgrad_temp_bytes: list[float] | None = None
@@ -117,7 +121,7 @@ class StageCosts:
     def check(self, n_stages: int) -> None:
         for name in ("fwd_s", "bwd_s", "igrad_s", "boundary_bytes", "act_bytes", "wstash_bytes",
                      "weight_bytes", "state_bytes", "opt_s", "grad_bytes", "fwd_temp_bytes", "bwd_temp_bytes",
-                     "opt_temp_bytes", "wgrad_temp_bytes", "sync_s"):
+                     "bwd_first_temp_bytes", "opt_temp_bytes", "wgrad_temp_bytes", "sync_s"):
             vals = getattr(self, name)
             if vals is not None and len(vals) != n_stages:
                 raise UserError(f"StageCosts.{name} has {len(vals)} entries; the schedule has {n_stages} stages")
@@ -410,6 +414,8 @@ def _memory(schedule: Schedule, costs: StageCosts):
                 extra = g("wgrad_temp_bytes", a.stage)
             elif a.kind in (B, I):
                 extra = g("bwd_temp_bytes", a.stage)
+                if model_grads and not grads[ps] and not costs.grads_from_backward_start:
+                    extra = g("bwd_first_temp_bytes", a.stage, extra)
                 if key in snap_of and model_grads and grads[ps]:
                     extra += g("weight_bytes", a.stage)  # the snapshot's gradients, added to the live ones
             elif a.kind == OPT:
