@@ -172,3 +172,28 @@ def test_traced_search_offloads_the_optimizer_where_nothing_else_fits_and_the_pl
                if "offload_device_peak_bytes" in r)
     assert row["offload_device_peak_pred_bytes"] == best["peak_bytes"]  # the planner prices what the run predicts
     assert row["offload_device_peak_bytes"] == pytest.approx(best["peak_bytes"], rel=0.05)
+
+
+def test_traced_search_offloads_activations_where_that_is_faster_than_recomputing(tmp_path, capsys):
+    """hf:gpt2 (traced) on one device with 14 MiB to plan, micro-batch 4 x 64 tokens: nothing fits on the
+    device (16.4 MiB with every block recomputed), nor with only the optimizer on the host unless every block
+    is recomputed (8.8 MiB); with the saved activations on the host too it fits (11.8 MiB) without recomputing, so it is
+    predicted faster and ranked first; --fix offload=weights streams the weights as well (less device
+    memory), and the analytic planner refuses the traced-only kinds in one line."""
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(json.dumps({"name": "tiny", "device_memory_bytes": 2 * 2**30 + 14 * 2**20}))
+    base = ["plan", "--model", "hf:gpt2", "--platform", str(tiny), "--gpus-per-node", "1", "--global-batch", "4",
+            "--seq", "64", "--fix", "micro_batch=4", "--precision", "fp32", "--json", "--top", "100"]
+    assert main(base) == 0
+    ranked = json.loads(capsys.readouterr().out)
+    kinds = [(r["plan"]["offload"]["activations"], r["plan"]["offload"]["recompute"]) for r in ranked]
+    assert kinds[0] == ("all", "none") and ("none", "all") in kinds, kinds
+    assert ranked[0]["step_time_s"] < next(r["step_time_s"] for r in ranked
+                                           if r["plan"]["offload"]["recompute"] == "all")
+    assert all(r["peak_bytes"] <= 14 * 2**20 for r in ranked)
+    assert main([*base, "--fix", "offload=weights"]) == 0
+    streamed = json.loads(capsys.readouterr().out)
+    assert streamed and {r["plan"]["offload"]["params"] for r in streamed} == {"host"}
+    assert min(r["peak_bytes"] for r in streamed) < ranked[0]["peak_bytes"]
+    assert main(["plan", "--model", "gpt2-mini", "--global-batch", "8", "--fix", "offload=activations"]) == 2
+    assert "analytic planner prices none, optimizer only" in capsys.readouterr().err

@@ -62,6 +62,10 @@ TRACED_SCHEDULES = ("zb1p", "chimera")
 """Synchronous schedules only the traced planner prices (the pipeline simulator runs them); the analytic
 planner's closed forms are 1F1B's, GPipe's and the interleaved schedule's."""
 OFFLOADS = ("none", "optimizer")
+TRACED_OFFLOADS = ("activations", "weights")
+"""Offload searched for traced models only (priced by their trace's offload cost face, not on paper):
+``activations`` — the optimizer and every block's saved tensors on the host; ``weights`` — the
+parameters streamed block by block as well (L2L / ZeRO-Infinity)."""
 """none, or optimizer: ZeRO-Offload (fp32 masters, gradients and Adam states on the host, the update on
 the CPU); searched only when nothing fits without it, or when pinned with ``--fix offload=optimizer``."""
 
@@ -101,7 +105,7 @@ def parse_fixed(items: list[str]) -> dict[str, Any]:
             if out[k] < (0 if k in ("zero", "hsdp") else 1):
                 raise UserError(f"--fix {k}={v}: must be >= {0 if k in ('zero', 'hsdp') else 1}")
         else:
-            allowed = {"remat": REMATS, "schedule": SCHEDULES + TRACED_SCHEDULES, "offload": OFFLOADS,
+            allowed = {"remat": REMATS, "schedule": SCHEDULES + TRACED_SCHEDULES, "offload": OFFLOADS + TRACED_OFFLOADS,
                        "attention": ("flash", "materialized"), "pp_split": BALANCES}.get(k) or schema.BY_FIELD[k].choices
             if v not in allowed:
                 raise UserError(f"--fix {k}={v}: allowed: {', '.join(allowed)}")
@@ -140,6 +144,9 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     if fx.get("schedule") in TRACED_SCHEDULES:
         raise UserError(f"--fix schedule={fx['schedule']}: the analytic planner prices {', '.join(SCHEDULES)} only; "
                         f"`scaletrain estimate --plan` prices {fx['schedule']} for a decoder by its trace")
+    if fx.get("offload") in TRACED_OFFLOADS:
+        raise UserError(f"--fix offload={fx['offload']}: the analytic planner prices {', '.join(OFFLOADS)} only; "
+                        f"a traced model (any model but a named decoder shape) is searched with it")
     if fx.get("ep", 1) != 1:
         raise UserError(f"--fix ep={fx['ep']}: a dense decoder shape has no experts to shard (ep is searched for "
                         f"mixture-of-experts models such as gpt2-moe)")
@@ -360,7 +367,13 @@ def _offload(kind: str, remat: str) -> OffloadPlan:
     full recompute itself (``memory.offload.recompute=all``)."""
     if kind == "none":
         return OffloadPlan()
-    return OffloadPlan(optimizer="host", recompute="all" if remat == "full" else "none")
+    recompute = "all" if remat == "full" else "none"
+    if kind == "activations":  # saved tensors of every block on the host too (none recomputed)
+        return OffloadPlan(optimizer="host", activations="all")
+    if kind == "weights":  # and the parameters streamed block by block
+        return OffloadPlan(optimizer="host", activations="all" if recompute == "none" else "none",
+                           recompute=recompute, params="host")
+    return OffloadPlan(optimizer="host", recompute=recompute)
 
 
 def _remat_rank(plan: Plan) -> int:

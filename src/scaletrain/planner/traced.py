@@ -15,12 +15,14 @@ divisors of dp and of the experts) × dp × ZeRO 0–3 (0–1 with a pipeline) �
 when the job spans nodes, or the pinned group) × remat none / selective (attention models) / full ×
 sequence parallelism × schedule (1F1B, interleaved, ZB-1P; GPipe — 1F1B's time with more micro-batches
 alive — and Chimera — two copies of the weights — when pinned; each priced by the pipeline simulator) ×
-micro-batch × offload (none, or ``optimizer``: ZeRO-Offload, the fp32 masters, gradients and optimizer
+micro-batch × offload (none; ``optimizer``: ZeRO-Offload, the fp32 masters, gradients and optimizer
 states on the host and the update on the CPU — one process, or ZeRO-1/2 without a pipeline, compat rule
-``offload-world``; with full recompute on one process as the offload runtime's ``recompute=all``; the same
-plan fields as the analytic search's, :func:`.search._offload`). Recomputation only adds time, so a heavier
-remat is priced only where the lighter one does not fit; offloading too: the whole space is searched again
-with the optimizer on the host only where no plan fits without it (or when pinned, ``--fix offload=…``); a pipeline that does not fit without it runs the runtime's solver in every stage, each
+``offload-world``; with full recompute on one process as the offload runtime's ``recompute=all``;
+``activations``: every block's saved tensors on the host as well; ``weights``: the parameters streamed
+block by block as well, the last two on one process — :func:`.search._offload`). Recomputation only adds
+time, so a heavier remat is priced only where the lighter one does not fit; offloading too: the whole space
+is searched again with each offload (ranked together) only where no plan fits without it (or when pinned,
+``--fix offload=…``); a pipeline that does not fit without it runs the runtime's solver in every stage, each
 under its own stage's budget fitted to its rank's slack (:func:`.stage_remat.fit_traced`). What the model cannot
 run is pruned by the compatibility table (:mod:`scaletrain.techniques.compat`) with the rule's name;
 a plan the cost model cannot price is rejected with the reason it gave. Units: seconds, bytes.
@@ -179,7 +181,7 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
            options: Options | None = None, device: str = "cuda", params_dtype: str = "fp32") -> Any:
     """Every plan the model can run on ``nodes × gpus_per_node`` devices, priced and ranked (module
     docstring); returns a :class:`~.search.SearchResult` like the analytic search."""
-    from scaletrain.planner.search import SearchResult, _merge, _offload, _remat_rank
+    from scaletrain.planner.search import TRACED_OFFLOADS, SearchResult, _merge, _offload, _remat_rank
     from scaletrain.techniques.plan_cost import stage_graphs_of
 
     t0 = time.perf_counter()
@@ -262,6 +264,8 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                                 continue
                             if off != "none" and remat == "selective":
                                 continue  # the offload runtime recomputes whole blocks only (compat offload-remat)
+                            if off == "activations" and remat != "none":
+                                continue  # a block's saved tensors go to the host or are recomputed, not both
                             if pp > 1 and remat != "none":
                                 reject(f"{region} remat={remat}", "runtime", PIPELINE_REMAT, key=f"{region} pp-remat")
                                 continue
@@ -323,12 +327,15 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
     with trace_cache():
         _scan(target, world, gpus_per_node, global_batch, fx, base, check, reject, _region)
         if not ranked and oom and "offload" not in fx:  # memory was what ruled plans out: offloading helps
-            notes.append("no plan fits with the optimizer on the device: searched again with it on the host "
-                         "(ZeRO-Offload; --fix offload=none forbids it)")
-            offload[0] = "optimizer"
-            _scan(target, world, gpus_per_node, global_batch, fx, base, check, reject, _region)
-    ranked.sort(key=lambda c: (round(c.step_time_s, 9), c.plan.zero, _remat_rank(c.plan), c.plan.sp, c.plan.hsdp,
-                               c.peak_bytes["total"]))
+            notes.append("no plan fits on the device: searched again with the optimizer on the host (ZeRO-Offload), "
+                         "with the activations too, and with the weights streamed too, ranked together; "
+                         "--fix offload=none forbids it")
+            for off in ("optimizer",) + TRACED_OFFLOADS:  # each its own recompute choice; the ranking picks
+                offload[0] = off
+                _scan(target, world, gpus_per_node, global_batch, fx, base, check, reject, _region)
+    # equal times go to the simpler plan: less sharding, less recompute, less offloaded, then the lighter one
+    ranked.sort(key=lambda c: (round(c.step_time_s, 9), c.plan.zero, _remat_rank(c.plan), _offload_rank(c.plan),
+                               c.plan.sp, c.plan.hsdp, c.peak_bytes["total"]))
     for (tp, cp, pp, dp, ep, off), c in sorted(oom.items()):
         if not any(r.plan.tp == tp and r.plan.cp == cp and r.plan.pp == pp and r.plan.ep == ep for r in ranked):
             over = c.peak_bytes["total"] + opts.reserve_bytes - c.device_bytes
@@ -377,3 +384,9 @@ def _scan(target: Traced, world: int, gpus_per_node: int, global_batch: int, fx:
                 if fx.get("ep", ep) != ep:
                     continue
                 region_fn(tp, cp, pp, dp, ep, region + (f" ep={ep}" if ep > 1 else ""))
+
+
+def _offload_rank(plan: Plan) -> int:
+    """Less offloaded first: nothing, the optimizer, the activations too, the weights too."""
+    o = plan.offload
+    return 3 if o.params == "host" else 2 if o.activations != "none" else 1 if o.active else 0
