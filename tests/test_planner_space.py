@@ -176,3 +176,13 @@ def test_timeline_rows_add_up_for_cp_and_pipeline_remat_plans():
         tl = step_timeline(c, s, plat, global_batch=gb, seq=seq)
         for r in range(tl.n_ranks):
             assert max(e.end_s for e in tl.segments if e.rank == r) == pytest.approx(c.step_time_s, rel=1e-9)
+
+
+def test_zero_is_not_searched_where_there_is_one_data_parallel_rank():
+    """ZeRO shards over the data-parallel ranks: a one-device (or all-model-parallel) plan offers zero=0
+    only, not four copies of the same plan; a pinned zero is still priced."""
+    r = search(Shape.of("gpt2-medium"), A100, nodes=1, gpus_per_node=1, global_batch=8, seq=1024)
+    assert r.ranked and {c.plan.zero for c in r.ranked} == {0}
+    pinned = search(Shape.of("gpt2-medium"), A100, nodes=1, gpus_per_node=1, global_batch=8, seq=1024,
+                    fixed={"zero": 3})
+    assert pinned.ranked and {c.plan.zero for c in pinned.ranked} == {3}

@@ -231,6 +231,8 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
 
     def _scan_mesh(tp: int, cp: int, pp: int, dp: int, region: str, offload: str, storage: str) -> None:
         zeros = [z for z in ((0, 1, 3) if pp > 1 else (0, 1, 2, 3)) if fx.get("zero", z) == z]
+        if dp * cp == 1 and "zero" not in fx:
+            zeros = [0]  # ZeRO shards over the data-parallel ranks: with one there is nothing to shard
         if pp > 1 and 2 == fx.get("zero"):
             rule(Plan(tp=tp, pp=pp, zero=2), region)
         if pp > 1 and 3 in zeros and not rule(Plan(tp=tp, pp=pp, zero=3), f"{region} zero=3"):
