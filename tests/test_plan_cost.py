@@ -135,3 +135,31 @@ def test_zero1_on_one_data_parallel_rank_holds_the_buckets():
     for r, c in enumerate(costs):
         assert tracked["tracked_peak_bytes_ranks"][r] == pytest.approx(c.peak_bytes, rel=0.01), (r, tracked, c)
     assert all(c.peak_bytes > p.peak_bytes for c, p in zip(costs, plain))  # the buckets decide both peaks
+
+
+def _run_args(rank: int, world: int, args: list[str]) -> dict:
+    from scaletrain.train.trainer import Trainer
+
+    t = Trainer(load_config(None, args), None, log=lambda s: None)
+    t.fit()
+    t.close()
+    return t.tracked
+
+
+@pytest.mark.slow
+def test_zero2_backward_holds_the_later_blocks_gradients():
+    """ZeRO-2's GradSync launches a bucket once all its gradients exist: during the backward the gradients of
+    the blocks already passed are live beside the activations of the ones to come. vgg-mini (the FC head's
+    gradients first, the convolutions' activations last), dp=2, one 16-sample micro-batch: the tracked peak
+    is the prediction; without the rule it was 6,311,464 B (-5.7 %; -9.5 % on the measured benchmark's plan)."""
+    from scaletrain import models
+    from scaletrain.plan import Plan
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    args = ["model.name=vgg-mini", "train.global_batch=32", "train.steps=2", "train.eval_every=0",
+            "train.eval_batches=1", "train.log_every=1", "train.progress=off", "train.measure_memory=true",
+            "parallel.zero=2"]
+    (cost,) = plan_costs(Plan(dp=2, zero=2), models.get("vgg-mini", device="meta"), world=2, global_batch=32, seq=0)
+    tracked = run_distributed(_run_args, 2, args)[0]
+    assert tracked["tracked_peak_bytes_max"] == pytest.approx(cost.peak_bytes, rel=0.01), (tracked, cost)
+    assert tracked["tracked_peak_breakdown"]["gradients"] > cost.bytes["grads"]  # full gradients, not shards alone

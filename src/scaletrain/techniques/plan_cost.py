@@ -131,9 +131,12 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
         from scaletrain.techniques.pipeline.memory import deferred_grads
 
         zb = deferred_grads(chain, bounds, example, precision=plan.precision)
+    # ZeRO-1/2 (GradSync): a backward's gradients are standalone until their bucket launches; ZeRO-1 with
+    # accumulation holds them whole (grad_bytes) in every later micro-batch, which the simulator counts
+    progressive = (plan.zero == 2 or (plan.zero == 1 and M == 1)) and plan.tp == plan.cp == plan.ep == 1
     mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
                        precision=plan.precision, remat=remat, ep=plan.ep,
-                       deferred=zb, **(optimizer_kw or {}))
+                       deferred=zb, grads_in_backward=progressive, **(optimizer_kw or {}))
     if zb is not None:
         mem = {**mem, "wstash_bytes": zb.wstash_bytes, "wgrad_temp_bytes": zb.wgrad_temp_bytes}
     if plan.pp > 1 and plan.zero == 3 and plan.precision in ("bf16", "fp16"):
