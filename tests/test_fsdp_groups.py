@@ -104,3 +104,18 @@ def test_bad_grouping_is_refused_at_load():
     assert load_config(None, ["parallel.fsdp_group=block"]).parallel.fsdp_group == "block"
     with pytest.raises(ConfigError, match=r"parallel.fsdp_group='large' is not allowed.*auto, block"):
         load_config(None, ["parallel.fsdp_group=large"])
+
+
+@pytest.mark.slow
+def test_traffic_counts_fsdp2_padding_of_odd_rows():
+    """FSDP2 pads every tensor's dim 0 to a multiple of dp and its collectives carry the padding: a GPT-2
+    with an odd vocabulary (257 rows of the tied embedding, the root's: gathered once and reduce-scattered
+    once a micro-batch) receives 2 x 64 x 4 x (dp - 1) / dp = 256 bytes a step more than its unpadded
+    count, and the prediction counts them (hf:bert's 516 B in the measured benchmark)."""
+    extra = ["model.overrides.vocab_size=257", "train.steps=2", "train.measure_memory=false"]
+    (r,), _ = run_distributed(_worker, 2, [extra])
+    cost, _ = _predict(extra, 2)
+    assert r["comm"] == cost.comm_bytes, (r["comm"], cost.comm_bytes)
+    even, _ = _predict(["model.overrides.vocab_size=256", *extra[1:]], 2)
+    # one more real row and one padding row of 64 elements, each 4 B x (dp - 1) / dp in 2 collectives
+    assert cost.comm_bytes - even.comm_bytes == 2 * (2 * 64 * 4 * (2 - 1) / 2)

@@ -32,6 +32,24 @@ def test_views_share_one_storage_and_frees_are_recorded() -> None:
     assert sum(t.peak_breakdown.values()) == t.peak_bytes
 
 
+def test_storages_resized_in_place_are_followed() -> None:
+    """FSDP2 frees an unsharded parameter with ``UntypedStorage.resize_(0)`` after its forward and
+    allocates it again before its backward: the tracker counts the bytes at each resize, not when an op
+    next touches the tensor (before, a freed unit counted whole to the end of the step)."""
+    w = torch.ones(1000)  # 4000 bytes, pre-existing
+    with MemoryTracker(extra=[w]) as t:
+        assert t.current_bytes == 4000
+        w.untyped_storage().resize_(0)
+        assert t.current_bytes == 0
+        b = torch.empty(500)  # 2000 bytes while w is freed: the peak stays w's
+        w.untyped_storage().resize_(4000)
+        assert t.current_bytes == 6000
+        del b
+        w.untyped_storage().resize_(0)
+    assert t.peak_bytes == 6000 and t.current_bytes == 0
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # the method is restored on exit
+
+
 def test_categories_of_a_linear_layer() -> None:
     lin = nn.Linear(256, 128)
     x = torch.randn(32, 256)  # pre-existing input: saved by linear for the weight gradient

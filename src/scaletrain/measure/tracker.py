@@ -23,8 +23,14 @@ breakdown and timeline are replayed with each storage's final category):
 Priority when roles overlap: parameters > gradients > optimizer_states > activations >
 temporaries/other (a parameter saved for backward stays a parameter).
 
+Storages resized in place with ``UntypedStorage.resize_`` (not an aten op: FSDP2 frees an unsharded
+parameter after its forward and allocates it again before its backward this way, as do the offload
+pools) are followed by wrapping that method while a tracker is active: a storage the tracker holds
+changes its bytes at the resize, not when an op next touches it (without this, every FSDP2 unit
+gathered once in the step counted whole until the end of its backward).
+
 Limits: memory allocated *inside* a kernel and never returned as a tensor (library workspaces)
-is invisible, and so are storages resized with ``UntypedStorage.resize_`` (not an aten op).
+is invisible.
 On CUDA, sizes are rounded up to the caching allocator's 512-byte blocks so that the peak is
 comparable with ``torch.cuda.max_memory_allocated``.
 """
@@ -48,6 +54,15 @@ CATEGORIES: tuple[str, ...] = (
 )
 _RANK = {"parameters": 5, "gradients": 4, "optimizer_states": 3, "activations": 2, "temporaries": 1, "other": 1}
 _CUDA_BLOCK = 512  # bytes; c10 CUDACachingAllocator kMinBlockSize (every allocation rounded up to it)
+_RESIZE_WATCHERS: list["MemoryTracker"] = []  # active trackers, told of every UntypedStorage.resize_
+_RESIZE_ORIG = torch.UntypedStorage.resize_
+
+
+def _watched_resize(st, size):  # type: ignore[no-untyped-def]
+    out = _RESIZE_ORIG(st, size)
+    for tr in list(_RESIZE_WATCHERS):
+        tr._resized(st)
+    return out
 
 
 @dataclass(eq=False)
@@ -142,6 +157,17 @@ class MemoryTracker(TorchDispatchMode):
                 self._emit(rec, -rec.nbytes)
                 rec.died = len(self._events) - 1
 
+    def _resized(self, st) -> None:
+        """A storage resized in place: its record (if this tracker holds it) takes its new size now."""
+        with self._lock:
+            rec = self._key_rec(st)
+            if rec is None or not self._active:
+                return
+            n = self._nbytes(st, st.device)
+            if n != rec.nbytes:
+                self._emit(rec, n - rec.nbytes)
+                rec.nbytes = n
+
     def _see(self, t: torch.Tensor, category: str, origin: str, promote: bool = True) -> StorageRecord | None:
         """Record ``t``'s storage if new; promote its category if ``category`` ranks higher."""
         if not isinstance(t, torch.Tensor) or not self._wanted(t):
@@ -225,6 +251,9 @@ class MemoryTracker(TorchDispatchMode):
         if self.track_saved:
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
             self._saved_ctx.__enter__()
+        if not _RESIZE_WATCHERS:
+            torch.UntypedStorage.resize_ = _watched_resize  # type: ignore[method-assign]
+        _RESIZE_WATCHERS.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
@@ -237,6 +266,10 @@ class MemoryTracker(TorchDispatchMode):
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            if self in _RESIZE_WATCHERS:
+                _RESIZE_WATCHERS.remove(self)
+                if not _RESIZE_WATCHERS:
+                    torch.UntypedStorage.resize_ = _RESIZE_ORIG  # type: ignore[method-assign]
             with self._lock:
                 self._active = False
 

@@ -131,9 +131,12 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
         from scaletrain.techniques.pipeline.memory import deferred_grads
 
         zb = deferred_grads(chain, bounds, example, precision=plan.precision)
+    # ZeRO-1/2 (GradSync): a backward's gradients are standalone until their bucket launches; ZeRO-1 with
+    # accumulation holds them whole (grad_bytes) in every later micro-batch, which the simulator counts
+    progressive = (plan.zero == 2 or (plan.zero == 1 and M == 1)) and plan.tp == plan.cp == plan.ep == 1
     mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
                        precision=plan.precision, remat=remat, ep=plan.ep,
-                       deferred=zb, **(optimizer_kw or {}))
+                       deferred=zb, grads_in_backward=progressive, **(optimizer_kw or {}))
     if zb is not None:
         mem = {**mem, "wstash_bytes": zb.wstash_bytes, "wgrad_temp_bytes": zb.wgrad_temp_bytes}
     if plan.pp > 1 and plan.zero == 3 and plan.precision in ("bf16", "fp16"):
@@ -324,8 +327,11 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
     rank's chunk (the tracker sees a bucket-sized buffer, born inside the collective, split at its wait),
     so every bucket in flight costs its input once more until it is drained; NCCL reduces in place."""
     N = plan.hsdp or max(plan.dp, 1) * (plan.cp if plan.pp == 1 else 1)
-    if plan.zero == 0 or N == 1:
+    if plan.zero == 0 or (N == 1 and plan.zero == 3):
         return
+    # ZeRO-1/2 on one data-parallel rank (pp=2 or tp=2 on 2 processes) still runs GradSync's buckets: the
+    # reduce-scatter input and output of every bucket are made (the output copied from the input: no
+    # collective, so no gloo copy) before the step — the (N + 1) / N = 2 stage weights below
     if plan.zero == 3 and plan.pp > 1:
         _shard_stages(mem, plan, bounds, chain, N, gloo)
         return
@@ -336,7 +342,8 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
         # all in flight at once: (N + 1) / N of the stage's parameter bytes, and gloo's copy of the input
         w = mem["weight_bytes"][s]
         mem["opt_temp_bytes"][s] = max(mem["opt_temp_bytes"][s] / N,
-                                       (N + 1) / N * w + (w if gloo else 0.0) if plan.zero in (1, 2) else 0.0)
+                                       (N + 1) / N * w + (w if gloo and N > 1 else 0.0)
+                                       if plan.zero in (1, 2) else 0.0)
         if plan.zero >= 2:
             mem["grad_bytes"][s] /= N
         if plan.zero == 3:  # FSDP2 in backward: groups of blocks gathered whole (parallel.fsdp_group), unsharded
@@ -417,7 +424,8 @@ def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, 
         from scaletrain.techniques.cost import MeshShape, local_param_counts, mesh_predictions
 
         counts = local_param_counts(model, tp=plan.tp, ep=plan.ep)
-        if plan.zero in (1, 2) and plan.tp == plan.cp == 1 and not counts["expert"] and not plan.hsdp:
+        padded = plan.zero > 0 and plan.tp == plan.cp == 1 and not counts["expert"] and not plan.hsdp
+        if padded:  # ZeRO-1/2's buckets and ZeRO-3's FSDP2 shards both pad dim 0 to a multiple of dp
             counts = {"dense": _zero_padded_elements(model, plan.dp), "expert": 0}
         if plan.zero == 0 and plan.tp == plan.cp == plan.ep == 1:  # torch DDP: one all-reduce of the gradients
             from scaletrain.techniques.data_parallel.cost import comm_bytes_per_step
@@ -433,7 +441,7 @@ def _traffic(plan: Plan, model: nn.Module, cfg: Any, bounds: list[int], b: int, 
             recomputes = recompute_counts(tree_of(remat[0]), bounds[-1] - bounds[0])
         from scaletrain.techniques.data_parallel.fsdp import plan_kept_elements
 
-        kept = plan_kept_elements(model, plan, M, device)
+        kept = plan_kept_elements(model, plan, M, device, padded=padded)
         return [mesh_predictions(cfg, mp, stage=plan.zero, micro_batch=b, accum=M, seq=seq, counts=counts,
                                  grad_clip=True, world=world, recomputes=recomputes, kept=kept)["predicted_comm_bytes"]]
     return [_pipeline_traffic(plan, model, cfg, bounds, b, seq, M, r, remat) for r in range(plan.pp)]
@@ -443,7 +451,9 @@ def _zero_padded_elements(model: nn.Module, dp: int) -> int:
     """Elements ZeRO-1/2's reduce-scatter and all-gather move per rank group: :class:`.data_parallel.zero.GradSync`
     shards every tensor by rows (``shard_rows``) and pads it to ``dp`` whole chunks, so a tensor with a row
     count not divisible by ``dp`` (an odd vocabulary: hf:bert's embedding and decoder bias) carries its
-    padding rows on the wire (hf:bert, dp=2: 129 elements, 258 bytes per collective)."""
+    padding rows on the wire (hf:bert, dp=2: 129 elements, 258 bytes per collective). FSDP2 (ZeRO-3) pads its
+    shards the same way: hf:bert's two odd tensors are the root's, gathered once and reduce-scattered once a
+    micro-batch, 516 bytes a step at dp=2."""
     from scaletrain.techniques.data_parallel.sharded import shard_rows
 
     seen: set[int] = set()

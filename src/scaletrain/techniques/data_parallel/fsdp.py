@@ -62,22 +62,30 @@ def gather_units(model: nn.Module, blocks: list[nn.Module], setting: str, dp: in
     return units
 
 
-def kept_elements(model: nn.Module, setting: str, dp: int, accum: int, device_type: str) -> int:
+def kept_elements(model: nn.Module, setting: str, dp: int, accum: int, device_type: str, padded: bool = False) -> int:
     """Parameter elements ZeRO-3 gathers once a micro-batch instead of twice (not resharded after
     forward): the root's (every parameter outside the shardable groups) and the last group's. The
-    traffic faces subtract them from the forward's all-gather."""
+    traffic faces subtract them from the forward's all-gather. ``padded``: as FSDP2 moves them, each
+    tensor's dim 0 padded to a multiple of ``dp`` (what its collectives carry)."""
+    from scaletrain.techniques.data_parallel.sharded import shard_rows
+
     groups = block_groups(shardable_blocks(model), setting, dp, accum, device_type)
     resharded = {id(p) for g in groups[:-1] for b in g for p in b.parameters()}
-    return sum(p.numel() for p in {id(q): q for q in model.parameters()}.values()
+
+    def size(p: torch.Tensor) -> int:
+        rows = p.shape[0] if p.ndim else 1
+        return dp * shard_rows(rows, dp, 0)[0] * (p.numel() // max(rows, 1)) if padded else p.numel()
+
+    return sum(size(p) for p in {id(q): q for q in model.parameters()}.values()
                if p.requires_grad and id(p) not in resharded)
 
 
-def plan_kept_elements(model: nn.Module, plan: Any, accum: int, device_type: str) -> int:
+def plan_kept_elements(model: nn.Module, plan: Any, accum: int, device_type: str, padded: bool = False) -> int:
     """:func:`kept_elements` of ``plan`` (a :class:`~scaletrain.plan.Plan`) as the runtime shards it:
     ZeRO-3 outside pipelines, without TP or EP (the runtime keeps the last units only there); else 0."""
     if plan.zero != 3 or plan.pp > 1 or plan.tp > 1 or plan.ep > 1:
         return 0
-    return kept_elements(model, plan.fsdp_group, max(plan.dp, 1) * plan.cp, accum, device_type)
+    return kept_elements(model, plan.fsdp_group, max(plan.dp, 1) * plan.cp, accum, device_type, padded)
 
 
 def gathered_peak_bytes(model: nn.Module, blocks: list[nn.Module], setting: str, dp: int, accum: int,

@@ -86,7 +86,7 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
                  target: torch.Tensor | None = None, loss_fn: Callable | None = None, optimizer: str = "adamw",
                  foreach: bool | None = None, precision: str = "fp32", remat: Sequence[Any] | None = None,
                  params_dtype: str = "fp32", ep: int = 1, deferred: "DeferredGrads | None" = None,
-                 **optimizer_kw: Any) -> dict[str, list[float]]:
+                 grads_in_backward: bool = False, **optimizer_kw: Any) -> dict[str, list[float]]:
     """Per-stage memory costs (bytes) for :class:`~.simulate.StageCosts` (see the module doc).
 
     ``bounds``: the S + 1 block boundaries of the stages; ``example_input`` / ``target``: one
@@ -105,6 +105,9 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
     ``deferred``: zb1p's deferred weight gradients (:func:`deferred_grads`): the backward is its I pass —
     no gradient temporary of a deferred weight, and each linear's input and output gradient stay (for W)
     once I has passed its block, the output gradients of the block it is in piling up meanwhile.
+    ``grads_in_backward``: the backward makes standalone parameter gradients that stay until the pass ends
+    (ZeRO-1/2's :class:`~..data_parallel.zero.GradSync` launches a bucket once all its gradients exist),
+    so at block k the gradients of the stage's later blocks are live beside its activations.
     """
     from scaletrain.measure import optimizers
     from scaletrain.measure.estimate import estimate_chain
@@ -151,6 +154,12 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
         # the first backward after an update: the stage's gradients do not exist yet, each is made
         # as its block's backward runs (the later blocks' before this one's, this block's own up to its peak)
         made = [_pgrad_ids(tr) for tr in items]
+        later = [0.0] * len(items)  # gradient bytes of the stage's blocks after item k (made before its backward)
+        if grads_in_backward:
+            for k in range(min(len(items), b1 - b0)):
+                before = {id(p) for p in _stage_params(chain.blocks[b0:b0 + k + 1])}
+                later[k] = float(sum(p.numel() * p.element_size() for p in _stage_params(chain.blocks[b0 + k + 1:b1])
+                                     if p.requires_grad and id(p) not in before))
         for k, tr in enumerate(items):
             below = sum(acts[:k + 1])
             fwd = max(fwd, below + (0.0 if tr.y_saved else tr.y_bytes) + tr.fwd_temp_bytes)
@@ -166,10 +175,10 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
                 kept = sum(deferred.block_stash_bytes[(blk + 1 if blk is not None else b1):b1]) + \
                     (deferred.block_grad_bytes[blk] if blk is not None else 0.0)  # an upper bound: the block
                 # frees its own activations while its output gradients pile up (measured 0-6 % over, P = 2, 4)
-            bwd = max(bwd, below + held + recv + g_out + _bwd_temp(tr, sc) + gin + kept)
-            later = {pid: n for m in made[k + 1:] for pid, n in m.items()}
+            bwd = max(bwd, below + held + recv + g_out + _bwd_temp(tr, sc) + gin + kept + later[k])
+            after = {pid: n for m in made[k + 1:] for pid, n in m.items()}
             first = max(first, below + held + recv + g_out + _first_bwd_peak(tr) + gin + kept
-                        + sum(n for pid, n in later.items() if pid not in made[k]))
+                        + sum(n for pid, n in after.items() if pid not in made[k]))
         out["fwd_temp_bytes"].append(max(0.0, fwd - total))
         out["bwd_temp_bytes"].append(max(0.0, bwd - total))
         # zb1p's I pass makes no weight gradient: its first backward is any other's
