@@ -127,10 +127,23 @@ class StageCosts:
 
 @dataclass
 class Link:
-    """Point-to-point link between neighbouring ranks: bytes/second and seconds per message."""
+    """Point-to-point link between neighbouring ranks: bytes/second and seconds per message.
+
+    ``blocking`` describes a transport whose transfer runs on the receiver's clock (gloo on a CPU: its
+    ``isend`` only announces the message, the bytes move once the receive is posted and need the
+    sender's progress thread, which shares the cores with the compute — measured by
+    :mod:`scaletrain.planner.pipeline_host`): a receive then ends ``latency_s`` (the sender waiting in a
+    receive of its own) or ``busy_latency_s`` (the sender inside a pass) plus ``bytes / bandwidth`` after
+    both the send and the receive are posted, and a send costs its rank ``send_s`` of host time.
+    Otherwise (NCCL, the presets) transfers run on the link beside the compute."""
 
     bandwidth_Bps: float = math.inf
     latency_s: float = 0.0
+    blocking: bool = False
+    busy_latency_s: float = 0.0
+    """Seconds of a blocking receive beyond its bytes while the sender computes (``blocking`` only)."""
+    send_s: float = 0.0
+    """Host seconds one posted send costs its rank (``blocking`` only)."""
 
     def time(self, nbytes: float) -> float:
         """One message: α–β with one step (:func:`scaletrain.cost.collective_seconds`)."""
@@ -200,6 +213,9 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
     arrival: dict[tuple, float] = {}
     link_free: dict[tuple[int, int], float] = {}
     events: list[Event] = []
+    passes: list[list[tuple[float, float]]] = [[] for _ in range(P)]  # each rank's compute intervals
+    blocking = link.blocking and p2p == "eager"
+    sent_by: dict[tuple, tuple[int, float]] = {}  # blocking: message key -> (sending rank, bytes)
 
     def dur(r: int, a: Action) -> float:
         if durations is not None:
@@ -219,6 +235,17 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
         # forward carries stage s's output; backward carries the gradient of stage s-1's output
         s = a.stage if a.kind == SEND_F else a.stage - 1
         return costs._get("boundary_bytes", s)
+
+    def busy(q: int, t: float) -> bool:
+        """Whether rank ``q`` is inside a compute pass at time ``t`` (or about to start one there)."""
+        if clock[q] <= t:
+            return ptr[q] < len(acts[q]) and acts[q][ptr[q]].kind in COMPUTE_KINDS
+        for e in reversed(passes[q]):
+            if e[1] <= t:
+                return False
+            if e[0] <= t:
+                return True
+        return False
 
     def transfer(src: int, dst: int, post: float, nbytes: float) -> float:
         start = max(post, link_free.get((src, dst), 0.0))
@@ -257,7 +284,12 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
         if a.kind in COMPUTE_KINDS or a.kind == OPT:
             end = start + dur(r, a)
             events.append(Event(r, a.kind, a.mb, start, end, a.stage, a.pipe))
+            passes[r].append((start, end))
             clock[r] = end
+        elif a.kind in (SEND_F, SEND_B) and blocking:  # posted only; the bytes move when the peer receives
+            clock[r] = start + link.send_s
+            arrival[message_key(a)] = clock[r]
+            sent_by[message_key(a)] = (r, msg_bytes(a))
         elif a.kind in (SEND_F, SEND_B) and p2p == "eager":
             arrival[message_key(a)] = transfer(r, a.peer, start, msg_bytes(a))
         elif a.kind in (SEND_F, SEND_B):  # rendezvous: both sides finish with the transfer
@@ -266,6 +298,12 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
             clock[r] = clock[q] = end
             ptr[q] += 1
             remaining -= 1
+        elif a.kind in (RECV_F, RECV_B) and blocking:
+            key = message_key(a)
+            t = max(start, arrival.pop(key))
+            q, nbytes = sent_by.pop(key)
+            lat = link.busy_latency_s if busy(q, t) else link.latency_s
+            clock[r] = t + lat + (nbytes / link.bandwidth_Bps if nbytes else 0.0)
         elif a.kind in (RECV_F, RECV_B):
             clock[r] = max(start, arrival.pop(message_key(a)))
         elif a.kind == GRAD_SYNC:  # 2-rank all-reduce of one stage's gradients
