@@ -218,7 +218,7 @@ def test_pipeline_host_costs_are_paid_per_action_and_per_receive_by_pipelines_on
             assert s.compute - b.compute == pytest.approx(4 * pieces * 1e-3)
             assert s.step_s - b.step_s >= 4 * pieces * 1e-3 - 1e-9
         late = step(plan, p2p_recv_s=5e-3, p2p_send_s=1e-4)
-        assert all(c.step_s > b.step_s + 5e-3 and c.comm_exposed_s["p2p"] > b.comm_exposed_s["p2p"]
+        assert all(c.step_s > b.step_s and c.comm_exposed_s["p2p"] > b.comm_exposed_s["p2p"]
                    for c, b in zip(late, base))
     dp = Plan(dp=2, micro_batch=2)
     assert step(dp)[0].step_s == pytest.approx(step(dp, pipeline_action_s=1e-3, p2p_recv_s=5e-3)[0].step_s)
