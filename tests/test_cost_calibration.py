@@ -196,3 +196,29 @@ def test_data_rate_measures_the_runs_own_loader():
 
     cfg = load_config(None, ["model.name=mlp", "train.global_batch=8"])
     assert 0 < data_rate(cfg, None, 2) < 0.1  # seconds per sample
+
+
+def test_pipeline_host_costs_are_paid_per_action_and_per_receive_by_pipelines_only():
+    """``pipeline_action_s`` once per F and B of each rank (and per W under zb1p), counted in its compute;
+    a measured blocking receive (``p2p_recv_s``) makes the pipeline slower; a plan without a pipeline pays
+    neither."""
+    from scaletrain import models
+    from scaletrain.techniques.plan_cost import plan_costs
+
+    model = models.get("mlp")  # real tensors: zb1p's deferred-gradient trace runs on the model's own device
+
+    def step(plan: Plan, **kw) -> list:
+        return [c.time_s for c in plan_costs(plan, model, world=2, global_batch=8, seq=0, micro_batch=0
+                                             if plan.pp > 1 else 2, platform=_cpu(**kw))]
+
+    for schedule, pieces in (("1f1b", 2), ("zb1p", 3)):
+        plan = Plan(pp=2, micro_batch=2, microbatches=4, schedule=schedule)
+        base, slow = step(plan), step(plan, pipeline_action_s=1e-3)
+        for b, s in zip(base, slow):
+            assert s.compute - b.compute == pytest.approx(4 * pieces * 1e-3)
+            assert s.step_s - b.step_s >= 4 * pieces * 1e-3 - 1e-9
+        late = step(plan, p2p_recv_s=5e-3, p2p_send_s=1e-4)
+        assert all(c.step_s > b.step_s and c.comm_exposed_s["p2p"] > b.comm_exposed_s["p2p"]
+                   for c, b in zip(late, base))
+    dp = Plan(dp=2, micro_batch=2)
+    assert step(dp)[0].step_s == pytest.approx(step(dp, pipeline_action_s=1e-3, p2p_recv_s=5e-3)[0].step_s)

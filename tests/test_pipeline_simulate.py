@@ -145,6 +145,26 @@ def test_communication_adds_latency_and_serialises_on_the_link():
     assert starts == [3.0, 5.0, 7.0, 9.0]
 
 
+def test_a_blocking_link_runs_each_receive_on_the_receivers_clock():
+    """gloo on a CPU (``Link.blocking``): the bytes move once both sides posted, after the latency when the
+    sender waits, and when it computes also after ``busy_latency_s`` or the end of its pass, whichever
+    comes first; a send costs its rank ``send_s``."""
+    s = build("gpipe", 2, 2)
+    c = StageCosts(fwd_s=[1.0, 1.0], bwd_s=[2.0, 2.0], boundary_bytes=[2.0, 2.0])  # 0.5 s on the link
+    r = simulate(s, c, Link(bandwidth_Bps=4.0, latency_s=0.5, blocking=True, busy_latency_s=0.75, send_s=0.25))
+    at = {(e.rank, e.kind, e.mb): e.start_s for e in r.events}
+    assert at[(0, "F", 1)] == 1.25  # F0, then its send's host time
+    assert at[(1, "F", 0)] == pytest.approx(1.25 + 0.5 + 0.75 + 0.5)  # posted at 1.25; rank 0 then runs F1
+    assert at[(1, "F", 1)] == pytest.approx(4.0 + 0.5 + 0.5)  # after F0; rank 0 waits in RECV_B0 by then
+    posted = at[(1, "B", 0)] + 2.0 + 0.25  # B0, then its send
+    assert at[(0, "B", 0)] == pytest.approx(posted + 0.5 + 0.75 + 0.5)  # rank 1 runs B1 (2 s) then
+    slow = simulate(s, c, Link(bandwidth_Bps=4.0, latency_s=0.5, blocking=True, busy_latency_s=3.0, send_s=0.25))
+    at = {(e.rank, e.kind, e.mb): e.start_s for e in slow.events}
+    assert at[(1, "F", 0)] == pytest.approx(1.25 + 0.5 + 1.0 + 0.5)  # moved once rank 0's F1 (1 s) ends
+    eager = simulate(s, c, Link(bandwidth_Bps=4.0, latency_s=0.5))
+    assert eager.makespan_s < r.makespan_s < slow.makespan_s
+
+
 def test_costs_shape_is_checked():
     from scaletrain.errors import UserError
 

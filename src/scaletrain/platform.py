@@ -148,6 +148,22 @@ class Platform:
     (:func:`scaletrain.measure.data_time.seconds_per_sample`); priced per rank and step because the loader
     runs in the training process, before each micro-batch. 0 = not measured (the presets: a GPU job's
     loader workers overlap it)."""
+    # -- host work of the pipeline runtime (issue #25), measured by scaletrain.planner.pipeline_host --
+    pipeline_action_s: float = 0.0
+    """Host seconds each compute action (F, B, I, W) of the pipeline runtime costs beyond its stage's
+    blocks: the action loop, the micro-batch bookkeeping, the loss weighting, the input's gradient
+    hand-over (:mod:`scaletrain.techniques.pipeline.runtime`). Priced in every pass of the schedule
+    simulator. 0 = not measured (the presets: a GPU's host runs ahead of its kernels)."""
+    p2p_send_s: float = 0.0
+    """Host seconds one posted pipeline send costs its rank (``isend`` and its bookkeeping), measured on a
+    CPU; 0 = not measured."""
+    p2p_recv_s: float = 0.0
+    """Seconds a pipeline receive takes beyond its bytes while the sender computes, once both sides have
+    posted: gloo moves a message's bytes only when the receive is posted, through the sender's
+    progress thread, which shares the cores with the sender's compute (measured here, 2 processes on
+    2 cores: milliseconds, against ~0.1 ms when the sender waits). Non-zero: the schedule simulator
+    prices every receive as blocking (:class:`scaletrain.techniques.pipeline.simulate.Link`); 0 = not
+    measured (the presets: NCCL's transfers run beside the compute)."""
     measured_blocks: tuple = ()
     """Forward and backward seconds of every block of one model, measured on this machine by
     :mod:`scaletrain.measure.block_times` (:func:`scaletrain.planner.local.measure` with the run's model):
@@ -241,7 +257,7 @@ FRACTIONS = ("unaligned_matmul_fraction", "intra_node_efficiency", "inter_node_e
 MAY_BE_ZERO = ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_overhead_s", "price_per_device_hour",
                "intra_node_latency_s", "inter_node_latency_s", "unaligned_matmul_fraction", "compile_factor",
                "sm_count", "optimizer_bytes_per_s", "fsdp_collective_overhead_s",
-               "data_seconds_per_sample", "devices_per_host")
+               "data_seconds_per_sample", "devices_per_host", "pipeline_action_s", "p2p_send_s", "p2p_recv_s")
 """Numeric fields where 0 is meaningful (no such link, not modelled, unknown price); the others divide."""
 
 

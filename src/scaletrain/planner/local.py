@@ -40,6 +40,8 @@ not the best slice (:func:`_typical_time`):
   (:func:`sharded_collective_factors`): gloo's reduce-scatter is not a ring (2.2x an all-reduce here).
   FSDP2's own work per ZeRO-3 collective beyond α–β (:func:`fsdp_overhead`: small ``fully_shard``
   units against the same layers unsharded).
+* **the pipeline runtime's host work** — per action, per posted send, and a receive while its sender
+  computes (:mod:`.pipeline_host`: the runtime's own code on negligible stages).
 
 Device memory is the host's memory divided among the N processes (the CPU "device" is the logical
 pool in host memory). Units: FLOP/s, bytes/s, seconds, bytes.
@@ -435,6 +437,9 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
     beta, alpha = collective_rates(world)
     fsdp = fsdp_overhead(world, beta, alpha)
     rs_factor, ag_factor = sharded_collective_factors(world, beta, alpha)
+    from scaletrain.planner.pipeline_host import host_costs
+
+    pipeline = host_costs(world)  # the pipeline runtime's host work per action and its blocking receive
     threads = torch.get_num_threads()
     plat = Platform(
         name=f"local-cpu/{world}", device_type="cpu", device_memory_bytes=_host_memory_bytes() // max(world, 1),
@@ -444,7 +449,7 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
         intra_node_efficiency=1.0, inter_node_efficiency=1.0, intra_node_latency_s=alpha,
         inter_node_latency_s=alpha, devices_per_node=max(world, 1), kernel_overhead_s=overhead,
         optimizer_bytes_per_s=opt_rate, fsdp_collective_overhead_s=fsdp, reduce_scatter_factor=rs_factor,
-        all_gather_factor=ag_factor,
+        all_gather_factor=ag_factor, **pipeline,
         source=f"planner.local.measure: {world} process(es) x {threads} thread(s) measured at once, "
                f"{time.strftime('%Y-%m-%dT%H:%M:%S')}",
         meta={"threads": threads})

@@ -33,9 +33,12 @@ GPT shapes on paper). Units: seconds, bytes, FLOPs.
   copies do not run beside compute (``copy_overlaps_compute=False``: the CPU pool, where gloo's
   threads take the same cores) nothing is hidden.
 * **pipeline** — the schedule simulator (:func:`.pipeline.simulate.simulate`) with each stage's
-  forward / backward (recompute and intra-layer collectives included) for one micro-batch; bubble of a
-  rank = makespan without p2p cost − its busy time; the p2p sends (stage boundary bytes on the pp link)
-  are exposed by the makespan they add. Without a pipeline the same simulator runs one rank's
+  forward / backward (recompute and intra-layer collectives included) for one micro-batch, each pass
+  plus the runtime's host time per action (``Platform.pipeline_action_s``, counted in compute); bubble
+  of a rank = makespan without p2p cost − its busy time; the p2p sends (stage boundary bytes on the pp
+  link) are exposed by the makespan they add — on a platform with a measured blocking receive
+  (``Platform.p2p_recv_s``: gloo on a CPU) every receive runs on the receiver's clock after both sides
+  posted, and every send costs ``p2p_send_s``. Without a pipeline the same simulator runs one rank's
   micro-batches in turn (no bubble).
 * **offload copies** — optimizer on the host: the rank's gradients down and parameters up per step at
   the platform's d2h / h2d rates, the update at ``cpu_adam_params_per_s`` (replacing the device
@@ -270,32 +273,40 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
     # the collectives inside the layers run in the passes: each stage pass carries its share, half each way
     inner = [sum(c.get(k, 0.0) for k in ("tp", "cp", "ep")) for c in comm_s]
     share = [inner[r] / max(sum(passes[r].values()), 1) for r in range(P)]
+    # the pipeline runtime's host time per action (F, B; I and W when split), in every pass it runs
+    act = plat.pipeline_action_s if plan.pp > 1 else 0.0
+    pieces = 3 if sched.split_backward else 2  # actions per micro-batch and stage
     f_s, b_s = [0.0] * S, [0.0] * S
+    ig_s: list[float] | None = [0.0] * S if sched.split_backward else None
     for r in range(P):
         for s in stages_of[r]:
-            f_s[s] = stage_f[s] + share[r] / 2
-            b_s[s] = stage_b[s] + stage_r[s] + share[r] / 2
-    bare = simulate(sched, StageCosts(fwd_s=f_s, bwd_s=b_s))
+            f_s[s] = stage_f[s] + share[r] / 2 + act
+            b_s[s] = stage_b[s] + stage_r[s] + share[r] / 2 + (pieces - 1) * act
+            if ig_s is not None:  # the simulator's default split (half each), each piece with its own action
+                ig_s[s] = (b_s[s] - 2 * act) / 2 + act
+    bare = simulate(sched, StageCosts(fwd_s=f_s, bwd_s=b_s, igrad_s=ig_s))
     p2p_total = [0.0] * P
     makespan = bare.makespan_s
     if plan.pp > 1:
         bw, alpha = link(plat, plan.tp * plan.cp * max(plan.dp, 1), plan.pp)
-        lk = Link(bandwidth_Bps=bw if bw > 0 else math.inf, latency_s=alpha)
+        # a measured blocking receive (gloo on a CPU): the transfer runs on the receiver's clock
+        lk = Link(bandwidth_Bps=bw if bw > 0 else math.inf, latency_s=alpha, blocking=plat.p2p_recv_s > 0,
+                  busy_latency_s=plat.p2p_recv_s, send_s=plat.p2p_send_s)
         if bw <= 0:
             raise UserError("the platform has no link bandwidth for the pipeline's sends; give a preset or a "
                             "platform file with intra_node_bytes_per_s / inter_node_bytes_per_s")
-        makespan = simulate(sched, StageCosts(fwd_s=f_s, bwd_s=b_s, boundary_bytes=mem["boundary_bytes"]),
-                            link=lk).makespan_s
+        makespan = simulate(sched, StageCosts(fwd_s=f_s, bwd_s=b_s, igrad_s=ig_s,
+                                              boundary_bytes=mem["boundary_bytes"]), link=lk).makespan_s
         for r in range(P):
             for a in sched.actions[r]:
                 if a.kind in (SEND_F, SEND_B):  # a forward send carries its stage's output, a backward one
                     s = a.stage if a.kind == SEND_F else a.stage - 1  # the gradient of the previous stage's
-                    p2p_total[r] += lk.time(mem["boundary_bytes"][s])
+                    p2p_total[r] += lk.time(mem["boundary_bytes"][s]) + (lk.send_s if lk.blocking else 0.0)
     out = []
     for r in range(P):
         mine = stages_of[r]
         t = StepSeconds()
-        t.compute = sum(passes[r][s] * (stage_f[s] + stage_b[s]) for s in mine)
+        t.compute = sum(passes[r][s] * (stage_f[s] + stage_b[s] + pieces * act) for s in mine)
         t.recompute = sum(passes[r][s] * stage_r[s] for s in mine)
         t.bubble = max(bare.makespan_s - bare.busy_s[r], 0.0)
         t.comm_s = dict(comm_s[r])

@@ -4,7 +4,8 @@ Each rank executes its action list in order (see the execution model in
 :mod:`.schedules`). Compute passes take their stage's time; a send posts a transfer on the
 directed link (sender → receiver), which carries one message at a time (FIFO by post time)
 and delivers it ``latency + bytes / bandwidth`` seconds after it starts; a receive waits for
-that arrival. Events are processed in start-time order, so link FIFO order is real time order.
+that arrival. On a blocking link (:class:`Link`: gloo on a CPU) the transfer instead runs on
+the receiver's clock once both sides have posted. Events are processed in start-time order, so link FIFO order is real time order.
 
 Definitions used in every report (units: seconds, bytes):
 
@@ -131,10 +132,25 @@ class StageCosts:
 
 @dataclass
 class Link:
-    """Point-to-point link between neighbouring ranks: bytes/second and seconds per message."""
+    """Point-to-point link between neighbouring ranks: bytes/second and seconds per message.
+
+    ``blocking`` describes a transport whose transfer runs on the receiver's clock (gloo on a CPU: its
+    ``isend`` only announces the message, the bytes move once the receive is posted and need the
+    sender's progress thread, which shares the cores with the compute — measured by
+    :mod:`scaletrain.planner.pipeline_host`): a receive then ends ``latency_s + bytes / bandwidth`` after
+    both the send and the receive are posted — plus, when the sender is inside a pass then, the shorter
+    of ``busy_latency_s`` (its progress thread gets a core) and the rest of that pass — and a send
+    costs its rank ``send_s`` of host time.
+    Otherwise (NCCL, the presets) transfers run on the link beside the compute."""
 
     bandwidth_Bps: float = math.inf
     latency_s: float = 0.0
+    blocking: bool = False
+    busy_latency_s: float = 0.0
+    """Seconds a blocking receive waits beyond ``latency_s`` while the sender computes (``blocking``
+    only; at most the rest of the sender's pass)."""
+    send_s: float = 0.0
+    """Host seconds one posted send costs its rank (``blocking`` only)."""
 
     def time(self, nbytes: float) -> float:
         """One message: α–β with one step (:func:`scaletrain.cost.collective_seconds`)."""
@@ -204,6 +220,9 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
     arrival: dict[tuple, float] = {}
     link_free: dict[tuple[int, int], float] = {}
     events: list[Event] = []
+    passes: list[list[tuple[float, float]]] = [[] for _ in range(P)]  # each rank's compute intervals
+    blocking = link.blocking and p2p == "eager"
+    sent_by: dict[tuple, tuple[int, float]] = {}  # blocking: message key -> (sending rank, bytes)
 
     def dur(r: int, a: Action) -> float:
         if durations is not None:
@@ -223,6 +242,19 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
         # forward carries stage s's output; backward carries the gradient of stage s-1's output
         s = a.stage if a.kind == SEND_F else a.stage - 1
         return costs._get("boundary_bytes", s)
+
+    def busy(q: int, t: float) -> float:
+        """Seconds left of the compute pass rank ``q`` runs at time ``t`` (the whole next one when it is
+        about to start it there); 0 when it waits."""
+        if clock[q] <= t:
+            nxt = acts[q][ptr[q]] if ptr[q] < len(acts[q]) else None
+            return dur(q, nxt) if nxt is not None and nxt.kind in COMPUTE_KINDS else 0.0
+        for e in reversed(passes[q]):
+            if e[1] <= t:
+                return 0.0
+            if e[0] <= t:
+                return e[1] - t
+        return 0.0
 
     def transfer(src: int, dst: int, post: float, nbytes: float) -> float:
         start = max(post, link_free.get((src, dst), 0.0))
@@ -261,7 +293,12 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
         if a.kind in COMPUTE_KINDS or a.kind == OPT:
             end = start + dur(r, a)
             events.append(Event(r, a.kind, a.mb, start, end, a.stage, a.pipe))
+            passes[r].append((start, end))
             clock[r] = end
+        elif a.kind in (SEND_F, SEND_B) and blocking:  # posted only; the bytes move when the peer receives
+            clock[r] = start + link.send_s
+            arrival[message_key(a)] = clock[r]
+            sent_by[message_key(a)] = (r, msg_bytes(a))
         elif a.kind in (SEND_F, SEND_B) and p2p == "eager":
             arrival[message_key(a)] = transfer(r, a.peer, start, msg_bytes(a))
         elif a.kind in (SEND_F, SEND_B):  # rendezvous: both sides finish with the transfer
@@ -270,6 +307,13 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, link: Link | N
             clock[r] = clock[q] = end
             ptr[q] += 1
             remaining -= 1
+        elif a.kind in (RECV_F, RECV_B) and blocking:
+            key = message_key(a)
+            t = max(start, arrival.pop(key))
+            q, nbytes = sent_by.pop(key)
+            left = busy(q, t)  # the sender's progress thread gets the core within busy_latency_s, or once its pass ends
+            lat = link.latency_s + min(left, link.busy_latency_s) if left > 0 else link.latency_s
+            clock[r] = t + lat + (nbytes / link.bandwidth_Bps if nbytes else 0.0)
         elif a.kind in (RECV_F, RECV_B):
             clock[r] = max(start, arrival.pop(message_key(a)))
         elif a.kind == GRAD_SYNC:  # 2-rank all-reduce of one stage's gradients
