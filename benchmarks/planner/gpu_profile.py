@@ -54,7 +54,10 @@ def profile_run(model: str, mb: int, gb: int, seq: int, steps: int, warmup: int,
     events = list(prof.events())
     opt = sorted((e.time_range.start, e.time_range.end) for e in events
                  if e.name.startswith("Optimizer.step#") and e.device_type.name == "CPU")
-    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    # GPU-side activity only, without the GPU copies of record_function ranges (``Optimizer.step#AdamW.step``
+    # spans the whole optimizer step and its name matches the optimizer kind: counted, it doubled that kind)
+    kernels = [e for e in events if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
+               and not e.name.startswith("Optimizer.")]
     rows = []
     for i in range(warmup, min(len(opt), steps)):
         t0, t1 = opt[i - 1][1], opt[i][1]  # from the end of the previous optimizer step to the end of this one

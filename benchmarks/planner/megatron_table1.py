@@ -55,7 +55,12 @@ for inf by ``torch._amp_foreach_non_finite_check_and_unscale_`` (4 + 4), its L2 
 read 4) and scale (``multi_tensor_scale``, 4 + 4, run when the norm exceeds ``--clip-grad 1.0``, as early
 in training, where these 500-iteration runs are), FusedAdam (read p, g, m, v; write p, m, v: 28), and the
 fp32 main parameter copied to the fp16 one (4 + 2). The registry's 92 is torch's eight foreach kernels."""
-MEGATRON = Options(attention="materialized", p2p_scatter=True, stage_split="uniform",
+MEGATRON_2021_NORM = "apex"
+"""Megatron-LM 2021's LayerNorm is apex's fused kernel: ``megatron/model/__init__.py`` imports
+``MixedFusedLayerNorm as LayerNorm`` from ``megatron/model/fused_layer_norm.py``, which calls the
+``fused_mix_prec_layer_norm_cuda`` extension built from ``megatron/fused_kernels/layer_norm_cuda_kernel.cu``,
+apex's ``fused_layer_norm_cuda`` kernel (:data:`scaletrain.cost.norm.NORM_KERNELS` ``apex``)."""
+MEGATRON = Options(attention="materialized", p2p_scatter=True, stage_split="uniform", norm_kernel=MEGATRON_2021_NORM,
                    loss_bytes_per_logit=MEGATRON_2021_LOSS_BYTES, optimizer_bytes_per_param=MEGATRON_2021_OPTIMIZER_BYTES)
 # The run script's ``--DDP-impl`` per row (``examples/sc21/run_table_1.sh`` at de7dc40, Aug 2021): PyTorch's
 # DDP (gradient buckets overlapped with the backward) for 1.7B-18B, Megatron's ``local`` DDP for the rest.
@@ -65,7 +70,7 @@ MEGATRON = Options(attention="materialized", p2p_scatter=True, stage_split="unif
 # (``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``), as the planner prices 16-bit parameters.
 LOCAL_DDP = {39.1, 76.1, 145.6, 310.1, 529.6, 1008.0}
 MEGATRON_LOCAL_DDP = Options(attention="materialized", p2p_scatter=True, dp_overlap=False,
-                             stage_split="uniform", loss_bytes_per_logit=MEGATRON_2021_LOSS_BYTES,
+                             stage_split="uniform", norm_kernel=MEGATRON_2021_NORM, loss_bytes_per_logit=MEGATRON_2021_LOSS_BYTES,
                              optimizer_bytes_per_param=MEGATRON_2021_OPTIMIZER_BYTES)
 ONE_BUCKET_MB = 1e7
 """A bucket larger than any rank's gradients: local DDP's one all-reduce per step."""

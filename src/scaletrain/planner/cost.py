@@ -77,6 +77,7 @@ from scaletrain.planner import stage_remat
 from scaletrain.planner.stages import split as stage_split, uniform as uniform_split
 from scaletrain.techniques.data_parallel import cost as zero_cost
 from scaletrain.techniques.tensor_parallel.cost import tp_comm_bytes_per_step, tp_forward_bytes_per_block
+from scaletrain.cost.norm import norm_seconds
 from scaletrain.techniques.optim.registry import optimizer_step_bytes  # noqa: F401  (priced here, defined there)
 
 def optim_state_bytes(name: str, hidden: int) -> float:
@@ -141,6 +142,13 @@ class Options:
     0 = scaletrain's runtime: :func:`~scaletrain.techniques.optim.registry.optimizer_step_bytes` (torch's
     foreach AdamW and gradient clipping, 92 for Adam). Megatron-LM 2021 counted from its code: 60
     (``benchmarks/planner/megatron_table1.py``)."""
+    norm_kernel: str = "torch"
+    """The kernel that runs each LayerNorm / RMSNorm on a GPU platform (``device_type`` cuda), priced at
+    its measured fractions of HBM bandwidth, backward as its own kernels (:mod:`scaletrain.cost.norm`):
+    torch (``torch.nn.functional.layer_norm``: scaletrain's runtime, MPT's low-precision LayerNorm), apex
+    (apex's ``fused_layer_norm_cuda``, Megatron-LM 2021's MixedFusedLayerNorm) or roofline (streaming
+    bytes at the size table's fraction, backward 2 x; what CPU platforms always use). Ignored under
+    :attr:`fp32_norm_rotary`, which prices the norm as its unfused eager kernels."""
     autocast_residual_fp32: bool = True
     """Under autocast over fp32 parameters (scaletrain's runtime: precision bf16/fp16 with params_dtype
     fp32) the embedding's output, and so the residual stream, is fp32. PyTorch's autocast op reference
@@ -256,7 +264,10 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
     drop = 1 if shape.dropout > 0 else 0
     # LayerNorm x2 (read + write), bias-GELU on f (read + write), bias-dropout-add x2 (2 reads, 1 write, mask)
     r = 4 if autocast else e  # bytes per element of the residual stream
-    norm = (NORM_FP32_BYTES if opts.fp32_norm_rotary else 2 * r) * sbh / rep
+    # the norms by their kernel on a GPU (scaletrain.cost.norm: measured fractions, backward its own kernels)
+    kernel = opts.norm_kernel if plat.device_type == "cuda" and not opts.fp32_norm_rotary else "roofline"
+    norm_f, norm_b = norm_seconds(plat, kernel, sbh / rep, r)
+    norm = NORM_FP32_BYTES * sbh / rep if opts.fp32_norm_rotary else 0.0
     elementwise = [norm, norm, 2 * s * b * f * e / t,
                    (2 * r + e + drop) * sbh / rep, (2 * r + e + drop) * sbh / rep]
     if autocast:  # each matmul reading a norm's fp32 output casts it to 16 bits first (read 4, write 2)
@@ -266,6 +277,8 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
     if shape.rotary:  # rotary on q and k: read and write each
         elementwise.append((ROTARY_FP32_BYTES if opts.fp32_norm_rotary else 2 * e) * s * b * (h + shape.kv_width) / t)
     ew = sum(plat.memory_bound_seconds(x) for x in elementwise)
+    if not opts.fp32_norm_rotary:
+        ew += 2 * norm_f
     if opts.attention == "materialized":
         n2 = b * a * s * s / t
         attn += plat.memory_bound_seconds(2 * e * n2) + (plat.memory_bound_seconds((2 * e + 1) * n2) if drop else 0.0)
@@ -280,6 +293,8 @@ def layer_times(shape: Shape, plat: Platform, *, seq: int, b: int, tp: int, sp: 
     op_recompute = sum(mms[1::2]) + ew
     # flash attention's backward recomputes the scores: FLASH_BWD_RATIO x its forward, not 2 x
     bwd = 2 * fwd + ((FLASH_BWD_RATIO - 2) * attn if opts.attention == "flash" else 0.0)
+    if not opts.fp32_norm_rotary:  # the norms' backward kernels, not 2 x their forward
+        bwd += 2 * (norm_b - 2 * norm_f)
     return {"fwd": fwd, "bwd": bwd, "attn_core": attn, "op_recompute": op_recompute, "tp_fwd": tp_fwd,
             "tp_bwd": tp_bwd, "tp_stage": tp["stage"] / bw if t > 1 else 0.0}
 
