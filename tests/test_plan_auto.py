@@ -127,11 +127,14 @@ def test_one_process_run_logs_predicted_next_to_measured(tmp_path, capsys):
 @pytest.mark.slow
 def test_two_processes_run_the_choice_with_its_traffic_and_peak(tmp_path):
     out = tmp_path / "run"
-    # Nothing pinned. This 2-layer model's first choice used to be a 2-stage zb1p (measured 27-31 ms against
-    # dp=2's 20 ms, both predicted ~13 ms): the pipeline runtime's host time per action and gloo's blocking
-    # receive are now priced (Platform.pipeline_action_s, p2p_recv_s: issue #25), and it picks dp=2.
+    # dp=2 pinned: the rest (ZeRO stage, micro-batch, remat) is the planner's. This 2-layer model's first choice
+    # used to be a 2-stage zb1p (measured 27-31 ms against dp=2's 20 ms, both predicted ~13 ms); the pipeline's
+    # host time per action and gloo's blocking receive are now priced (Platform.pipeline_action_s, p2p_recv_s)
+    # and at load it picks dp=2, but the choice depends on the calibration of the moment, and a zb1p's peak is
+    # bounded from above (+5 %: the I pass's kept output gradients) — this test proves the run equals its
+    # prediction, benchmarks/planner/measured_models.py measures which plan is fastest.
     r = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", "--nproc-per-node", "2", "--out", str(out),
-                        "plan=auto", "train.steps=3", "train.measure_memory=true", *TINY],
+                        "plan=auto", "parallel.dp=2", "train.steps=3", "train.measure_memory=true", *TINY],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("plan=auto: ") == 1 and "predicted vs measured" in r.stdout

@@ -5,7 +5,8 @@ Each rank executes its action list in order (see the execution model in
 directed link (sender → receiver), which carries one message at a time (FIFO by post time)
 and delivers it ``latency + bytes / bandwidth`` seconds after it starts; a receive waits for
 that arrival. On a blocking link (:class:`Link`: gloo on a CPU) the transfer instead runs on
-the receiver's clock once both sides have posted. Events are processed in start-time order, so link FIFO order is real time order.
+the receiver's clock once both sides have posted. Events are processed in start-time order, so
+link FIFO order is real time order.
 
 Definitions used in every report (units: seconds, bytes):
 
