@@ -1,4 +1,4 @@
-"""The ``torch-tp`` peer of ``scaletrain compare`` and scaletrain's TP against it: same step, no more DTensor dispatch."""
+"""The ``torch-tp`` peer of ``scaletrain compare``, and scaletrain's TP against it: same step, no more dispatch."""
 
 from __future__ import annotations
 

@@ -52,8 +52,9 @@ ROWS = {  # technique -> (scaletrain engine, its peers)
     "ZeRO-2": ("st-zero2", ("deepspeed-zero2",)),
     "DDP": ("st-ddp", ("torch-ddp",)),
     "TP=2": ("st-tp", ("torch-tp",)),
+    "TP=2, step logged": ("st-tp-logged", ("torch-tp",)),
 }
-TP_ENGINES = ("st-tp", "torch-tp")
+TP_ENGINES = ("st-tp", "st-tp-logged", "torch-tp")
 """Tensor-parallel engines (language models only): both ranks run the whole batch, the blocks split."""
 OPT = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
 
@@ -66,13 +67,14 @@ def _engine(name: str, model: nn.Module, loss_fn, micro: int, world: int, seq: i
         from scaletrain.techniques.runtime import RunContext
         from scaletrain.techniques.stack import build_runtime
 
-        zero = {"st-ddp": 0, "st-zero2": 2, "st-tp": 0}.get(name, 3)
-        tp = world if name == "st-tp" else 1
+        zero = {"st-ddp": 0, "st-zero2": 2, "st-tp": 0, "st-tp-logged": 0}.get(name, 3)
+        tp = world if name.startswith("st-tp") else 1
+        logged = name.endswith("-logged")  # every step a logging step: TP's collectives counted op by op
         # steps / log_every: the trainer's steady step, which counts no traffic op by op (its logging steps
-        # run the TP collectives' counter, a dispatch mode over every operator)
+        # run the TP collectives' counter, a dispatch mode over every operator: engine st-tp-logged)
         ctx = RunContext(device=torch.device("cpu"), rank=rank, world=world, dp_world=world // tp,
                          micro_batch=micro * tp, seq_len=seq, loss_fn=loss_fn, task="lm" if seq else "classify",
-                         steps=10**9, log_every=10**9)
+                         steps=1 if logged else 10**9, log_every=1 if logged else 10**9)
         group = {"st-zero3-block": "block", "st-zero3-one": "1GiB"}.get(name, "auto")
         plan = Plan(zero=zero, fsdp_group=group, tp=tp).resolved(world)
         strat = build_runtime(plan, model, ctx, Facts.of(model, world=world, device="cpu", seq_len=seq))
