@@ -46,7 +46,8 @@ def _ranks(rank: int, world: int, tests_dir: str, user_dir: str) -> dict:
         m = t.hf_gpt2()
         losses = t.fit(m, *extra).losses
         out["objects"].append((losses, t.params(m), type(m.transformer.h[0]).__name__,
-                               type(m.transformer.h[0].attn.c_attn).__name__))
+                               type(m.transformer.h[0].attn.c_attn).__name__,
+                               sum("forward" in mod.__dict__ for mod in m.modules())))
     return out
 
 
@@ -70,8 +71,9 @@ def test_done_when_two_processes_equal_one(tmp_path):
         assert r["done_when"] == pytest.approx(ref, rel=1e-6)  # hf:gpt2, ZeRO-2 + optimal remat
         assert r["digits"] == pytest.approx(ref_digits, rel=1e-6)  # py: image classifier on digits, ZeRO-2
         assert r["llama_tp"] == pytest.approx(ref_llama, rel=1e-6)  # hf:llama, tensor parallelism
-        for extra, (losses, params, block, attn) in zip(OBJECT_RUNS, r["objects"]):
+        for extra, (losses, params, block, attn, swapped) in zip(OBJECT_RUNS, r["objects"]):
             assert losses == pytest.approx(ref, rel=1e-6), extra
             assert (block, attn) == ("GPT2Block", "Conv1D"), extra  # FSDP's class swap and TP's layers undone
+            assert swapped == 0, extra  # no forward left swapped per instance (TP's norms compute on local tensors)
             for k, v in ref_params.items():  # Adam amplifies the key bias's ~0 gradients: absolute tolerance
                 assert torch.allclose(params[k], v, rtol=1e-4, atol=1e-6), (extra, k)

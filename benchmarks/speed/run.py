@@ -52,8 +52,9 @@ ROWS = {  # technique -> (scaletrain engine, its peers)
     "ZeRO-2": ("st-zero2", ("deepspeed-zero2",)),
     "DDP": ("st-ddp", ("torch-ddp",)),
     "TP=2": ("st-tp", ("torch-tp",)),
+    "TP=2, step logged": ("st-tp-logged", ("torch-tp",)),
 }
-TP_ENGINES = ("st-tp", "torch-tp")
+TP_ENGINES = ("st-tp", "st-tp-logged", "torch-tp")
 """Tensor-parallel engines (language models only): both ranks run the whole batch, the blocks split."""
 OPT = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
 
@@ -66,10 +67,14 @@ def _engine(name: str, model: nn.Module, loss_fn, micro: int, world: int, seq: i
         from scaletrain.techniques.runtime import RunContext
         from scaletrain.techniques.stack import build_runtime
 
-        zero = {"st-ddp": 0, "st-zero2": 2, "st-tp": 0}.get(name, 3)
-        tp = world if name == "st-tp" else 1
+        zero = {"st-ddp": 0, "st-zero2": 2, "st-tp": 0, "st-tp-logged": 0}.get(name, 3)
+        tp = world if name.startswith("st-tp") else 1
+        logged = name.endswith("-logged")  # every step a logging step: TP's collectives counted op by op
+        # steps / log_every: the trainer's steady step, which counts no traffic op by op (its logging steps
+        # run the TP collectives' counter, a dispatch mode over every operator: engine st-tp-logged)
         ctx = RunContext(device=torch.device("cpu"), rank=rank, world=world, dp_world=world // tp,
-                         micro_batch=micro * tp, seq_len=seq, loss_fn=loss_fn, task="lm" if seq else "classify")
+                         micro_batch=micro * tp, seq_len=seq, loss_fn=loss_fn, task="lm" if seq else "classify",
+                         steps=1 if logged else 10**9, log_every=1 if logged else 10**9)
         group = {"st-zero3-block": "block", "st-zero3-one": "1GiB"}.get(name, "auto")
         plan = Plan(zero=zero, fsdp_group=group, tp=tp).resolved(world)
         strat = build_runtime(plan, model, ctx, Facts.of(model, world=world, device="cpu", seq_len=seq))
@@ -137,59 +142,23 @@ def _engine(name: str, model: nn.Module, loss_fn, micro: int, world: int, seq: i
 
 
 def _torch_tp(model: nn.Module, loss_fn, world: int):
-    """torch's own tensor parallelism as its tutorial shows it (Megatron's split with DTensor styles): per
-    block c_attn / c_fc column-parallel and both c_proj row-parallel over this rank's heads, the embedding
-    vocabulary-parallel, the head column-parallel with ``loss_parallel``; norms stay plain modules (their
-    input is replicated, so their gradients agree without a collective)."""
-    import types
-
-    import torch.nn.functional as F
+    """torch's own tensor parallelism as its tutorial shows it: the ``torch-tp`` peer of ``scaletrain compare``
+    (:mod:`scaletrain.compare.tp_peer`: Colwise/RowwiseParallel over this rank's heads, vocabulary-parallel
+    embedding and head with ``loss_parallel``, norms plain modules), AdamW with one kind of tensor a group."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+    from torch.distributed.tensor.parallel import loss_parallel
 
-    mesh = init_device_mesh("cpu", (world,))
-    h = model.config.n_embd
+    from scaletrain.compare.tp_peer import clip_mixed, split_groups, torch_tp_split
 
-    def attention(self, x):  # the block's attention over its local heads: c_attn's local [q | k | v]
-        b, s, _ = x.shape
-        q, k, v = (t.view(b, s, self.n_head, -1).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(b, s, -1)))
-
-    for block in model.h:
-        a = block.attn
-        local = h // world  # rows of q (k, v) per rank: order the fused weight [q_r | k_r | v_r] per rank r
-        perm = torch.cat([torch.arange(part * h + r * local, part * h + (r + 1) * local)
-                          for r in range(world) for part in range(3)])
-        with torch.no_grad():
-            a.c_attn.weight.copy_(a.c_attn.weight[perm])
-            a.c_attn.bias.copy_(a.c_attn.bias[perm])
-        a.n_head //= world
-        a.forward = types.MethodType(attention, a)
-        parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-                                         "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
-    parallelize_module(model.embed, mesh, {"wte": RowwiseParallel(input_layouts=Replicate())})
-    parallelize_module(model.head, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1),
-                                                                     use_local_output=False)})
-    model.head.lm_head.weight = model.embed.wte.weight  # tied again: both Shard(0) over the vocabulary
-    from torch.distributed.tensor import DTensor
-    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
-
+    torch_tp_split(model, init_device_mesh("cpu", (world,)))
     params = list(model.parameters())
-    sharded = [p for p in params if isinstance(p, DTensor)]
-    plain = [p for p in params if not isinstance(p, DTensor)]
-    opt = torch.optim.AdamW([{"params": sharded}, {"params": plain}], **OPT)  # foreach: one kind a group
+    opt = split_groups(torch.optim.AdamW(params, **OPT))
 
     def step(x, y):
         with loss_parallel():
             loss = loss_fn(model(x), y)
             loss.backward()
-        # clip_grad_norm_ refuses DTensor and plain gradients together: the two norms, then one scale
-        norm = (get_total_norm([p.grad for p in sharded]).full_tensor() ** 2
-                + get_total_norm([p.grad for p in plain]) ** 2)
-        for group in (sharded, plain):
-            clip_grads_with_norm_(group, 1.0, norm.sqrt())
+        clip_mixed(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss.full_tensor()) if hasattr(loss, "full_tensor") else float(loss)

@@ -63,6 +63,9 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              requires="torch.nn.parallel", like="ddp"),
     Strategy("torch-fsdp", "pytorch", (), "plain PyTorch FSDP2 fully_shard per block + root (peer)",
              requires="torch.distributed.fsdp", like="zero3"),
+    Strategy("torch-tp", "pytorch", ("parallel.tp={n}",), "plain PyTorch tensor parallel: parallelize_module with "
+             "Colwise/RowwiseParallel over all devices (peer)", requires="torch.distributed.tensor.parallel",
+             like="tp"),
     Strategy("deepspeed-zero2", "deepspeed", (), "DeepSpeed ZeRO-2 engine (peer)", requires="deepspeed",
              like="zero2"),
     Strategy("deepspeed-zero3", "deepspeed", (), "DeepSpeed ZeRO-3 engine (peer)", requires="deepspeed",
@@ -126,9 +129,9 @@ QUICK = dict(models=("gpt2-mini", "vgg-mini"), devices=(1, 2, 4),
              strategies=("ddp", "zero3", "tp", "1f1b", "pipedream2bw", "deepspeed-zero3"), repeats=1)
 FULL = dict(models=("gpt2-mini", "vgg-mini"), devices=(1, 2, 4), repeats=3,
             strategies=(*(n for n, s in STRATEGIES.items() if s.framework == "scaletrain"), "torch-fsdp",
-                        "deepspeed-zero3"))
-"""The full study: every scaletrain strategy and the two sharded peers (torch-ddp and deepspeed-zero2 on request:
-``--strategies``)."""
+                        "deepspeed-zero3", "torch-tp"))
+"""The full study: every scaletrain strategy, the two sharded peers and torch's TP (torch-ddp and deepspeed-zero2 on
+request: ``--strategies``)."""
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@
 
 - ``torch-ddp``: plain ``torch.nn.parallel.DistributedDataParallel`` (bucket size ``parallel.bucket_mb``);
 - ``torch-fsdp``: plain FSDP2 ``fully_shard`` on every block that owns its parameters, then the root;
+- ``torch-tp``: torch's own tensor parallelism (``parallelize_module``, Colwise/RowwiseParallel) over every
+  process, on GPT-2 (:mod:`.tp_peer`; its ranks read the same samples, as scaletrain's ``tp`` cell's);
 - ``deepspeed-zero2`` / ``deepspeed-zero3``: a DeepSpeed engine with its ZeRO stage 2 / 3 (``deepspeed`` is
   imported here only, inside that path: never at module load, never by the library).
 
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from scaletrain.compare.matrix import STRATEGIES
+from scaletrain.compare.tp_peer import loss_context, tp_engine
 from scaletrain.errors import ConfigError, UserError, one_line
 from scaletrain.techniques.runtime import average_pending
 
@@ -254,17 +257,19 @@ def train(strategy: str, out: Path, overrides: list[str], device: torch.device) 
         raise ConfigError(f"unknown peer {strategy!r}; allowed: {', '.join(PEERS)}")
     cfg = load_config(None, overrides)
     rank, world = dist.get_rank(), dist.get_world_size()
-    micro, accum = batch_arithmetic(cfg.train.global_batch, cfg.train.micro_batch, world)
+    dp = world // cfg.parallel.tp  # data-parallel ranks (the TP peer's ranks read the same samples)
+    micro, accum = batch_arithmetic(cfg.train.global_batch, cfg.train.micro_batch, dp)
     if accum != 1:
         raise ConfigError(f"train.micro_batch={cfg.train.micro_batch}: the peers take one micro-batch per rank and "
-                          f"step; allowed: train.micro_batch=0 or {cfg.train.global_batch // world}")
+                          f"step; allowed: train.micro_batch=0 or {cfg.train.global_batch // dp}")
     torch.manual_seed(cfg.train.seed)  # the trainer's order: seed, model, data, then per-replica streams
     model = models.get(cfg.model.name, **cfg.model.overrides).to(device)
     adapter = adapt(model)
     _, train_set, val_set = build_datasets(cfg, adapter, user_model=False)
     LEDGER.install()  # before the engine: DeepSpeed keeps its own references to the collectives it will call
     try:
-        return _loop(strategy, out, cfg, model, adapter, train_set, val_set, (micro, rank, world), device)
+        with loss_context(strategy):
+            return _loop(strategy, out, cfg, model, adapter, train_set, val_set, (micro, rank, world), device)
     finally:
         LEDGER.uninstall()
 
@@ -279,12 +284,15 @@ def _loop(strategy: str, out: Path, cfg: Any, model: nn.Module, adapter: Any, tr
     from scaletrain.techniques.tensor_parallel.rng import replica_seed
 
     micro, rank, world = layout
+    tp = cfg.parallel.tp  # the TP peer: its ranks read the samples of data-parallel rank rank // tp of world // tp
     if strategy.startswith("deepspeed"):
         engine = deepspeed_engine(int(strategy[-1]), model, cfg, micro, world)
+    elif strategy == "torch-tp":
+        engine = tp_engine(model, cfg, device)
     else:
         engine = torch_engine(strategy, model, cfg, device)
-    torch.manual_seed(replica_seed(cfg.train.seed, rank, 1))
-    it = rank_batches(cfg, train_set, micro, rank, world)
+    torch.manual_seed(replica_seed(cfg.train.seed, rank, tp))
+    it = rank_batches(cfg, train_set, micro, rank // tp, world // tp)
     unit = "tok" if adapter.task == "lm" else "samples"
     items = cfg.train.global_batch * (getattr(train_set, "tokens_per_sample", 1) if unit == "tok" else 1)
     rows: list[dict[str, Any]] = []
@@ -327,7 +335,8 @@ def _loop(strategy: str, out: Path, cfg: Any, model: nn.Module, adapter: Any, tr
             row["time_breakdown_s"] = phases
         rows.append(row) if logged else None
         if step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-            rows.append({"step": step, **evaluate(engine, cfg, adapter, val_set, micro, rank, world, device)})
+            rows.append({"step": step, **evaluate(engine, cfg, adapter, val_set, micro, rank // tp, world // tp,
+                                                  device)})
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -54,7 +54,7 @@ NOTES = [
     "measured by the same tracker on the same last step (DeepSpeed's fp32 partitions, a second copy of the "
     "parameters it keeps even in fp32, count as parameters). Their "
     "prediction is that of the scaletrain strategy computing the same step (torch-ddp ~ ddp, deepspeed-zero2 ~ "
-    "zero2, deepspeed-zero3 and torch-fsdp ~ zero3).",
+    "zero2, deepspeed-zero3 and torch-fsdp ~ zero3, torch-tp ~ tp).",
 ]
 
 

@@ -45,6 +45,8 @@ def blocked(cell: Cell) -> tuple[str, str] | None:
     if strategy.requires and importlib.util.find_spec(strategy.requires) is None:
         return "not installed", (f"`import {strategy.requires}` fails here (a peer of the `bench` extra: "
                                  f"pip install -c constraints.txt -e .[bench])")
+    if strategy.framework != "scaletrain" and strategy.keys:  # a model-parallel peer (torch-tp): where its twin runs
+        return blocked(Cell(cell.model, strategy.like, cell.devices, cell.settings))
     if strategy.framework != "scaletrain":  # a peer: its own one-process run too (the framework's overhead)
         if cell.devices > cell.settings.global_batch or cell.settings.global_batch % cell.devices:
             return "not applicable", (f"the peers take one micro-batch per device: global batch "

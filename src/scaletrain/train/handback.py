@@ -29,6 +29,8 @@ class Snapshot:
     tensors: list[tuple[str, nn.Module, str, torch.Tensor, bool]] = field(default_factory=list)
     """(state-dict key, owning module, attribute, original tensor, is a parameter)."""
     hooks: list[tuple[nn.Module, tuple[set[int], ...]]] = field(default_factory=list)
+    forwards: list[tuple[nn.Module, Any]] = field(default_factory=list)
+    """(module, its own ``forward`` attribute or None): TP swaps some modules' forward per instance."""
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -42,6 +44,7 @@ def take(model: nn.Module) -> Snapshot:
         snap.classes.append((mod, type(mod)))
         snap.children += [(mod, n, c) for n, c in mod._modules.items()]
         snap.hooks.append((mod, tuple(set(getattr(mod, d, {})) for d in _HOOK_DICTS)))
+        snap.forwards.append((mod, mod.__dict__.get("forward")))
         dot = f"{prefix}." if prefix else ""
         snap.tensors += [(dot + n, mod, n, p, True) for n, p in mod._parameters.items() if p is not None]
         snap.tensors += [(dot + n, mod, n, b, False) for n, b in mod._buffers.items() if b is not None]
@@ -74,6 +77,11 @@ def hand_back(snap: Snapshot, state: dict[str, Any], structure: bool = True) -> 
                 hooks = getattr(mod, d, None)
                 for k in [k for k in (hooks or {}) if k not in before]:
                     del hooks[k]
+        for mod, forward in snap.forwards:
+            if forward is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.__dict__["forward"] = forward
     written = 0
     for key, mod, attr, orig, is_param in snap.tensors:
         v = state.get(key)

@@ -44,12 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     RowwiseParallel,
-    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
@@ -127,13 +126,20 @@ def _sp_embedding_forward(self: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 
 
 def replicate_module(module: nn.Module, mesh: DeviceMesh, input_placement: Placement = Replicate()) -> None:
-    """Make ``module``'s own parameters replicated DTensors (rank 0's values broadcast).
+    """Make ``module``'s own parameters replicated DTensors (rank 0's values broadcast), computing on
+    plain tensors.
 
-    Why: the optimizer's and ``clip_grad_norm_``'s foreach kernels refuse a mix of DTensor and
-    plain tensors, so every parameter of a TP model is a DTensor. Plain-tensor inputs are wrapped
-    with ``input_placement`` (``Shard(0)`` for this rank's slice of positions under SP, in which
-    case the weight gradient comes out Partial and DTensor all-reduces it) and the output is
-    returned as a local tensor.
+    Why DTensors: the optimizer's and ``clip_grad_norm_``'s foreach kernels refuse a mix of DTensor
+    and plain tensors, and checkpoints, clipping and data parallelism see one kind of parameter.
+    Why plain compute: running the module's operators on DTensors sends each of them (forward and
+    backward) through DTensor's Python dispatch, ~0.1 ms an operator on a CPU, with nothing to
+    communicate; torch's own TP keeps such modules plain. So the forward swaps each parameter for
+    its local tensor (``to_local``, differentiable) and runs the module's own code on its plain
+    inputs; the gradient comes back as a DTensor placed like the parameter (``Replicate``: equal on
+    every TP rank, no collective) or, when the input is this rank's slice (``input_placement`` a
+    ``Shard``: positions or tokens under SP), ``Partial`` — each rank's gradient covers its tokens
+    only; :func:`_reduce_partial_grads_eagerly` sums it over the TP group once in the backward.
+    A DTensor input (none in the splits here) runs the module on DTensors as before.
     """
     def partition(name: str, mod: nn.Module, m: DeviceMesh) -> None:
         for pname, p in list(mod.named_parameters(recurse=False)):
@@ -141,14 +147,29 @@ def replicate_module(module: nn.Module, mesh: DeviceMesh, input_placement: Place
                 mod.register_parameter(pname, nn.Parameter(distribute_tensor(p.detach(), m, [Replicate()]),
                                                            requires_grad=p.requires_grad))
 
-    def inputs(mod: nn.Module, args: tuple, m: DeviceMesh) -> tuple:
-        return tuple(DTensor.from_local(a, m, [input_placement], run_check=False)
-                     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+    distribute_module(module, mesh, partition)
+    module._tp_grad_placements = [Partial()] if input_placement.is_shard() else None
+    module._tp_inner_forward = module.forward  # bound: a deep copy rebinds it to the copy
+    module.forward = types.MethodType(_forward_on_local_parameters, module)
 
-    def outputs(mod: nn.Module, out: Any, m: DeviceMesh) -> Any:
+
+def _forward_on_local_parameters(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward :func:`replicate_module` installs: the module's own forward with its DTensor
+    parameters swapped for their local tensors for the call (read at call time: FSDP may have
+    swapped in its unsharded parameters); DTensor inputs run on the DTensors, output made local."""
+    inner = self._tp_inner_forward
+    if any(isinstance(a, DTensor) for a in (*args, *kwargs.values())):
+        out = inner(*args, **kwargs)
         return out.to_local() if isinstance(out, DTensor) else out
-
-    distribute_module(module, mesh, partition, inputs, outputs)
+    params = self._parameters
+    saved = dict(params)
+    try:
+        for pname, p in saved.items():
+            if isinstance(p, DTensor):
+                params[pname] = p.to_local(grad_placements=self._tp_grad_placements)  # type: ignore[assignment]
+        return inner(*args, **kwargs)
+    finally:
+        params.update(saved)
 
 
 def _replicate_leftovers(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -258,9 +279,11 @@ def apply_megatron(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
         if not _is_moe(block.mlp):  # a MoE MLP runs whole on each TP rank (replicated input and output)
             plan.update({"mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(output_layouts=seq_in)})
         if sp:
+            # the norms see this rank's s/t positions: replicated weights, Partial gradients (what torch's
+            # SequenceParallel style does, without DTensor's dispatch per operator)
+            replicate_module(block.ln_1, tp_mesh, Shard(1))
+            replicate_module(block.ln_2, tp_mesh, Shard(1))
             plan.update({
-                "ln_1": SequenceParallel(use_local_output=True),
-                "ln_2": SequenceParallel(use_local_output=True),
                 # all-gather the sequence before the column-parallel layers (Megatron's g)
                 "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -275,7 +298,7 @@ def apply_megatron(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
         "lm_head": ColwiseParallel(input_layouts=seq_in, output_layouts=Shard(-1), use_local_output=False),
     }
     if sp:
-        head_plan["ln_f"] = SequenceParallel(use_local_output=True)
+        replicate_module(model.head.ln_f, tp_mesh, Shard(1))
     parallelize_module(model.head, tp_mesh, head_plan)
     if sp and regather:
         keep_sequence_shard_for_backward(model.head.lm_head, tp_mesh)
