@@ -37,7 +37,8 @@ def fit_fsdp_group(plan: Any, model: nn.Module, budget: float | None, *, world: 
 
     if plan.zero != 3 or plan.pp > 1 or str(plan.fsdp_group).strip() != "auto" or budget is None:
         return plan, 0.0
-    n = plan.hsdp or max(plan.dp, 1) * plan.cp
+    resolved = plan.resolved(world)  # dp=0: every process left
+    n = resolved.hsdp or max(resolved.dp, 1) * resolved.cp
     accum = max(global_batch // max(n * (micro_batch or global_batch // n), 1), 1)
     best: tuple[float, Any] | None = None
     with trace_cache():
