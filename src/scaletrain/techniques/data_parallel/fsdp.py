@@ -3,7 +3,8 @@
 Groups of consecutive Chain blocks whose parameters no other block uses (``parallel.fsdp_group``:
 one group per block, up to a size, or ``auto``: the size :func:`.cost.fsdp_group_limit` prices
 fastest — fewer groups pay fewer collectives' latency, larger ones hold more unsharded bytes and
-expose more of their first gather), then the root — what runs the
+expose more of their first gather; the runtime and the planner fit it to the rank's memory first,
+:mod:`.grouping`), then the root — what runs the
 forward (the model, or its blocks under nested checkpoints) — which takes shared ones such as
 GPT-2's tied embedding. Parameters are sharded DTensors, all-gathered before a block runs and freed
 after it, in forward and again in backward (``reshard_after_forward=True``: ZeRO-3's 3 Psi of traffic) —
