@@ -11,7 +11,8 @@ roofline, α–β collectives and the pipeline simulator of :mod:`scaletrain.tec
 The space: tp (divisors of a node's devices) × cp (where pinned, ``--fix cp=N``: a model the runtime's ring
 attention cannot run is the compatibility table's one line) × pp (divisors of the world, at most one stage per
 block; the runtime's cost-balanced split, or equal block counts with ``--fix pp_split=equal``) × ep (MoE models:
-divisors of dp and of the experts) × dp × ZeRO 0–3 (0–1 with a pipeline; ZeRO-3's grouping, ``parallel.fsdp_group``, fastest first until one fits, or pinned with ``--fix fsdp_group=…``) × HSDP (ZeRO within one node's dp ranks
+divisors of dp and of the experts) × dp × ZeRO 0–3 (0–1 with a pipeline; ZeRO-3's grouping ``parallel.fsdp_group``:
+fastest first until one fits, or pinned with ``--fix fsdp_group=…``) × HSDP (ZeRO within one node's dp ranks
 when the job spans nodes, or the pinned group) × remat none / selective (attention models) / full ×
 sequence parallelism × schedule (1F1B, interleaved, ZB-1P; GPipe — 1F1B's time with more micro-batches
 alive — and Chimera — two copies of the weights — when pinned; each priced by the pipeline simulator) ×
