@@ -119,3 +119,50 @@ def test_traffic_counts_fsdp2_padding_of_odd_rows():
     even, _ = _predict(["model.overrides.vocab_size=256", *extra[1:]], 2)
     # one more real row and one padding row of 64 elements, each 4 B x (dp - 1) / dp in 2 collectives
     assert cost.comm_bytes - even.comm_bytes == 2 * (2 * 64 * 4 * (2 - 1) / 2)
+
+
+def _tiny_plan():
+    from scaletrain import models
+    from scaletrain.plan import Plan
+
+    cfg = load_config(None, BASE)
+    return models.get(cfg.model.name, device="meta", **cfg.model.overrides), Plan.from_config(cfg).with_(dp=2), cfg
+
+
+def test_auto_under_a_budget_takes_smaller_groups_within_it():
+    from scaletrain.techniques.data_parallel.grouping import fit_fsdp_group, group_settings
+
+    model, plan, cfg = _tiny_plan()
+    kw = dict(world=2, global_batch=cfg.train.global_batch, seq=cfg.data.seq_len)
+    free, peak = fit_fsdp_group(plan, model, float("inf"), **kw)
+    assert free.fsdp_group == group_settings(model, 2, 1, "cpu")[0]  # unbounded: auto's own (fastest) choice
+    tight, tight_peak = fit_fsdp_group(plan, model, peak - 1, **kw)  # a budget the fastest grouping exceeds
+    limit = lambda p: fsdp_group_limit(p.fsdp_group, [], 2, 1, "cpu")  # noqa: E731
+    assert limit(tight) < limit(free) and tight_peak <= peak - 1
+    smallest, smallest_peak = fit_fsdp_group(plan, model, 1.0, **kw)  # nothing fits: the smallest peak
+    assert smallest_peak <= tight_peak and smallest_peak > 1.0
+    assert fit_fsdp_group(plan.with_(fsdp_group="block"), model, 1.0, **kw)[0].fsdp_group == "block"  # pinned
+
+
+def test_planner_searches_the_grouping_under_its_device():
+    from scaletrain.planner.search import parse_fixed
+    from scaletrain.planner.traced import Traced, search
+    from scaletrain.planner.cost import Options
+    from scaletrain.platform import get as platform
+    from scaletrain.techniques.data_parallel.grouping import fit_fsdp_group
+
+    model, plan, cfg = _tiny_plan()
+    kw = dict(world=2, global_batch=cfg.train.global_batch, seq=cfg.data.seq_len)
+    peak = fit_fsdp_group(plan, model, float("inf"), **kw)[1]
+    fix = parse_fixed(["zero=3", "dp=2", "remat=none", f"micro_batch={cfg.train.global_batch // 2}"])
+    cpu = platform("h100").with_(device_type="cpu")  # gloo's peaks; the time model's constants do not matter
+    kw2 = dict(nodes=1, gpus_per_node=2, global_batch=cfg.train.global_batch, seq=cfg.data.seq_len, precision="fp32",
+               device="cpu", options=Options(reserve_bytes=0))
+    res = search(Traced.of(model), cpu.with_(device_memory_bytes=int(peak - 1)), fixed=fix, **kw2)
+    best = res.ranked[0]
+    assert best.plan.fsdp_group not in ("auto", fit_fsdp_group(plan, model, float("inf"), **kw)[0].fsdp_group)
+    assert best.peak_bytes["total"] <= peak - 1
+    pinned = search(Traced.of(model), cpu, fixed={**fix, **parse_fixed(["fsdp_group=block"])}, **kw2)
+    assert {c.plan.fsdp_group for c in pinned.ranked} == {"block"}
+    with pytest.raises(Exception, match="fsdp_group"):
+        parse_fixed(["fsdp_group=large"])

@@ -134,7 +134,8 @@ KEYS: tuple[Key, ...] = (
         "MiB", min=0.0, planner="kept"),
     Key("fsdp_group", _P + "fsdp_group", "auto", "zero=3: consecutive blocks one FSDP all-gather / reduce-scatter "
         "moves: auto (the size the cost model prices fastest), block (one group per block), or a size limit such "
-        "as 8MiB", _BYTES, words=("auto", "block"), planner="kept"),
+        "as 8MiB; the planner searches it (the fastest grouping that fits its device)", _BYTES,
+        words=("auto", "block"), planner="searched"),
     # ---------------------------------------------------------------- model parallelism
     Key("tp", _P + "tp", 1, "tensor-parallel ranks (Megatron column/row parallel, vocab-parallel loss)", "ranks",
         min=1, planner="searched"),

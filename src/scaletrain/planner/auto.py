@@ -223,7 +223,7 @@ def _plan_on_rank0(cfg: Any, world: int, fixed: dict[str, Any], plat: Any, devic
                precision=cfg.train.precision, optimizer=cfg.optim.name, options=opts, device=device.type)
     model = shape.model if traced else models.get(name, device="meta", **over)
     for i, c in enumerate(res.ranked):
-        plan = c.plan.with_(bucket_mb=user.bucket_mb, fsdp_group=user.fsdp_group, balance=user.balance)
+        plan = c.plan.with_(bucket_mb=user.bucket_mb, fsdp_group=c.plan.fsdp_group, balance=user.balance)
         m = plan.microbatches if plan.pp > 1 else gb // (plan.dp * plan.micro_batch)
         facts = compat.Facts.of(model, world=world, device=device.type, seq_len=seq,
                                 eval_every=cfg.train.eval_every, microbatches=m)

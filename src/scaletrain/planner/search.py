@@ -104,6 +104,12 @@ def parse_fixed(items: list[str]) -> dict[str, Any]:
                 raise UserError(f"--fix {k}={v}: expected an integer") from None
             if out[k] < (0 if k in ("zero", "hsdp") else 1):
                 raise UserError(f"--fix {k}={v}: must be >= {0 if k in ('zero', 'hsdp') else 1}")
+        elif k == "fsdp_group":  # auto, block or a byte limit: read as the runtime reads it
+            try:
+                zero_cost.fsdp_group_limit(v, [], 1, 1, "cpu")
+            except Exception as e:  # noqa: BLE001 - ConfigError naming what is allowed
+                raise UserError(f"--fix {e}") from None
+            out[k] = v
         else:
             allowed = {"remat": REMATS, "schedule": SCHEDULES + TRACED_SCHEDULES, "offload": OFFLOADS + TRACED_OFFLOADS,
                        "attention": ("flash", "materialized"), "pp_split": BALANCES}.get(k) or schema.BY_FIELD[k].choices
@@ -156,6 +162,7 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
     if "attention" in fx:
         opts = dataclasses.replace(opts, attention=fx.pop("attention"))
     balance = fx.pop("pp_split", "profile")
+    fsdp_group = fx.pop("fsdp_group", "auto")  # decoder shapes on paper do not price the grouping: kept as pinned
     world = nodes * gpus_per_node
     plat = plat.with_(devices_per_node=gpus_per_node)
     k = optim_state_bytes(optimizer, shape.hidden)
@@ -306,7 +313,7 @@ def search(shape: Shape, plat: Platform, *, nodes: int, gpus_per_node: int, glob
                             plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, sp=sp, zero=zero, hsdp=hsdp, micro_batch=b,
                                         microbatches=m if pp > 1 else 0,
                                         schedule=sched if pp > 1 else "1f1b", virtual=v if v > 1 else 0,
-                                        balance=balance,
+                                        balance=balance, fsdp_group=fsdp_group,
                                         remat=_remat(remat) if offload == "none" else RematPlan(),
                                         offload=_offload(offload, remat), precision=precision,
                                         params_dtype=params_dtype, optimizer=optimizer)

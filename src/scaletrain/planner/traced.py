@@ -11,7 +11,8 @@ roofline, α–β collectives and the pipeline simulator of :mod:`scaletrain.tec
 The space: tp (divisors of a node's devices) × cp (where pinned, ``--fix cp=N``: a model the runtime's ring
 attention cannot run is the compatibility table's one line) × pp (divisors of the world, at most one stage per
 block; the runtime's cost-balanced split, or equal block counts with ``--fix pp_split=equal``) × ep (MoE models:
-divisors of dp and of the experts) × dp × ZeRO 0–3 (0–1 with a pipeline) × HSDP (ZeRO within one node's dp ranks
+divisors of dp and of the experts) × dp × ZeRO 0–3 (0–1 with a pipeline; ZeRO-3's grouping ``parallel.fsdp_group``:
+fastest first until one fits, or pinned with ``--fix fsdp_group=…``) × HSDP (ZeRO within one node's dp ranks
 when the job spans nodes, or the pinned group) × remat none / selective (attention models) / full ×
 sequence parallelism × schedule (1F1B, interleaved, ZB-1P; GPipe — 1F1B's time with more micro-batches
 alive — and Chimera — two copies of the weights — when pinned; each priced by the pipeline simulator) ×
@@ -258,8 +259,11 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                         if fx.get("sp", sp) != sp:
                             continue
                         # recomputation only adds time: the next remat is priced only when the lighter one
-                        # does not fit (or when pinned)
+                        # does not fit (or when pinned); ZeRO-3's grouping likewise, fastest first
+                        fitted = False
                         for remat in REMATS:
+                            if fitted:
+                                break
                             if fx.get("remat", remat) != remat or (remat == "selective" and not attention):
                                 continue
                             if off != "none" and remat == "selective":
@@ -269,15 +273,29 @@ def search(target: Traced, plat: Platform, *, nodes: int, gpus_per_node: int, gl
                             if pp > 1 and remat != "none":
                                 reject(f"{region} remat={remat}", "runtime", PIPELINE_REMAT, key=f"{region} pp-remat")
                                 continue
-                            plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, zero=zero, hsdp=hsdp,
-                                        balance=balance, micro_batch=b,
-                                        microbatches=m if pp > 1 else 0, schedule=sched if pp > 1 else "1f1b",
-                                        virtual=v if v > 1 else 0,
-                                        remat=_remat(remat) if off == "none" else RematPlan(),
-                                        offload=_offload(off, remat), precision=precision,
-                                        params_dtype=params_dtype, optimizer=optimizer)
-                            if _priced(plan, region, m, f"{region} {sched if pp > 1 else ''} b={b}"):
-                                break
+                            for group in _fsdp_groups(zero, pp, hsdp or dp * cp, m):
+                                plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, zero=zero, hsdp=hsdp,
+                                            balance=balance, micro_batch=b, fsdp_group=group,
+                                            microbatches=m if pp > 1 else 0, schedule=sched if pp > 1 else "1f1b",
+                                            virtual=v if v > 1 else 0,
+                                            remat=_remat(remat) if off == "none" else RematPlan(),
+                                            offload=_offload(off, remat), precision=precision,
+                                            params_dtype=params_dtype, optimizer=optimizer)
+                                if _priced(plan, region, m, f"{region} {sched if pp > 1 else ''} b={b}"):
+                                    fitted = True
+                                    break
+
+    def _fsdp_groups(zero: int, pp: int, shard: int, accum: int) -> list[str]:
+        """``parallel.fsdp_group`` values searched: the pinned one, or — ZeRO-3 without a pipeline — every
+        distinct grouping, fastest first by its collectives' count and exposure (:func:`.grouping.group_settings`;
+        the first that fits ends the search); else ``auto`` (no grouping to choose)."""
+        if "fsdp_group" in fx:
+            return [fx["fsdp_group"]]
+        if zero != 3 or pp > 1:
+            return ["auto"]
+        from scaletrain.techniques.data_parallel.grouping import group_settings
+
+        return group_settings(target.model, shard, accum, device)
 
     def _cost(plan: Plan, region: str, where: str, solve: bool = False) -> PlanCost | None:
         """``plan`` priced (with ``solve``: its pipeline stages' remat budgets fitted first), or None — a

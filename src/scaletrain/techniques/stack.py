@@ -160,6 +160,8 @@ def _data_parallel(plan: Plan, model: nn.Module, ctx: RunContext, mp: Any, forwa
     # plain ZeRO-1/2 keeps ZeRO's mixed precision (16-bit parameters and gradients, fp32 masters of the
     # owned rows) under 16-bit autocast, as DeepSpeed does; on a model-parallel mesh parameters stay fp32
     plain = plan.tp == plan.cp == plan.ep == 1
+    if plan.zero == 3 and mp is None:  # fsdp_group=auto: the fastest grouping that fits this rank's memory
+        plan = plan.with_(fsdp_group=_fsdp_group(plan, model, ctx))
     # several processes with memory.offload.optimizer=host: each rank offloads its own shard (ZeRO-Offload)
     rt = MeshRuntime(model, mp, ctx, zero=plan.zero, bucket_mb=plan.bucket_mb, forward_module=forward_module,
                      fsdp_group=plan.fsdp_group,
@@ -168,6 +170,21 @@ def _data_parallel(plan: Plan, model: nn.Module, ctx: RunContext, mp: Any, forwa
     if plan.zero or plan.tp > 1:
         _warn_sharded_optimizer(ctx, plan, rt.describe())
     return rt
+
+
+def _fsdp_group(plan: Plan, model: nn.Module, ctx: RunContext) -> str:
+    """``parallel.fsdp_group`` as the run forms it (:func:`.data_parallel.grouping.runtime_fsdp_group`),
+    said once on rank 0."""
+    import os
+
+    from scaletrain.techniques.data_parallel.grouping import runtime_fsdp_group
+
+    group, note = runtime_fsdp_group(plan, model, world=ctx.world, dp=ctx.dp_world, micro_batch=ctx.micro_batch,
+                                     accum=ctx.accum, seq=ctx.seq_len or 0, device=ctx.device,
+                                     local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world)))
+    if note and ctx.rank == 0:
+        ctx.log(note)
+    return group
 
 
 def _predict_mesh(plan: Plan, model: nn.Module, ctx: RunContext, mp: Any, counts: dict[str, int], rt: Any,

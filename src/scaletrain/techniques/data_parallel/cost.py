@@ -189,13 +189,24 @@ def fsdp_group_limit(setting: str, block_bytes: Sequence[float], dp: int, accum:
         except Exception:  # noqa: BLE001 - any unreadable value: one line naming what is allowed
             raise ConfigError(f"parallel.fsdp_group={setting!r} is not allowed; allowed: auto, block, or a size "
                               f"in bytes such as 8MiB") from None
+    return fsdp_group_candidates(block_bytes, dp, accum, device_type)[0]
+
+
+def fsdp_group_candidates(block_bytes: Sequence[float], dp: int, accum: int, device_type: str) -> list[float]:
+    """Byte limits ``auto`` chooses among, fastest first by :func:`fsdp_group_seconds` (ties: smaller first):
+    one group per block (0), k times the largest block, the whole model. Limits giving the same groups are
+    listed once. ``parallel.fsdp_group=auto`` takes the first; with a memory budget
+    (:mod:`.grouping`) the first whose gathered bytes fit."""
     if not block_bytes:
-        return 0.0
+        return [0.0]
     big, total = max(block_bytes), sum(block_bytes)
     candidates = [0.0] + [k * big for k in range(1, len(block_bytes) + 1) if k * big < total] + [total]
+    seen: dict[tuple, float] = {}
+    for lim in sorted(candidates):
+        seen.setdefault(tuple(map(tuple, fsdp_groups(block_bytes, lim))), lim)
 
     def price(limit: float) -> float:
         groups = fsdp_groups(block_bytes, limit)
         return fsdp_group_seconds([sum(block_bytes[i] for i in g) for g in groups], dp, accum, device_type)
 
-    return min(candidates, key=lambda lim: (price(lim), lim))
+    return sorted(seen.values(), key=lambda lim: (price(lim), lim))
