@@ -133,7 +133,7 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
         zb = deferred_grads(chain, bounds, example, precision=plan.precision)
     # ZeRO-1/2 (GradSync): a backward's gradients are standalone until their bucket launches; ZeRO-1 with
     # accumulation holds them whole (grad_bytes) in every later micro-batch, which the simulator counts
-    progressive = (plan.zero == 2 or (plan.zero == 1 and M == 1)) and plan.tp == plan.cp == plan.ep == 1
+    progressive = (plan.zero == 2 or (plan.zero == 1 and M == 1)) and plan.tp == plan.cp == plan.ep == 1 and world > 1
     mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
                        precision=plan.precision, remat=remat, ep=plan.ep,
                        deferred=zb, grads_in_backward=progressive, **(optimizer_kw or {}))
@@ -323,7 +323,8 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
     rank's chunk (the tracker sees a bucket-sized buffer, born inside the collective, split at its wait),
     so every bucket in flight costs its input once more until it is drained; NCCL reduces in place."""
     N = plan.hsdp or max(plan.dp, 1) * (plan.cp if plan.pp == 1 else 1)
-    if plan.zero == 0 or (N == 1 and plan.zero == 3):
+    single = plan.pp == plan.tp == plan.cp == plan.ep == 1  # with N = 1: one process, no GradSync at all
+    if plan.zero == 0 or (N == 1 and (plan.zero == 3 or single)):
         return
     # ZeRO-1/2 on one data-parallel rank (pp=2 or tp=2 on 2 processes) still runs GradSync's buckets: the
     # reduce-scatter input and output of every bucket are made (the output copied from the input: no
