@@ -134,9 +134,16 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
     # ZeRO-1/2 (GradSync): a backward's gradients are standalone until their bucket launches; ZeRO-1 with
     # accumulation holds them whole (grad_bytes) in every later micro-batch, which the simulator counts
     progressive = (plan.zero == 2 or (plan.zero == 1 and M == 1)) and plan.tp == plan.cp == plan.ep == 1 and world > 1
+    extras = None
+    if plan.zero == 3 and plan.pp == 1 and plan.tp == plan.cp == plan.ep == 1 and not plan.hsdp and \
+            plan.precision == "fp32" and remat is None and max(plan.dp, 1) > 1:
+        from scaletrain.techniques.data_parallel.fsdp import block_extras
+
+        extras = block_extras(model, list(chain.blocks), plan.fsdp_group, plan.dp, M, "cpu" if device == "cpu"
+                              else device)
     mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
                        precision=plan.precision, remat=remat, ep=plan.ep,
-                       deferred=zb, grads_in_backward=progressive, **(optimizer_kw or {}))
+                       deferred=zb, grads_in_backward=progressive, extras=extras, **(optimizer_kw or {}))
     if zb is not None:
         mem = {**mem, "wstash_bytes": zb.wstash_bytes, "wgrad_temp_bytes": zb.wgrad_temp_bytes}
     if plan.pp > 1 and plan.zero == 3 and plan.precision in ("bf16", "fp16"):
@@ -157,7 +164,8 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
         _shrink_model_parallel(mem, plan, cfg, bounds, b, seq)
     if plan.ep > 1:
         _shard_experts(mem, plan, bounds, chain)
-    _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu", accum=M, device=device)
+    _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu", accum=M, device=device,
+                kept=extras[3] if extras is not None else None)
     buckets = _bucket_views(plan) and remat is None
     sim_mem = mem
     if buckets and M > 1:  # no_sync's accumulated .grad and, in the last micro-batch's backward, DDP's buckets
@@ -316,7 +324,7 @@ def _shrink_model_parallel(mem: dict, plan: Plan, cfg: Any, bounds: list[int], b
 
 
 def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo: bool, accum: int = 1,
-                device: str = "cpu") -> None:
+                device: str = "cpu", kept: float | None = None) -> None:
     """ZeRO over the data-parallel ranks (ZeRO's cost face; rows split as torch.chunk, so ~1/N).
 
     ``gloo``: the CPU backend reduce-scatters by all-reducing a full copy of the input and keeping this
@@ -347,6 +355,9 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
             # gradients before their reduce-scatter (fsdp.gathered_peak_bytes)
             from scaletrain.techniques.data_parallel.fsdp import gathered_peak_bytes
 
+            if kept is not None:  # priced block by block (fsdp.block_extras): the root's unsharded parameters
+                mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + kept
+                continue
             mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + gathered_peak_bytes(
                 chain, list(chain.blocks[bounds[s]:bounds[s + 1]]), plan.fsdp_group, N, accum,
                 "cpu" if gloo else device,
