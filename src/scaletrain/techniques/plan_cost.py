@@ -133,10 +133,17 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
         zb = deferred_grads(chain, bounds, example, precision=plan.precision)
     # ZeRO-1/2 (GradSync): a backward's gradients are standalone until their bucket launches; ZeRO-1 with
     # accumulation holds them whole (grad_bytes) in every later micro-batch, which the simulator counts
-    progressive = (plan.zero == 2 or (plan.zero == 1 and M == 1)) and plan.tp == plan.cp == plan.ep == 1
+    progressive = (plan.zero == 2 or (plan.zero == 1 and M == 1)) and plan.tp == plan.cp == plan.ep == 1 and world > 1
+    extras = None
+    if plan.zero == 3 and plan.pp == 1 and plan.tp == plan.cp == plan.ep == 1 and not plan.hsdp and \
+            plan.precision == "fp32" and remat is None and max(plan.dp, 1) > 1:
+        from scaletrain.techniques.data_parallel.fsdp import block_extras
+
+        extras = block_extras(model, list(chain.blocks), plan.fsdp_group, plan.dp, M, "cpu" if device == "cpu"
+                              else device)
     mem = stage_memory(chain, bounds, example, target=target, loss_fn=_loss, optimizer=plan.optimizer,
                        precision=plan.precision, remat=remat, ep=plan.ep,
-                       deferred=zb, grads_in_backward=progressive, **(optimizer_kw or {}))
+                       deferred=zb, grads_in_backward=progressive, extras=extras, **(optimizer_kw or {}))
     if zb is not None:
         mem = {**mem, "wstash_bytes": zb.wstash_bytes, "wgrad_temp_bytes": zb.wgrad_temp_bytes}
     if plan.pp > 1 and plan.zero == 3 and plan.precision in ("bf16", "fp16"):
@@ -157,7 +164,8 @@ def plan_costs(plan: Plan, model: nn.Module, *, world: int, global_batch: int, s
         _shrink_model_parallel(mem, plan, cfg, bounds, b, seq)
     if plan.ep > 1:
         _shard_experts(mem, plan, bounds, chain)
-    _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu", accum=M, device=device)
+    _shard_zero(mem, plan, bounds, chain, gloo=device == "cpu", accum=M, device=device,
+                kept=extras[3] if extras is not None else None)
     if plan.zero >= 2 or plan.tp > 1 or plan.cp > 1 or plan.ep > 1:
         # their faces reshape the gradients and the backward's transients; the first backward's own
         # figure (gradients made during the pass) is kept for the unsharded layouts only
@@ -320,14 +328,15 @@ def _shrink_model_parallel(mem: dict, plan: Plan, cfg: Any, bounds: list[int], b
 
 
 def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo: bool, accum: int = 1,
-                device: str = "cpu") -> None:
+                device: str = "cpu", kept: float | None = None) -> None:
     """ZeRO over the data-parallel ranks (ZeRO's cost face; rows split as torch.chunk, so ~1/N).
 
     ``gloo``: the CPU backend reduce-scatters by all-reducing a full copy of the input and keeping this
     rank's chunk (the tracker sees a bucket-sized buffer, born inside the collective, split at its wait),
     so every bucket in flight costs its input once more until it is drained; NCCL reduces in place."""
     N = plan.hsdp or max(plan.dp, 1) * (plan.cp if plan.pp == 1 else 1)
-    if plan.zero == 0 or (N == 1 and plan.zero == 3):
+    single = plan.pp == plan.tp == plan.cp == plan.ep == 1  # with N = 1: one process, no GradSync at all
+    if plan.zero == 0 or (N == 1 and (plan.zero == 3 or single)):
         return
     # ZeRO-1/2 on one data-parallel rank (pp=2 or tp=2 on 2 processes) still runs GradSync's buckets: the
     # reduce-scatter input and output of every bucket are made (the output copied from the input: no
@@ -350,6 +359,9 @@ def _shard_zero(mem: dict, plan: Plan, bounds: list[int], chain: nn.Module, gloo
             # gradients before their reduce-scatter (fsdp.gathered_peak_bytes)
             from scaletrain.techniques.data_parallel.fsdp import gathered_peak_bytes
 
+            if kept is not None:  # priced block by block (fsdp.block_extras): the root's unsharded parameters
+                mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + kept
+                continue
             mem["weight_bytes"][s] = mem["weight_bytes"][s] / N + gathered_peak_bytes(
                 chain, list(chain.blocks[bounds[s]:bounds[s + 1]]), plan.fsdp_group, N, accum,
                 "cpu" if gloo else device,

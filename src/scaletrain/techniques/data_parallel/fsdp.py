@@ -62,6 +62,48 @@ def gather_units(model: nn.Module, blocks: list[nn.Module], setting: str, dp: in
     return units
 
 
+def block_extras(model: nn.Module, blocks: list[nn.Module], setting: str, dp: int, accum: int,
+                 device_type: str) -> tuple[list[float], list[float], float, float] | None:
+    """ZeRO-3 with several groups, block by block (fp32; gloo's measured layout): bytes FSDP2 holds beyond
+    the shards while each Chain block runs forward and backward, and (``kept``) the root's unsharded
+    parameters, gathered at its forward and held to the end of the backward. Returns (forward extras,
+    backward extras, the loss's extra, kept), or None with one group (the root's own unit).
+
+    Forward of a block in unit u: the unit whole and unit u + 1's all-gather buffer (prefetch). Backward:
+    the unit whole, unit u - 1's all-gather buffer (prefetch), unit u + 1's reduce-scatter input (FSDP2
+    holds it until the next reduce-scatter), the root's unsharded gradients (made in the head's backward),
+    and with one micro-batch the gradient shards of the units after u (made in this backward). The root's
+    own blocks: the last unit, kept from its forward into its backward, and its prefetch at the head;
+    unit 0's held reduce-scatter input and every shard at the embedding. Measured: gpt2-mini, per-block
+    groups, 2 processes: in block 5's backward the tracker holds block 5, two unit-sized buffers and one
+    shard beside the activations."""
+    groups = block_groups(shardable_blocks(model), setting, dp, accum, device_type)
+    if len(groups) < 2:
+        return None
+    nbytes = [float(sum(p.numel() * p.element_size() for b in g for p in b.parameters())) for g in groups]
+    unit_of = {id(b): u for u, g in enumerate(groups) for b in g}
+    grouped = {id(p) for g in groups for b in g for p in b.parameters()}
+    kept = float(sum(p.numel() * p.element_size() for p in {id(q): q for q in model.parameters()}.values()
+                     if id(p) not in grouped))
+    last = len(groups) - 1
+    shards = [x / dp if accum == 1 else 0.0 for x in nbytes]
+    fwd, bwd, seen = [], [], False
+    for b in blocks:
+        u = unit_of.get(id(b), unit_of.get(id(getattr(b, "layer", b))))
+        if u is not None:
+            seen = True
+            fwd.append(nbytes[u] + (nbytes[u + 1] if u < last else 0.0))
+            bwd.append(nbytes[u] + (nbytes[u - 1] if u > 0 else 0.0) + (nbytes[u + 1] if u < last else 0.0)
+                       + kept + sum(shards[u + 1:]))
+        elif not seen:  # a root block before the units (embedding): the end of the backward
+            fwd.append(nbytes[0])
+            bwd.append(nbytes[0] + kept + sum(shards))
+        else:  # a root block after them (head): the last unit kept, the one before it prefetched
+            fwd.append(nbytes[last])
+            bwd.append(nbytes[last] + nbytes[last - 1])
+    return fwd, bwd, nbytes[last], kept
+
+
 def kept_elements(model: nn.Module, setting: str, dp: int, accum: int, device_type: str, padded: bool = False) -> int:
     """Parameter elements ZeRO-3 gathers once a micro-batch instead of twice (not resharded after
     forward): the root's (every parameter outside the shardable groups) and the last group's. The

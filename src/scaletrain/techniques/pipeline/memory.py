@@ -86,7 +86,8 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
                  target: torch.Tensor | None = None, loss_fn: Callable | None = None, optimizer: str = "adamw",
                  foreach: bool | None = None, precision: str = "fp32", remat: Sequence[Any] | None = None,
                  params_dtype: str = "fp32", ep: int = 1, deferred: "DeferredGrads | None" = None,
-                 grads_in_backward: bool = False, **optimizer_kw: Any) -> dict[str, list[float]]:
+                 grads_in_backward: bool = False, extras: tuple | None = None,
+                 **optimizer_kw: Any) -> dict[str, list[float]]:
     """Per-stage memory costs (bytes) for :class:`~.simulate.StageCosts` (see the module doc).
 
     ``bounds``: the S + 1 block boundaries of the stages; ``example_input`` / ``target``: one
@@ -108,6 +109,8 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
     ``grads_in_backward``: the backward makes standalone parameter gradients that stay until the pass ends
     (ZeRO-1/2's :class:`~..data_parallel.zero.GradSync` launches a bucket once all its gradients exist),
     so at block k the gradients of the stage's later blocks are live beside its activations.
+    ``extras``: (per Chain block forward bytes, per block backward bytes, the loss's bytes) live beside a
+    block's activations while it runs (ZeRO-3's gathered units and buffers, :func:`..data_parallel.fsdp.block_extras`).
     """
     from scaletrain.measure import optimizers
     from scaletrain.measure.estimate import estimate_chain
@@ -160,9 +163,13 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
                 before = {id(p) for p in _stage_params(chain.blocks[b0:b0 + k + 1])}
                 later[k] = float(sum(p.numel() * p.element_size() for p in _stage_params(chain.blocks[b0 + k + 1:b1])
                                      if p.requires_grad and id(p) not in before))
+        x_f = x_b = [0.0] * len(items)
+        if extras is not None:
+            x_f = [*extras[0][b0:b1], extras[2]] if last else list(extras[0][b0:b1])
+            x_b = [*extras[1][b0:b1], extras[2]] if last else list(extras[1][b0:b1])
         for k, tr in enumerate(items):
             below = sum(acts[:k + 1])
-            fwd = max(fwd, below + (0.0 if tr.y_saved else tr.y_bytes) + tr.fwd_temp_bytes)
+            fwd = max(fwd, below + (0.0 if tr.y_saved else tr.y_bytes) + tr.fwd_temp_bytes + x_f[k])
             # the gradient of k's output: the received buffer for the stage's last block (counted
             # in `recv`), a fresh tensor otherwise; the loss's output gradient is a scalar
             g_out = 0.0 if k == len(items) - 1 else float(tr.y_bytes)
@@ -175,9 +182,9 @@ def stage_memory(chain: Chain | nn.Module, bounds: Sequence[int], example_input:
                 kept = sum(deferred.block_stash_bytes[(blk + 1 if blk is not None else b1):b1]) + \
                     (deferred.block_grad_bytes[blk] if blk is not None else 0.0)  # an upper bound: the block
                 # frees its own activations while its output gradients pile up (measured 0-6 % over, P = 2, 4)
-            bwd = max(bwd, below + held + recv + g_out + _bwd_temp(tr, sc) + gin + kept + later[k])
+            bwd = max(bwd, below + held + recv + g_out + _bwd_temp(tr, sc) + gin + kept + later[k] + x_b[k])
             after = {pid: n for m in made[k + 1:] for pid, n in m.items()}
-            first = max(first, below + held + recv + g_out + _first_bwd_peak(tr) + gin + kept
+            first = max(first, below + held + recv + g_out + _first_bwd_peak(tr) + gin + kept + x_b[k]
                         + sum(n for pid, n in after.items() if pid not in made[k]))
         out["fwd_temp_bytes"].append(max(0.0, fwd - total))
         out["bwd_temp_bytes"].append(max(0.0, bwd - total))
