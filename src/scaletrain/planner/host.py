@@ -42,7 +42,7 @@ RUNS = ((0, 1), (0, 2), (1, 1), (2, 1), (2, 2))
 """(ZeRO stage, micro-batches per step) of the measured Trainer runs: every stage at 1, and the stages whose
 work per micro-batch differs (0: ``no_sync``'s accumulation, 2: a reduce-scatter per micro-batch) at 2 too.
 ZeRO-1 accumulates as stage 0 does and takes its part per micro-batch."""
-WARMUP, STEPS = 2, 8
+WARMUP, STEPS = 2, 5
 """Steps of each measured run not timed (the first builds optimizer states, DDP's buckets are rebuilt after
 it) and timed; the median of the timed ones is kept."""
 
