@@ -12,18 +12,18 @@ Seen here (vgg-mini, dp=2, micro-batch 32, 2 gloo processes): a 41 ms step price
 How it is measured (:func:`host_seconds`): the run's model at one sample per micro-batch (8 tokens for a
 language model: its kernels cost little, and its parameters — the tensors and bytes this work walks and
 copies — are the run's own), trained by :class:`~scaletrain.train.trainer.Trainer` itself over all the
-run's processes at ZeRO 0, 1 and 2 and 1 and 2 micro-batches per step (:data:`RUNS`), against the same
+run's processes at ZeRO 0, 1 and 2 and 1 and 3 micro-batches per step (:data:`RUNS`), against the same
 model's bare step in the same process (:func:`bare_step_seconds`: the forward and backward of each
 micro-batch, gradient clipping and the run's optimizer — the work the other terms price). Both are timed
 in the main thread's CPU seconds (``time.thread_time``), median over steps: host work is CPU work on that
 thread, the collectives' waits (priced at α–β) are not, and on a shared machine CPU seconds are not
 inflated by the time other processes hold the core (wall-clock medians of 6 steps at load 20 on 2 cores
-varied 2x between runs; the CPU seconds do not). The difference at 1 and 2 micro-batches gives the part
+varied 2x between runs; the CPU seconds do not). The difference at 1 and 3 micro-batches gives the part
 per step and the part per micro-batch (a straight line through both; each at least 0). On a machine
 otherwise idle these CPU seconds are wall seconds (one thread per process); under load they are what
 the work costs on a core to itself, so the term is not inflated by the load the other terms see.
 
-Takes 5 short Trainer runs (10 steps of one sample each) and the bare steps: ~2-4 s on an idle
+Takes 5 short Trainer runs (9 steps of one sample per micro-batch each) and the bare steps: ~2-4 s on an idle
 2-core machine for vgg-mini / hf:bert at 2 processes. Units: seconds. Rows ``(zero stage, seconds per
 step, seconds per micro-batch)``.
 """
@@ -38,11 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-RUNS = ((0, 1), (0, 2), (1, 1), (2, 1), (2, 2))
+RUNS = ((0, 1), (0, 3), (1, 1), (2, 1), (2, 3))
 """(ZeRO stage, micro-batches per step) of the measured Trainer runs: every stage at 1, and the stages whose
-work per micro-batch differs (0: ``no_sync``'s accumulation, 2: a reduce-scatter per micro-batch) at 2 too.
+work per micro-batch differs (0: ``no_sync``'s accumulation, 2: a reduce-scatter per micro-batch) at 3 too
+(3, not 2: the slope is a difference of two noisy medians, the longer lever halves its error).
 ZeRO-1 accumulates as stage 0 does and takes its part per micro-batch."""
-WARMUP, STEPS = 2, 5
+LONG = max(m for _, m in RUNS)
+WARMUP, STEPS = 2, 6
 """Steps of each measured run not timed (the first builds optimizer states, DDP's buckets are rebuilt after
 it) and timed; the median of the timed ones is kept."""
 
@@ -132,7 +134,7 @@ def host_seconds(name: str, overrides: dict, precision: str = "fp32", world: int
     from scaletrain.models.adapters import adapt
 
     s = seq if adapt(models.get(name, device="meta", **overrides)).task == "lm" else 0
-    bare = {m: bare_step_seconds(name, overrides, precision, m, s, optimizer=optimizer) for m in (1, 2)}
+    bare = {m: bare_step_seconds(name, overrides, precision, m, s, optimizer=optimizer) for m in (1, LONG)}
     excess: dict[tuple[int, int], float] = {}
     for zero, accum in RUNS if world > 1 else RUNS[:2]:
         if dist.is_initialized() and world > 1:
@@ -143,7 +145,7 @@ def host_seconds(name: str, overrides: dict, precision: str = "fp32", world: int
                                                    optimizer=optimizer) - passes - step / shards
     rows = []
     for zero in sorted({z for z, _ in excess}):
-        two = excess.get((zero, 2), excess[zero, 1] + excess[0, 2] - excess[0, 1])
-        per_mb = max(two - excess[zero, 1], 0.0)
+        more = excess.get((zero, LONG), excess[zero, 1] + excess[0, LONG] - excess[0, 1])
+        per_mb = max((more - excess[zero, 1]) / (LONG - 1), 0.0)
         rows.append((zero, max(excess[zero, 1] - per_mb, 0.0), per_mb))
     return tuple(rows)

@@ -35,7 +35,7 @@ not the best slice (:func:`_typical_time`):
 * **the optimizer step** (``Platform.optimizer_bytes_per_s``) — the run's optimizer with gradient
   clipping over 2 M parameters, bytes counted as the cost model counts them (:func:`optimizer_rate`).
 * **the trainer's host work** (``Platform.host_seconds``, with a model) — the Trainer itself run on the
-  model at one sample per micro-batch, ZeRO 0/1/2, 1 and 2 micro-batches, minus the same model's bare
+  model at one sample per micro-batch, ZeRO 0/1/2, 1 and 3 micro-batches, minus the same model's bare
   forward, backward, clipping and optimizer step, in main-thread CPU seconds (:mod:`scaletrain.planner.host`).
 * **collectives** — gloo all-reduces over the run's group: a 4-byte one gives the latency α per ring
   step (t / 2(N − 1)), a 4 MiB one the bandwidth β (ring convention, α removed); one process: none.
