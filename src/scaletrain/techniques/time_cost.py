@@ -45,7 +45,7 @@ GPT shapes on paper). Units: seconds, bytes, FLOPs.
   both hidden behind compute where copies overlap it.
 * **host** — the trainer's own host work per step that no term above prices (the loop's bookkeeping,
   clipping's Python, DDP's and ZeRO-1/2's bucket hooks and flat-buffer copies, the runtime's Python per
-  micro-batch), measured by running the Trainer (``Platform.host_seconds``; :func:`host_seconds`); 0 on
+  micro-batch), measured by running the Trainer (``Platform.host_seconds``; :func:`host_time`); 0 on
   the presets.
 * **optimizer** — memory-bound, the planner's bytes per updated parameter
   (:func:`scaletrain.techniques.optim.registry.optimizer_step_bytes`: torch's foreach AdamW kernels and clipping)
@@ -314,13 +314,13 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
         opt_params = parts[r]["params"] / (_shards(plan) if plan.zero in (1, 2) else 1)
         t.optimizer = _optimizer_seconds(plat, plan, opt_params, parts[r]["optimizer"])
         t.data = b * M * plat.data_seconds_per_sample  # every rank iterates the loader for its micro-batches
-        t.host = host_seconds(plat, plan, sum(passes[r].values()) if plan.pp > 1 else M)
+        t.host = host_time(plat, plan, sum(passes[r].values()) if plan.pp > 1 else M)
         _offload(t, plan, plat, mem=mem, stages=mine, M=M, params=opt_params, states=parts[r]["optimizer"])
         out.append(t)
     return out
 
 
-def host_seconds(plat: Platform, plan: Any, micro_batches: int) -> float:
+def host_time(plat: Platform, plan: Any, micro_batches: int) -> float:
     """The trainer's host work of one step (``Platform.host_seconds``, measured): the row of the plan's ZeRO
     stage, per step plus per micro-batch. Without a pipeline, ZeRO 0-2 as measured. A pipeline or ZeRO-3:
     only stage 0's per-step part (the loop's bookkeeping, clipping, the scheduler: the same trainer code),
