@@ -81,3 +81,20 @@ def test_the_priced_host_work_matches_a_trainer_run_it_was_not_measured_on():
     priced = _times(Plan(dp=1, micro_batch=1), _cpu(host_seconds=rows), gb=2, world=1)[0].host
     assert priced == pytest.approx(rows[0][1] + 2 * rows[0][2]) and priced > 0  # the loop costs time
     assert abs(priced - measured) <= 1.5e-3 + 0.5 * measured
+
+
+def _rows_on(rank: int, world: int) -> tuple:
+    from scaletrain.planner import host
+
+    return host.host_seconds("mlp", {"widths": (192, 16, 16, 10)}, "fp32", world=world)
+
+
+@pytest.mark.slow
+def test_two_processes_measure_a_row_per_zero_stage():
+    """Over 2 gloo processes the Trainer runs at ZeRO 0, 1 and 2: one row each, none negative, and the
+    trainer's work (DDP's and GradSync's hooks and copies, the loop) costs time."""
+    from scaletrain.testing import run_distributed
+
+    for rows in run_distributed(_rows_on, 2):
+        assert [z for z, _, _ in rows] == [0, 1, 2]
+        assert all(a >= 0 and c >= 0 for _, a, c in rows) and sum(a + c for _, a, c in rows) > 0
