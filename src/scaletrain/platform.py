@@ -148,6 +148,18 @@ class Platform:
     (:func:`scaletrain.measure.data_time.seconds_per_sample`); priced per rank and step because the loader
     runs in the training process, before each micro-batch. 0 = not measured (the presets: a GPU job's
     loader workers overlap it)."""
+    # -- host work of the trainer (issue #25), measured by scaletrain.planner.host --
+    host_seconds: tuple = ()
+    """The trainer's host work per optimizer step that no other term prices, by ZeRO stage: rows ``(zero
+    stage 0/1/2, seconds per step, seconds per micro-batch)`` — the loop's bookkeeping, clipping's Python,
+    DDP's bucket hooks and copies, ZeRO-1/2's per-tensor copies into and out of their flat buffers (per step,
+    and under ZeRO-2 per micro-batch), the runtime's Python per micro-batch. Measured by
+    :func:`scaletrain.planner.host.host_seconds` (the Trainer itself on the run's model at one sample per
+    micro-batch, minus the same model's bare forward, backward and optimizer step, in CPU seconds) inside
+    :func:`scaletrain.planner.local.measure`. Priced by :mod:`scaletrain.techniques.time_cost` (the
+    ``host`` phase of :class:`~scaletrain.techniques.cost.StepSeconds`). Empty on the presets: on a GPU
+    this work runs while the device computes (kernels are queued asynchronously), so a step waits for it
+    only where the host is the bottleneck (a few ms per step against a step of 100s of ms); not modelled."""
     # -- host work of the pipeline runtime (issue #25), measured by scaletrain.planner.pipeline_host --
     pipeline_action_s: float = 0.0
     """Host seconds each compute action (F, B, I, W) of the pipeline runtime costs beyond its stage's
@@ -246,8 +258,17 @@ class Platform:
             except (TypeError, ValueError):
                 raise UserError("platform field 'measured_blocks' must be a list of [model key, precision, seq, "
                                 "micro-batch, [forward s...], [backward s...]] entries") from None
+        if "host_seconds" in d:  # rows (zero stage, seconds per step, seconds per micro-batch)
+            try:
+                d["host_seconds"] = tuple((int(z), float(a), float(c)) for z, a, c in d["host_seconds"])
+            except (TypeError, ValueError):
+                d["host_seconds"] = None
+            if d["host_seconds"] is None or not all(z in (0, 1, 2) and a >= 0 and c >= 0 and math.isfinite(a + c)
+                                                    for z, a, c in d["host_seconds"]):
+                raise UserError("platform field 'host_seconds' must be a list of [zero stage 0-2, seconds per "
+                                "step >= 0, seconds per micro-batch >= 0] rows")
         for f in dataclasses.fields(cls):
-            if f.name in d and f.name != "measured_blocks":
+            if f.name in d and f.name not in ("measured_blocks", "host_seconds"):
                 _check_field(f.name, d[f.name], "" if f.name == "name" else f.default)
         return cls(**d)
 

@@ -117,7 +117,9 @@ class AutoPlan:
             + (f"; runner-up {self.runner_up}" if self.runner_up else ""),
             f"  this machine per process: {p['flops'] / 1e9:.1f} GFLOP/s matmul, {p['mem'] / 1e9:.1f} GB/s memory-bound "
             f"kernels, {p.get('kernel_s', 0) * 1e6:.0f} us per kernel"
-            + (f", all-reduce {p['beta'] / 1e9:.2f} GB/s + {p['alpha'] * 1e6:.0f} us per ring step" if world > 1 else "")])
+            + (f", all-reduce {p['beta'] / 1e9:.2f} GB/s + {p['alpha'] * 1e6:.0f} us per ring step" if world > 1 else "")
+            + "".join(f", trainer host work {a * 1e3:.1f} ms per step + {c * 1e3:.2f} ms per micro-batch"
+                      for z, a, c in p.get("host", ()) if z == self.plan.zero)])
 
     def summary(self, tracked: dict[str, Any] | None, comm_bytes: float) -> tuple[dict[str, Any], str]:
         """(summary fields, one line): predicted next to measured (median step time after warm-up)."""
@@ -241,7 +243,7 @@ def _plan_on_rank0(cfg: Any, world: int, fixed: dict[str, Any], plat: Any, devic
                 "predicted_peak_bytes": float(top.peak_bytes), "predicted_comm_bytes": float(costs[0].comm_bytes),
                 "platform": {"flops": plat.flops(cfg.train.precision), "mem": plat.device_mem_bytes_per_s,
                              "beta": plat.intra_node_bytes_per_s, "alpha": plat.intra_node_latency_s,
-                             "kernel_s": plat.kernel_overhead_s,
+                             "kernel_s": plat.kernel_overhead_s, "host": [list(r) for r in plat.host_seconds],
                              "source": plat.source},
                 "candidates": len(res.ranked), "runner_up": runner, "seconds": time.perf_counter() - t0}
     why = "; ".join(f"{r['region']}: {r['reason']}" for r in res.rejected[:2]) or "no candidate left"

@@ -34,6 +34,9 @@ not the best slice (:func:`_typical_time`):
   blocks themselves are the source of the per-block table the traced cost model prices.
 * **the optimizer step** (``Platform.optimizer_bytes_per_s``) — the run's optimizer with gradient
   clipping over 2 M parameters, bytes counted as the cost model counts them (:func:`optimizer_rate`).
+* **the trainer's host work** (``Platform.host_seconds``, with a model) — the Trainer itself run on the
+  model at one sample per micro-batch, ZeRO 0/1/2, 1 and 3 micro-batches, minus the same model's bare
+  forward, backward, clipping and optimizer step, in main-thread CPU seconds (:mod:`scaletrain.planner.host`).
 * **collectives** — gloo all-reduces over the run's group: a 4-byte one gives the latency α per ring
   step (t / 2(N − 1)), a 4 MiB one the bandwidth β (ring convention, α removed); one process: none.
   The reduce-scatter and all-gather ZeRO and FSDP call, timed against that ring
@@ -418,12 +421,14 @@ def fsdp_overhead(world: int, beta: float, alpha: float, repeats: int = 7, layer
 
 
 def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None = None,
-            optimizer: str = "adamw", micro_batches: tuple[int, ...] = (), seq: int = 0) -> Platform:
+            optimizer: str = "adamw", micro_batches: tuple[int, ...] = (), seq: int = 0,
+            host: bool = True) -> Platform:
     """This machine for one of ``world`` processes; every rank calls it at once (module docstring).
     ``model``: (model name, overrides) whose operators set the fixed cost per kernel; ``optimizer``:
     the run's, whose step sets ``optimizer_bytes_per_s``; ``micro_batches`` (with ``seq``, the run's
     sequence length, 0 for a model without one): the sizes at which the model's blocks are timed
-    (:attr:`Platform.measured_blocks`; :func:`block_table`).
+    (:attr:`Platform.measured_blocks`; :func:`block_table`); ``host``: with a model, measure the trainer's
+    host work per step on it (:attr:`Platform.host_seconds`, :func:`scaletrain.planner.host.host_seconds`).
     Returns each rank's own measurement (rank 0's is the one ``plan=auto`` uses)."""
     t0 = time.perf_counter()
     f32, mm = matmul_table(torch.float32)
@@ -462,6 +467,12 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
             plat = plat.with_(kernel_overhead_s=fixed(model[0], model[1], plat, precision))
             if micro_batches:  # every model, decoder shapes included: plan=auto prices them by their trace
                 plat = plat.with_(measured_blocks=block_table(model[0], model[1], precision, micro_batches, seq))
+            if host:  # the trainer's own host work on this model (planner.host)
+                from scaletrain.planner.host import host_seconds
+
+                t1 = time.perf_counter()
+                plat = plat.with_(host_seconds=host_seconds(model[0], model[1], precision, world, optimizer=optimizer))
+                plat.meta["host_seconds_measured_in_s"] = time.perf_counter() - t1
         except UserError:  # a model the cost model cannot price: the planner says so later, in its own words
             pass
     plat.meta["seconds"] = time.perf_counter() - t0

@@ -136,7 +136,8 @@ def summary(target: Traced, plan: Plan, plat: Platform, costs: list[Any], *, glo
     exposed = sum(t.comm_exposed_s.values())
     phases = {"compute": t.compute, "recompute": t.recompute, "pipeline_bubble": t.bubble,
               **{f"{k}_comm": v for k, v in t.comm_exposed_s.items()},
-              "optimizer": t.optimizer, "offload": sum(t.copies_exposed_s.values()), "data": t.data}
+              "optimizer": t.optimizer, "offload": sum(t.copies_exposed_s.values()), "data": t.data,
+              "host": t.host}
     flops = _flops(target, plan, global_batch, seq)
     peak = {k: float(v) for k, v in top.bytes.items()}
     peak["total"] = float(top.peak_bytes)

@@ -43,19 +43,23 @@ class StepSeconds:
     data: float = 0.0
     """The input pipeline: the trainer fetches each micro-batch on the rank's host before its forward,
     not overlapped (``Platform.data_seconds_per_sample`` x the rank's samples; 0 where not measured)."""
+    host: float = 0.0
+    """The trainer's host work beyond every other phase (loop bookkeeping, clipping's Python, DDP's and
+    ZeRO-1/2's bucket copies and hooks, the runtime's Python per micro-batch): ``Platform.host_seconds``'
+    row for the plan's ZeRO stage, per step plus per micro-batch (0 where not measured: the presets)."""
 
     @property
     def step_s(self) -> float:
         """Seconds of the rank's step: compute + recompute + exposed communication + bubble + exposed
-        copies + optimizer + data."""
+        copies + optimizer + data + host."""
         return (self.compute + self.recompute + sum(self.comm_exposed_s.values()) + self.bubble
-                + sum(self.copies_exposed_s.values()) + self.optimizer + self.data)
+                + sum(self.copies_exposed_s.values()) + self.optimizer + self.data + self.host)
 
     def to_dict(self) -> dict[str, Any]:
         return {"compute": self.compute, "recompute": self.recompute, "comm": dict(self.comm_s),
                 "comm_exposed": dict(self.comm_exposed_s), "bubble": self.bubble, "copies": dict(self.copies_s),
                 "copies_exposed": dict(self.copies_exposed_s), "optimizer": self.optimizer, "data": self.data,
-                "step": self.step_s}
+                "host": self.host, "step": self.step_s}
 
 
 

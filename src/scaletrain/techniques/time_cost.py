@@ -46,6 +46,10 @@ GPT shapes on paper). Units: seconds, bytes, FLOPs.
   the states read and written at the disk rates. Activation offload: each micro-batch's activation
   set down and back up; streamed weights: the stage's parameters up for every forward and backward;
   both hidden behind compute where copies overlap it.
+* **host** — the trainer's own host work per step that no term above prices (the loop's bookkeeping,
+  clipping's Python, DDP's and ZeRO-1/2's bucket hooks and flat-buffer copies, the runtime's Python per
+  micro-batch), measured by running the Trainer (``Platform.host_seconds``; :func:`host_time`); 0 on
+  the presets.
 * **optimizer** — memory-bound, the planner's bytes per updated parameter
   (:func:`scaletrain.techniques.optim.registry.optimizer_step_bytes`: torch's foreach AdamW kernels and clipping)
   at HBM bandwidth (``Platform.memory_bound_seconds``, one fixed cost per kernel).
@@ -321,9 +325,25 @@ def rank_seconds(plan: Any, model: nn.Module, plat: Platform, *, chain: Any, bou
         opt_params = parts[r]["params"] / (_shards(plan) if plan.zero in (1, 2) else 1)
         t.optimizer = _optimizer_seconds(plat, plan, opt_params, parts[r]["optimizer"])
         t.data = b * M * plat.data_seconds_per_sample  # every rank iterates the loader for its micro-batches
+        t.host = host_time(plat, plan, sum(passes[r].values()) if plan.pp > 1 else M)
         _offload(t, plan, plat, mem=mem, stages=mine, M=M, params=opt_params, states=parts[r]["optimizer"])
         out.append(t)
     return out
+
+
+def host_time(plat: Platform, plan: Any, micro_batches: int) -> float:
+    """The trainer's host work of one step (``Platform.host_seconds``, measured): the row of the plan's ZeRO
+    stage, per step plus per micro-batch. Without a pipeline, ZeRO 0-2 as measured. A pipeline or ZeRO-3:
+    only stage 0's per-step part (the loop's bookkeeping, clipping, the scheduler: the same trainer code),
+    because their per-micro-batch and per-collective work is priced where it runs (the pipeline simulator's
+    per-action time; FSDP2's ``fsdp_collective_overhead_s``). ``micro_batches``: this rank's forward passes."""
+    rows = {z: (a, c) for z, a, c in plat.host_seconds}
+    if not rows:
+        return 0.0
+    if plan.pp == 1 and plan.zero in rows:
+        a, c = rows[plan.zero]
+        return a + c * micro_batches
+    return rows.get(0, (0.0, 0.0))[0]
 
 
 def _shards(plan: Any) -> int:
