@@ -71,7 +71,7 @@ def test_the_priced_host_work_matches_a_trainer_run_it_was_not_measured_on():
     seconds of its step less the bare step's, one sample per micro-batch) within 1.5 ms + 50 %: a tiny MLP,
     whose step is mostly the trainer's own work, on a loaded 2-core machine (medians of 6 steps vary by
     ~1 ms there)."""
-    from scaletrain.planner import host
+    from scaletrain.train import host_work as host
 
     tiny = {"widths": (192, 16, 16, 10)}
     rows = host.host_seconds("mlp", tiny, "fp32", world=1)
@@ -84,7 +84,7 @@ def test_the_priced_host_work_matches_a_trainer_run_it_was_not_measured_on():
 
 
 def _rows_on(rank: int, world: int) -> tuple:
-    from scaletrain.planner import host
+    from scaletrain.train import host_work as host
 
     return host.host_seconds("mlp", {"widths": (192, 16, 16, 10)}, "fp32", world=world)
 

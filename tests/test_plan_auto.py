@@ -110,8 +110,13 @@ def test_all_ranks_pick_rank0s_plan():
     assert r0["chosen"] == r1["chosen"] == r0["own"]
 
 
-def test_one_process_run_logs_predicted_next_to_measured(tmp_path, capsys):
+def test_one_process_run_logs_predicted_next_to_measured(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
+    from scaletrain.train import host_work, trainer
+
+    seen = {}
+    real = trainer.plan_auto.choose
+    monkeypatch.setattr(trainer.plan_auto, "choose", lambda *a, **k: seen.update(k) or real(*a, **k))
     assert main(["train", "--out", str(out), "--json", "plan=auto", "train.steps=3", "train.measure_memory=true",
                  *TINY]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -122,6 +127,7 @@ def test_one_process_run_logs_predicted_next_to_measured(tmp_path, capsys):
     for k in ("plan", "predicted_step_time_s", "step_time_s", "predicted_peak_bytes", "tracked_peak_bytes_max"):
         assert k in summary
     assert 'plan = "manual"' in (out / "config.toml").read_text()  # resume runs the chosen plan as is
+    assert seen["host_work"] is host_work.host_seconds  # the trainer hands plan=auto its own host measurement
 
 
 @pytest.mark.slow

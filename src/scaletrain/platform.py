@@ -148,13 +148,13 @@ class Platform:
     (:func:`scaletrain.measure.data_time.seconds_per_sample`); priced per rank and step because the loader
     runs in the training process, before each micro-batch. 0 = not measured (the presets: a GPU job's
     loader workers overlap it)."""
-    # -- host work of the trainer (issue #25), measured by scaletrain.planner.host --
+    # -- host work of the trainer (issue #25), measured by scaletrain.train.host_work --
     host_seconds: tuple = ()
     """The trainer's host work per optimizer step that no other term prices, by ZeRO stage: rows ``(zero
     stage 0/1/2, seconds per step, seconds per micro-batch)`` — the loop's bookkeeping, clipping's Python,
     DDP's bucket hooks and copies, ZeRO-1/2's per-tensor copies into and out of their flat buffers (per step,
     and under ZeRO-2 per micro-batch), the runtime's Python per micro-batch. Measured by
-    :func:`scaletrain.planner.host.host_seconds` (the Trainer itself on the run's model at one sample per
+    :func:`scaletrain.train.host_work.host_seconds` (the Trainer itself on the run's model at one sample per
     micro-batch, minus the same model's bare forward, backward and optimizer step, in CPU seconds) inside
     :func:`scaletrain.planner.local.measure`. Priced by :mod:`scaletrain.techniques.time_cost` (the
     ``host`` phase of :class:`~scaletrain.techniques.cost.StepSeconds`). Empty on the presets: on a GPU

@@ -168,10 +168,13 @@ def micro_batches(global_batch: int) -> tuple[int, ...]:
 
 
 def choose(cfg: Any, world: int, rank: int, device: torch.device,
-           data_rate: Callable[[], float] | None = None) -> AutoPlan:
+           data_rate: Callable[[], float] | None = None, host_work: Callable[..., tuple] | None = None) -> AutoPlan:
     """Plan this run (module docstring); collective when ``world`` > 1: every rank must call it.
     ``data_rate``: measures the run's input pipeline in host seconds per sample (the trainer's own data;
-    :attr:`~scaletrain.platform.Platform.data_seconds_per_sample`), None to leave it unpriced."""
+    :attr:`~scaletrain.platform.Platform.data_seconds_per_sample`), None to leave it unpriced. ``host_work``:
+    measures the trainer's host work per step on the run's model (:attr:`~scaletrain.platform.Platform.
+    host_seconds`; the trainer hands in :func:`scaletrain.train.host_work.host_seconds`), None to leave it
+    unpriced."""
     from scaletrain.planner import local
 
     fixed = check(cfg)
@@ -182,7 +185,7 @@ def choose(cfg: Any, world: int, rank: int, device: torch.device,
                           f"then scaletrain train --plan plan.toml")
     plat = local.measure(world, cfg.train.precision, (cfg.model.name, dict(cfg.model.overrides)),
                          optimizer=cfg.optim.name, micro_batches=micro_batches(cfg.train.global_batch),
-                         seq=cfg.data.seq_len)  # all ranks at once
+                         seq=cfg.data.seq_len, host=host_work)  # all ranks at once
     if data_rate is not None:
         plat = plat.with_(data_seconds_per_sample=data_rate())
     payload: list[Any] = [None]

@@ -36,7 +36,8 @@ not the best slice (:func:`_typical_time`):
   clipping over 2 M parameters, bytes counted as the cost model counts them (:func:`optimizer_rate`).
 * **the trainer's host work** (``Platform.host_seconds``, with a model) — the Trainer itself run on the
   model at one sample per micro-batch, ZeRO 0/1/2, 1 and 3 micro-batches, minus the same model's bare
-  forward, backward, clipping and optimizer step, in main-thread CPU seconds (:mod:`scaletrain.planner.host`).
+  forward, backward, clipping and optimizer step, in main-thread CPU seconds
+  (:mod:`scaletrain.train.host_work`, handed in by the caller: the planner does not import the trainer).
 * **collectives** — gloo all-reduces over the run's group: a 4-byte one gives the latency α per ring
   step (t / 2(N − 1)), a 4 MiB one the bandwidth β (ring convention, α removed); one process: none.
   The reduce-scatter and all-gather ZeRO and FSDP call, timed against that ring
@@ -422,13 +423,14 @@ def fsdp_overhead(world: int, beta: float, alpha: float, repeats: int = 7, layer
 
 def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None = None,
             optimizer: str = "adamw", micro_batches: tuple[int, ...] = (), seq: int = 0,
-            host: bool = True) -> Platform:
+            host: Callable[..., tuple] | None = None) -> Platform:
     """This machine for one of ``world`` processes; every rank calls it at once (module docstring).
     ``model``: (model name, overrides) whose operators set the fixed cost per kernel; ``optimizer``:
     the run's, whose step sets ``optimizer_bytes_per_s``; ``micro_batches`` (with ``seq``, the run's
     sequence length, 0 for a model without one): the sizes at which the model's blocks are timed
-    (:attr:`Platform.measured_blocks`; :func:`block_table`); ``host``: with a model, measure the trainer's
-    host work per step on it (:attr:`Platform.host_seconds`, :func:`scaletrain.planner.host.host_seconds`).
+    (:attr:`Platform.measured_blocks`; :func:`block_table`); ``host``: with a model, measures the trainer's
+    host work per step on it (:attr:`Platform.host_seconds`): :func:`scaletrain.train.host_work.host_seconds`,
+    handed in by plan=auto's caller (the trainer) and the benchmarks; None leaves it unmeasured.
     Returns each rank's own measurement (rank 0's is the one ``plan=auto`` uses)."""
     t0 = time.perf_counter()
     f32, mm = matmul_table(torch.float32)
@@ -467,11 +469,9 @@ def measure(world: int, precision: str = "fp32", model: tuple[str, dict] | None 
             plat = plat.with_(kernel_overhead_s=fixed(model[0], model[1], plat, precision))
             if micro_batches:  # every model, decoder shapes included: plan=auto prices them by their trace
                 plat = plat.with_(measured_blocks=block_table(model[0], model[1], precision, micro_batches, seq))
-            if host:  # the trainer's own host work on this model (planner.host)
-                from scaletrain.planner.host import host_seconds
-
+            if host is not None:  # the trainer's own host work on this model (train.host_work)
                 t1 = time.perf_counter()
-                plat = plat.with_(host_seconds=host_seconds(model[0], model[1], precision, world, optimizer=optimizer))
+                plat = plat.with_(host_seconds=host(model[0], model[1], precision, world, optimizer=optimizer))
                 plat.meta["host_seconds_measured_in_s"] = time.perf_counter() - t1
         except UserError:  # a model the cost model cannot price: the planner says so later, in its own words
             pass

@@ -51,6 +51,7 @@ from scaletrain.train.callbacks import Hooks
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.divergence import DivergenceGuard
 from scaletrain.train.logging import ProgressBar
+from scaletrain.train.host_work import host_seconds  # plan=auto measures the trainer's own host work
 from scaletrain.train.lr import lr_factor
 from scaletrain.train.model_data import as_pairs, build_datasets, data_rate  # dict samples: as (x, y) pairs
 
@@ -140,7 +141,7 @@ class Trainer:
         self.replan = replan.start(cfg, self.world, self.out_dir if self.resume else None)  # another world size
         cfg = self.cfg = self.replan.cfg if self.replan is not None else cfg  # pinned keys that fit it
         self.auto = plan_auto.choose(cfg, self.world, self.rank, self.device, data_rate=lambda: data_rate(
-            cfg, model, self.world, *self._user_data)) if cfg.plan == "auto" else None
+            cfg, model, self.world, *self._user_data), host_work=host_seconds) if cfg.plan == "auto" else None
         cfg = self.cfg = self.auto.cfg if self.auto is not None else cfg  # plan=auto: the chosen plan's keys set
         self.plan = Plan.from_config(cfg).resolved(self.world)
         self.dp_world = self.plan.dp
