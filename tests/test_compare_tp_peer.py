@@ -43,7 +43,7 @@ def _steps(rank: int, world: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from scaletrain import models
-    from scaletrain.compare.peers import _optimizer
+    from scaletrain.compare.peer_engine import _optimizer
     from scaletrain.compare.tp_peer import loss_context, tp_engine
     from scaletrain.techniques.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
     from scaletrain.techniques.tensor_parallel import loss_context as st_loss_context

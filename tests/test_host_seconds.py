@@ -8,6 +8,7 @@ import pytest
 from scaletrain import platform as P
 from scaletrain.errors import UserError
 from scaletrain.plan import Plan
+from scaletrain.train.trainer import Trainer
 
 ROWS = ((0, 1e-3, 2e-4), (1, 2e-3, 3e-4), (2, 3e-3, 5e-4))
 
@@ -74,10 +75,10 @@ def test_the_priced_host_work_matches_a_trainer_run_it_was_not_measured_on():
     from scaletrain.train import host_work as host
 
     tiny = {"widths": (192, 16, 16, 10)}
-    rows = host.host_seconds("mlp", tiny, "fp32", world=1)
+    rows = host.host_seconds("mlp", tiny, "fp32", world=1, trainer_cls=Trainer)
     assert [z for z, _, _ in rows] == [0]
     passes, step = host.bare_step_seconds("mlp", tiny, "fp32", 2, 0)
-    measured = host.trainer_step_seconds("mlp", tiny, "fp32", 0, 2, 1, 0) - passes - step
+    measured = host.trainer_step_seconds("mlp", tiny, "fp32", 0, 2, 1, 0, trainer_cls=Trainer) - passes - step
     priced = _times(Plan(dp=1, micro_batch=1), _cpu(host_seconds=rows), gb=2, world=1)[0].host
     assert priced == pytest.approx(rows[0][1] + 2 * rows[0][2]) and priced > 0  # the loop costs time
     assert abs(priced - measured) <= 1.5e-3 + 0.5 * measured
@@ -86,7 +87,7 @@ def test_the_priced_host_work_matches_a_trainer_run_it_was_not_measured_on():
 def _rows_on(rank: int, world: int) -> tuple:
     from scaletrain.train import host_work as host
 
-    return host.host_seconds("mlp", {"widths": (192, 16, 16, 10)}, "fp32", world=world)
+    return host.host_seconds("mlp", {"widths": (192, 16, 16, 10)}, "fp32", world=world, trainer_cls=Trainer)
 
 
 @pytest.mark.slow

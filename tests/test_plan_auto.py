@@ -127,7 +127,8 @@ def test_one_process_run_logs_predicted_next_to_measured(tmp_path, capsys, monke
     for k in ("plan", "predicted_step_time_s", "step_time_s", "predicted_peak_bytes", "tracked_peak_bytes_max"):
         assert k in summary
     assert 'plan = "manual"' in (out / "config.toml").read_text()  # resume runs the chosen plan as is
-    assert seen["host_work"] is host_work.host_seconds  # the trainer hands plan=auto its own host measurement
+    assert seen["host_work"].func is host_work.host_seconds  # the trainer hands plan=auto its own host measurement
+    assert seen["host_work"].keywords["trainer_cls"] is trainer.Trainer
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from measured import spearman  # noqa: E402
 from scaletrain.plan import Plan, RematPlan  # noqa: E402
 from scaletrain.platform import Platform  # noqa: E402
 from scaletrain.train.host_work import host_seconds  # noqa: E402
+from scaletrain.train.trainer import Trainer  # noqa: E402
 from scaletrain.planner import auto, local  # noqa: E402
 from scaletrain.planner.cost import Options, plan_cost  # noqa: E402
 from scaletrain.testing import run_distributed  # noqa: E402
@@ -98,7 +100,7 @@ def base_args(name: str, spec: dict[str, Any]) -> list[str]:
 def _measure(rank: int, world: int, precision: str, name: str, gb: int, seq: int) -> Any:
     # both ranks at once; rank 0's is used; the blocks timed at every micro-batch the search may choose
     plat = local.measure(world, precision, (name, {}), micro_batches=auto.micro_batches(gb), seq=seq,
-                         host=host_seconds)  # as plan=auto measures it (the trainer hands it in)
+                         host=partial(host_seconds, trainer_cls=Trainer))  # as plan=auto measures it
     from scaletrain.train.model_data import data_rate  # the run's input pipeline, as plan=auto measures it
 
     return plat.with_(data_seconds_per_sample=data_rate(load_config(None, base_args(name, MODELS[name])), None, world))

@@ -9,7 +9,7 @@ plain modules (their input is replicated, so their gradients agree on every rank
 AdamW and clipping then meet DTensor and plain parameters: the foreach kernels take one kind a list, so every
 optimizer group is split in two and the global norm is summed from the two kinds' norms (:func:`clip_mixed`).
 
-:func:`tp_engine` is the :class:`~scaletrain.compare.peers.PeerEngine` of ``parallel.tp`` = every process
+:func:`tp_engine` is the :class:`~scaletrain.compare.peer_engine.PeerEngine` of ``parallel.tp`` = every process
 (the TP ranks read the same samples, as scaletrain's ``tp`` cell's do). It is also the ``torch-tp`` engine of
 ``benchmarks/speed/run.py``. Units: none (seconds and bytes are the loop's).
 """
@@ -116,14 +116,14 @@ def loss_context(strategy: str) -> contextlib.AbstractContextManager:
 
 
 def tp_engine(model: nn.Module, cfg: Any, device: torch.device) -> Any:
-    """The ``torch-tp`` :class:`~scaletrain.compare.peers.PeerEngine`: :func:`torch_tp_split` over all
+    """The ``torch-tp`` :class:`~scaletrain.compare.peer_engine.PeerEngine`: :func:`torch_tp_split` over all
     processes, scaletrain's AdamW groups split by kind, its schedule, :func:`clip_mixed`."""
     import math
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from scaletrain.compare.peers import PeerEngine, _optimizer
+    from scaletrain.compare.peer_engine import PeerEngine, _optimizer
 
     world = dist.get_world_size()
     if cfg.parallel.tp != world:

@@ -62,12 +62,12 @@ class _StepClock:
 
 
 def trainer_step_seconds(name: str, overrides: dict, precision: str, zero: int, accum: int, world: int,
-                         seq: int, micro_batch: int = 1, optimizer: str = "adamw") -> float:
+                         seq: int, micro_batch: int = 1, optimizer: str = "adamw", *, trainer_cls: type) -> float:
     """Median main-thread CPU seconds between two steps' ends of :class:`~scaletrain.train.trainer.Trainer`
     training ``name`` with ``micro_batch`` samples per micro-batch, ``accum`` micro-batches, over ``world``
-    processes (the process group as it stands), ZeRO ``zero``. Nothing is written; every rank calls it."""
+    processes (the process group as it stands), ZeRO ``zero``. Nothing is written; every rank calls it.
+    ``trainer_cls``: the Trainer (handed in: this module is the trainer's, not imported by it back)."""
     from scaletrain.train.config import load_config
-    from scaletrain.train.trainer import Trainer
 
     args = [f"model.name={name}", f"train.global_batch={world * accum * micro_batch}",
             f"train.micro_batch={micro_batch}", f"train.steps={WARMUP + STEPS + 1}", "train.log_every=1",
@@ -76,7 +76,7 @@ def trainer_step_seconds(name: str, overrides: dict, precision: str, zero: int, 
     cfg = load_config(None, args + ([f"data.seq_len={seq}"] if seq else []))
     cfg.model.overrides = dict(overrides)
     clock = _StepClock()
-    trainer = Trainer(cfg, None, callbacks=[clock], log=lambda s: None)
+    trainer = trainer_cls(cfg, None, callbacks=[clock], log=lambda s: None)
     try:
         trainer.fit()
     finally:
@@ -127,9 +127,10 @@ def bare_step_seconds(name: str, overrides: dict, precision: str, accum: int, se
 
 
 def host_seconds(name: str, overrides: dict, precision: str = "fp32", world: int = 1, seq: int = 8,
-                 optimizer: str = "adamw") -> tuple:
+                 optimizer: str = "adamw", *, trainer_cls: type) -> tuple:
     """:attr:`Platform.host_seconds` of ``name`` (module docstring); every rank calls it at once.
-    ``seq``: the tokens of a language model's sample (ignored by others)."""
+    ``seq``: the tokens of a language model's sample (ignored by others); ``trainer_cls``: the
+    :class:`~scaletrain.train.trainer.Trainer` that runs the measured steps (the trainer hands itself in)."""
     from scaletrain import models
     from scaletrain.models.adapters import adapt
 
@@ -141,8 +142,9 @@ def host_seconds(name: str, overrides: dict, precision: str = "fp32", world: int
             dist.barrier()
         passes, step = bare[accum]
         shards = world if zero in (1, 2) else 1  # ZeRO-1/2 update (and clip) this rank's shard only
-        excess[zero, accum] = trainer_step_seconds(name, overrides, precision, zero, accum, world, s,
-                                                   optimizer=optimizer) - passes - step / shards
+        run = trainer_step_seconds(name, overrides, precision, zero, accum, world, s, optimizer=optimizer,
+                                   trainer_cls=trainer_cls)
+        excess[zero, accum] = run - passes - step / shards
     rows = []
     for zero in sorted({z for z, _ in excess}):
         more = excess.get((zero, LONG), excess[zero, 1] + excess[0, LONG] - excess[0, 1])

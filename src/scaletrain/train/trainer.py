@@ -27,6 +27,7 @@ import random
 import resource
 import sys
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -50,8 +51,8 @@ from scaletrain.train import replan, resume as resuming, rundir
 from scaletrain.train.callbacks import Hooks
 from scaletrain.train.config import Config, to_toml
 from scaletrain.train.divergence import DivergenceGuard
-from scaletrain.train.logging import ProgressBar
 from scaletrain.train.host_work import host_seconds  # plan=auto measures the trainer's own host work
+from scaletrain.train.logging import ProgressBar
 from scaletrain.train.lr import lr_factor
 from scaletrain.train.model_data import as_pairs, build_datasets, data_rate  # dict samples: as (x, y) pairs
 
@@ -140,8 +141,9 @@ class Trainer:
         preflight.check_unused(cfg)  # a value set for a feature that is off is one line, not ignored
         self.replan = replan.start(cfg, self.world, self.out_dir if self.resume else None)  # another world size
         cfg = self.cfg = self.replan.cfg if self.replan is not None else cfg  # pinned keys that fit it
+        host_work = partial(host_seconds, trainer_cls=type(self))  # the Trainer measures its own host work
         self.auto = plan_auto.choose(cfg, self.world, self.rank, self.device, data_rate=lambda: data_rate(
-            cfg, model, self.world, *self._user_data), host_work=host_seconds) if cfg.plan == "auto" else None
+            cfg, model, self.world, *self._user_data), host_work=host_work) if cfg.plan == "auto" else None
         cfg = self.cfg = self.auto.cfg if self.auto is not None else cfg  # plan=auto: the chosen plan's keys set
         self.plan = Plan.from_config(cfg).resolved(self.world)
         self.dp_world = self.plan.dp
