@@ -115,10 +115,11 @@ LATER3: dict[str, tuple[list[str], dict[str, list[str]]]] = {
     "plan": (["--model", "gpt2-small", "--global-batch", "8", "--gpus-per-node", "2", "--set", "n_layer=2"],
              {"--runs": ["0", "-1", "x", "2", "100000000"],
               "--platform": ["a100-80g:2,v100:2", "a100-80g:x", "h100:0", "nope:2", "a100-80g:2,", ":2", "gh200"],
-              "--fix": ["offload=optimizer", "offload=none", "offload=x"], "--model": ["mlp", "vgg-mini"]}),
+              "--fix": ["offload=optimizer", "offload=none", "offload=x", "offload=activations", "offload=weights",
+                        "fsdp_group=block", "fsdp_group=x"], "--model": ["mlp", "vgg-mini"]}),
 }
 """Flags added in the fourth 2026-11-28 session (plan --runs, heterogeneous --platform lists, gh200, --fix offload
-for traced models): a generator of their own again."""
+for traced models) and the fifth (--fix offload=activations|weights, fsdp_group=): a generator of their own again."""
 
 
 WEIGHTS = {"estimate": 2, "remat": 1, "profile": 1, "checkpoint export": 1, "models": 0.1, "optimizers": 0.1}
